@@ -404,3 +404,46 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
     )
     base.update(raw)
     return ModelConfig.from_dict(base)
+
+
+# ---- engine arguments ------------------------------------------------------------------------
+@dataclass
+class EngineArgs:
+    """Knobs of one engine instance; names follow `sglang.launch_server` where one exists."""
+
+    model: str | None = None  # model directory; None = the built-in default model
+    backend: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA, torch on CPU)
+    device: str = "auto"  # "cpu" | "cuda" | "cuda:N" | "auto"
+    dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32" | "float16"
+    load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
+    seed: int = 0  # dummy weights and the global sampling generator
+    max_running_requests: int = 32
+    chunked_prefill_size: int = 8192  # prefill token budget per step
+    mem_fraction_static: float = 0.88  # share of GPU memory for weights + caches
+    max_total_tokens: int | None = None  # override the KV page budget (tokens)
+    context_length: int | None = None  # default: max_position_embeddings
+    state_dtype: str = "float32"  # Lightning state slots
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    stage1_visibility: str = "causal"
+    enable_cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = None  # default: max_running_requests
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {self.backend!r}")
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be auto/bfloat16/float32/float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto/safetensors/dummy, got {self.load_format!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if not 0.05 <= self.mem_fraction_static <= 0.99:
+            raise ValueError(f"mem_fraction_static must be in [0.05, 0.99], got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")

@@ -1,0 +1,87 @@
+"""Per-step metadata: one ForwardBatch describes every sequence's tokens in a model forward.
+
+Tokens of all sequences are packed into one flat [N] axis (varlen). Decode sequences contribute
+one token, prefill chunks many; each sequence carries its page table, state slot and total length.
+Kernels read only this object, so the scheduler and the caches stay out of the model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqWork:
+    """One sequence's share of a step (host side, built by the scheduler)."""
+
+    state_slot: int
+    pages: list[int]
+    cache_len: int  # tokens already in the caches
+    token_ids: list[int]  # tokens fed this step
+    need_logits: bool  # sample after this step (last chunk of a prefill, or decode)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cache_len + len(self.token_ids)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, absolute
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, total length after this step
+    cache_lens: torch.Tensor  # [B] int32, length before this step
+    page_table: torch.Tensor  # [B, max_pages] int32 (padded with 0)
+    slot_mapping: torch.Tensor  # [N] int64: page * block_size + offset of each new token
+    state_slots: torch.Tensor  # [B] int64
+    is_sparse: torch.Tensor  # [B] bool: total length >= dense_len (InfLLM-v2 path this step)
+    logits_indices: torch.Tensor  # [M] int64: rows of [N] whose logits are sampled
+    # host mirrors, so the torch backend and the runner never sync on the device tensors
+    q_lens_host: list[int]
+    seq_lens_host: list[int]
+    cache_lens_host: list[int]
+    is_sparse_host: list[bool]
+    is_decode: bool  # every sequence feeds exactly one token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device) -> "ForwardBatch":
+        ids, pos, slot_map, logit_rows = [], [], [], []
+        cu = [0]
+        for w in work:
+            n = len(w.token_ids)
+            ids.extend(w.token_ids)
+            for p in range(w.cache_len, w.cache_len + n):
+                pos.append(p)
+                slot_map.append(w.pages[p // block_size] * block_size + p % block_size)
+            cu.append(cu[-1] + n)
+            if w.need_logits:
+                logit_rows.append(cu[-1] - 1)
+        max_pages = max(len(w.pages) for w in work)
+        table = [w.pages + [0] * (max_pages - len(w.pages)) for w in work]
+        seq_lens = [w.seq_len for w in work]
+        sparse = [L >= dense_len for L in seq_lens]
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), cu_seqlens_q=t(cu, torch.int32),
+            seq_lens=t(seq_lens, torch.int32), cache_lens=t([w.cache_len for w in work], torch.int32),
+            page_table=t(table, torch.int32), slot_mapping=t(slot_map, torch.int64),
+            state_slots=t([w.state_slot for w in work], torch.int64), is_sparse=t(sparse, torch.bool),
+            logits_indices=t(logit_rows, torch.int64),
+            q_lens_host=[len(w.token_ids) for w in work], seq_lens_host=seq_lens,
+            cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
+            is_decode=all(len(w.token_ids) == 1 for w in work),
+        )

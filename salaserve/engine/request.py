@@ -1,0 +1,89 @@
+"""A request's life in the engine: its tokens, resources and finish reason."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_counter = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    priority: int = 0  # higher first; FCFS among equals
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = field(default_factory=lambda: next(_counter))
+
+    tokens: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # tokens whose K/V and state are in the caches
+    pages: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    status: Status = Status.WAITING
+    finish_reason: dict | None = None
+    sampling: Any = None  # the sampler's per-request state
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to feed before the next sample (1 while decoding, more while (re)prefilling)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending == 1 and self.num_output > 0
+
+    def sort_key(self):
+        return (-self.priority, self.arrival, self.order)
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: dict | None
+    num_prompt: int
+    num_output: int
+    logprobs: list | None = None  # per new token: (logprob, [(id, logprob), ...] or None)
+
+
+def length_reason(n: int) -> dict:
+    return {"type": "length", "length": n}
+
+
+def stop_reason(matched) -> dict:
+    return {"type": "stop", "matched": matched}
+
+
+ABORT_REASON = {"type": "abort"}

@@ -1,0 +1,91 @@
+"""Owns the model and its caches; turns a step's scheduled work into logits."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from salaserve.cache.budget import plan_caches
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.cache.state import StatePool
+from salaserve.config import EngineArgs, ModelConfig
+from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.engine.scheduler import ScheduledWork
+from salaserve.kernels import get_backend, resolve_backend_name
+from salaserve.model.loader import load_state_dict
+from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
+
+log = logging.getLogger("salaserve")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_dir: str):
+        args.validate()
+        t0 = time.perf_counter()
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.cfg = ModelConfig.from_pretrained(model_dir)
+        self.backend_name = resolve_backend_name(args.backend, self.device)
+        backend = get_backend(self.backend_name, self.device)
+        weights = load_state_dict(model_dir, self.cfg, dtype=self.dtype, device=self.device,
+                                  load_format=args.load_format, seed=args.seed)
+        self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - t0
+
+        cfg, sc = self.cfg, self.cfg.sparse
+        kv_dtype = self.dtype
+        state_dtype = DTYPES[args.state_dtype]
+        self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype)
+        n_sparse = len(cfg.sparse_layers)
+        self.caches = Caches(
+            kv=KVPool(n_sparse, self.plan.num_pages, sc.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                      kv_dtype, self.device),
+            compressed=CompressedKeyPool(sc, n_sparse, self.plan.num_pages, cfg.num_key_value_heads,
+                                         cfg.head_dim, kv_dtype, self.device),
+            states=StatePool(self.plan.num_slots, len(cfg.lightning_layers), cfg.lightning_nh,
+                             cfg.lightning_head_dim, state_dtype, self.device),
+        )
+        log.info("model %s loaded in %.1f s on %s (%s, backend %s); %s", model_dir, self.load_seconds,
+                 self.device, str(self.dtype).replace("torch.", ""), self.backend_name,
+                 self.plan.describe(sc.block_size))
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.plan.num_pages * self.cfg.sparse.block_size
+
+    def build_batch(self, work: list[ScheduledWork]) -> ForwardBatch:
+        seqs = []
+        for w in work:
+            r = w.req
+            start = r.num_computed
+            seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
+                                token_ids=r.tokens[start:start + w.num_tokens],
+                                need_logits=start + w.num_tokens == len(r.tokens)))
+        sc = self.cfg.sparse
+        return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device)
+
+    def forward(self, work: list[ScheduledWork]) -> torch.Tensor:
+        """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order."""
+        batch = self.build_batch(work)
+        return self.model.forward(batch, self.caches)

@@ -1,0 +1,159 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Each step: every decoding request first (one token each), then prefill chunks (continuing ones,
+then newly admitted requests) up to the token budget. Admission needs a free state slot, room under
+max_running_requests and pages for the first chunk. When pages run out mid-decode, the newest
+running request is preempted: its pages and slot are freed and it is re-queued to be recomputed
+(prompt + output so far) when room returns, so nothing fails and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.cache.state import StatePool
+from salaserve.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledWork:
+    req: Request
+    num_tokens: int  # tokens fed this step, starting at req.num_computed
+
+
+class Scheduler:
+    def __init__(self, kv: KVPool, compressed: CompressedKeyPool, states: StatePool,
+                 max_running_requests: int, chunked_prefill_size: int):
+        self.kv = kv
+        self.compressed = compressed
+        self.states = states
+        self.block_size = kv.block_size
+        self.max_running = max_running_requests
+        self.budget = chunked_prefill_size
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # admission order; the last is the newest
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the scheduler (finished or aborted) and free its resources."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.kv.allocator.free(req.pages)
+            req.pages = []
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
+        self.compressed.on_release(req.num_computed)
+        req.num_computed = 0
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self._release(victim)  # recomputed from scratch (prompt + output so far) on resume
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(victim)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _grow(self, req: Request, new_len: int) -> bool:
+        need = self._pages_for(new_len) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > self.kv.allocator.num_free:
+            return False
+        req.pages.extend(self.kv.allocator.alloc(need))
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- the per-step decision ---------------------------------------------------------------
+    def schedule(self) -> tuple[list[ScheduledWork], list[Request]]:
+        """Returns the step's work and the requests that must finish because they alone exceed
+        the page pool (the engine finishes them with reason `length`)."""
+        while True:
+            work, out_of_room = self._schedule_once()
+            if work or out_of_room or len(self.running) < 2:
+                return work, out_of_room
+            # Every running request is stuck mid-prefill for want of pages: let the older ones on.
+            self._preempt(self.running[-1])
+
+    def _schedule_once(self) -> tuple[list[ScheduledWork], list[Request]]:
+        work: list[ScheduledWork] = []
+        out_of_room: list[Request] = []
+        budget = self.budget
+
+        # 1. decodes, oldest first; preempt the newest running request while pages are short
+        for req in list(self.running):
+            if req not in self.running or not req.is_decoding:
+                continue
+            if self._room_for_decode(req, work, out_of_room):
+                work.append(ScheduledWork(req, 1))
+                budget -= 1
+
+        # 2. continue chunked prefills of running requests
+        for req in self.running:
+            if req.is_decoding or budget <= 0:
+                continue
+            n = self._fit(req, min(req.num_pending, budget))
+            if n > 0:
+                work.append(ScheduledWork(req, n))
+                budget -= n
+
+        # 3. admit waiting requests in priority / arrival order
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and self.states.num_free:
+            req = self.waiting[0]
+            # keep one page per running decode in reserve so admission does not force preemption
+            reserve = sum(1 for r in self.running if r.is_decoding)
+            room = (self.kv.allocator.num_free - reserve) * self.block_size
+            n = min(req.num_pending, budget, room)
+            if n <= 0:
+                break
+            self.waiting.pop(0)
+            req.state_slot = self.states.alloc()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            n = self._fit(req, n)
+            work.append(ScheduledWork(req, n))
+            budget -= n
+        return work, out_of_room
+
+    def _room_for_decode(self, req: Request, work: list[ScheduledWork], out_of_room: list[Request]) -> bool:
+        """Give req a page for its next token, preempting newer requests if needed."""
+        while not self._grow(req, req.num_computed + 1):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                out_of_room.append(req)  # alone and still no room: it cannot grow any more
+                return False
+            work[:] = [w for w in work if w.req is not victim]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _fit(self, req: Request, n: int) -> int:
+        """Grow req's pages for up to n more tokens; returns how many fit (0 = none now)."""
+        start = req.num_computed
+        room = (len(req.pages) + self.kv.allocator.num_free) * self.block_size - start
+        n = max(0, min(n, room))
+        if n and not self._grow(req, start + n):
+            raise AssertionError("page accounting out of sync")
+        return n

@@ -1,0 +1,123 @@
+"""The `torch` kernel backend: plain PyTorch implementations of every op the serving model calls.
+
+Used on CPU and as the ground truth for the `triton` backend. Sequences are handled one at a time
+where that keeps the code obvious; the spec's pure functions (stage-1 scores, block selection,
+softmax attention, the GLA forms) are shared with the reference model, while everything that
+touches the paged caches (writes, gathers, incremental compression, state slots) is this file's own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.cache.state import StatePool
+from salaserve.config import ModelConfig
+from salaserve.engine.batch import ForwardBatch
+from salaserve.model import reference as spec
+
+
+class TorchBackend:
+    name = "torch"
+
+    # ---- elementwise / norms -----------------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        return spec.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual, update, scale, weight, eps):
+        """residual + update*scale (two roundings, as HF), then its RMSNorm."""
+        h = residual + update * scale
+        return h, spec.rms_norm(h, weight, eps)
+
+    def silu_mul(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def linear(self, x, weight):
+        return x @ weight.t()
+
+    # ---- lightning layers --------------------------------------------------------------------
+    def lightning_qk_norm_rope(self, q, k, q_norm, k_norm, positions, eps, theta):
+        """q, k [N, H, d]: per-head RMSNorm, then NeoX RoPE at absolute positions."""
+        q = spec.rms_norm(q, q_norm, eps)
+        k = spec.rms_norm(k, k_norm, eps)
+        cos, sin = spec.rope_cos_sin(positions, q.shape[-1], theta)
+        return spec.apply_rope(q, cos, sin), spec.apply_rope(k, cos, sin)
+
+    def gla(self, q, k, v, batch: ForwardBatch, states: StatePool, layer: int, log_decay, scale):
+        """Simple GLA over each sequence's tokens, starting from and writing back its state slot.
+        q, k, v [N, H, d] (any float dtype); returns o [N, H, d] fp32."""
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        start = 0
+        for i, n in enumerate(batch.q_lens_host):
+            slot = int(batch.state_slots[i])
+            s = states.state[slot, layer]
+            sl = slice(start, start + n)
+            form = spec.gla_recurrent if n == 1 else spec.gla_chunked
+            o, new_state = form(q[sl].float(), k[sl].float(), v[sl].float(), log_decay, s.float(), scale)
+            states.state[slot, layer] = new_state.to(states.state.dtype)
+            out[sl] = o
+            start += n
+        return out
+
+    def lightning_output(self, o, o_norm, z, eps, dtype):
+        """bf16(o) -> RMSNorm over the full H*d vector -> times sigmoid(z)."""
+        o = o.to(dtype).flatten(1)
+        return spec.rms_norm(o, o_norm, eps) * torch.sigmoid(z)
+
+    # ---- sparse layers -----------------------------------------------------------------------
+    def store_kv(self, kv: KVPool, layer: int, k, v, batch: ForwardBatch):
+        flat_k = kv.k[layer].view(-1, *k.shape[1:])
+        flat_v = kv.v[layer].view(-1, *v.shape[1:])
+        flat_k[batch.slot_mapping] = k.to(flat_k.dtype)
+        flat_v[batch.slot_mapping] = v.to(flat_v.dtype)
+
+    def update_compressed(self, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch):
+        """Write every C1/C2 entry born during this step (after the step's keys are stored)."""
+        sc = comp.sc
+        levels = ((comp.c1, sc.kernel_size, sc.kernel_stride, comp.c1_per_page),
+                  (comp.c2, sc.c2_kernel_size, sc.c2_kernel_stride, comp.c2_per_page))
+        for i in range(batch.num_seqs):
+            old, new = batch.cache_lens_host[i], batch.seq_lens_host[i]
+            pages = batch.page_table[i]
+            for pool, kernel, stride, per_page in levels:
+                first = max(0, (old - kernel) // stride + 1) if old >= kernel else 0
+                last = (new - kernel) // stride + 1 if new >= kernel else 0
+                if last <= first:
+                    continue
+                keys, _ = kv.gather(layer, pages[: -(-new // kv.block_size)], new)
+                for j in range(first, last):
+                    entry = keys[j * stride: j * stride + kernel].float().mean(0).to(pool.dtype)
+                    pool[layer, pages[j // per_page], j % per_page] = entry
+
+    def sparse_attention(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
+                         cfg: ModelConfig):
+        """Per sequence: dense causal attention while its total length < dense_len, else InfLLM-v2
+        (stage-1 scores with the C2 log-sum-exp, pooling, forced + top-k blocks, block-sparse
+        attention). q [N, Hq, d]; returns [N, Hq, d] in q.dtype."""
+        sc = cfg.sparse
+        scale = cfg.head_dim ** -0.5
+        out = torch.empty_like(q)
+        start = 0
+        for i, n in enumerate(batch.q_lens_host):
+            L = batch.seq_lens_host[i]
+            pages = batch.page_table[i, : -(-L // kv.block_size)]
+            keys, values = kv.gather(layer, pages, L)
+            qi = q[start:start + n]
+            pos = batch.positions[start:start + n]
+            key_pos = torch.arange(L, device=q.device)
+            causal = key_pos[None, :] <= pos[:, None]  # [n, L]
+            if not batch.is_sparse_host[i]:
+                out[start:start + n] = spec.attention(qi, keys, values, causal[None], scale)
+            else:
+                c1, c2 = comp.gather(layer, pages, L)
+                vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0])
+                vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0])
+                scores = spec.stage1_scores(qi, c1, c2, vis1, vis2, cfg.gqa_group_size, scale)
+                blocks = spec.select_blocks(scores, pos // sc.block_size, pages.numel(), sc)
+                allowed = blocks.repeat_interleave(sc.block_size, dim=-1)[..., :L] & causal[None]
+                out[start:start + n] = spec.attention(qi, keys, values, allowed, scale)
+            start += n
+        return out

@@ -1,0 +1,115 @@
+"""The serving model: the reference math, batched over many sequences of different lengths.
+
+Weights are fused at load time (q/k/v plus the layer's gate projection into one matrix, gate/up
+into one), since they read the same normed input. All attention and Lightning work goes through
+a kernel backend (`salaserve.kernels`), and every cache access through one ForwardBatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.cache.state import StatePool
+from salaserve.config import ModelConfig
+from salaserve.engine.batch import ForwardBatch
+
+
+@dataclass
+class Caches:
+    kv: KVPool
+    compressed: CompressedKeyPool
+    states: StatePool
+
+
+def fuse_state_dict(cfg: ModelConfig, w: dict) -> dict:
+    """HF tensor names -> the serving model's fused parameters (the input dict is consumed)."""
+    fused = {
+        "embed": w.pop("model.embed_tokens.weight"),
+        "final_norm": w.pop("model.norm.weight"),
+        "lm_head": w.pop("lm_head.weight"),
+        "layers": [],
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layer = {
+            "input_norm": w.pop(p + "input_layernorm.weight"),
+            "post_norm": w.pop(p + "post_attention_layernorm.weight"),
+            "gate_up": torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
+            "down": w.pop(p + "mlp.down_proj.weight"),
+            "o_proj": w.pop(a + "o_proj.weight"),
+        }
+        if cfg.is_sparse_layer(i):
+            names = ("q_proj", "k_proj", "v_proj", "o_gate")
+        else:
+            names = ("q_proj", "k_proj", "v_proj", "z_proj")
+            layer["q_norm"] = w.pop(a + "q_norm.weight")
+            layer["k_norm"] = w.pop(a + "k_norm.weight")
+            layer["o_norm"] = w.pop(a + "o_norm.weight")
+        layer["qkvg"] = torch.cat([w.pop(a + n + ".weight") for n in names])
+        fused["layers"].append(layer)
+    return fused
+
+
+class SalaModel:
+    def __init__(self, cfg: ModelConfig, fused: dict, backend, dtype: torch.dtype, device):
+        self.cfg = cfg
+        self.p = fused
+        self.ops = backend
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # index of each layer inside its kind's cache tensors
+        self.sparse_index = {layer: i for i, layer in enumerate(cfg.sparse_layers)}
+        self.lightning_index = {layer: i for i, layer in enumerate(cfg.lightning_layers)}
+        self.log_decay = -torch.tensor(cfg.lightning_slopes(), dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
+        """Run every token of the batch through the model; fp32 logits of the rows in
+        batch.logits_indices, [M, vocab]."""
+        cfg, ops, p = self.cfg, self.ops, self.p
+        eps, r = cfg.rms_norm_eps, cfg.residual_scale
+        h = (p["embed"][batch.input_ids] * cfg.scale_emb).to(self.dtype)
+        normed = ops.rms_norm(h, p["layers"][0]["input_norm"], eps)
+        for i, layer in enumerate(p["layers"]):
+            if cfg.is_sparse_layer(i):
+                u = self._sparse_mixer(self.sparse_index[i], layer, normed, batch, caches)
+            else:
+                u = self._lightning_mixer(self.lightning_index[i], layer, normed, batch, caches)
+            h, normed = ops.add_rms_norm(h, u, r, layer["post_norm"], eps)
+            m = ops.linear(ops.silu_mul(ops.linear(normed, layer["gate_up"])), layer["down"])
+            if i + 1 < cfg.num_hidden_layers:
+                h, normed = ops.add_rms_norm(h, m, r, p["layers"][i + 1]["input_norm"], eps)
+            else:
+                h = h + m * r
+        z = ops.rms_norm(h[batch.logits_indices], p["final_norm"], eps)
+        return ops.linear(z / cfg.logit_divisor, p["lm_head"]).float()
+
+    def _sparse_mixer(self, idx, layer, a, batch, caches):
+        cfg, ops = self.cfg, self.ops
+        n, d = a.shape[0], cfg.head_dim
+        qkvg = ops.linear(a, layer["qkvg"])
+        q, k, v, gate = qkvg.split([cfg.q_size, cfg.kv_size, cfg.kv_size, cfg.q_size], dim=-1)
+        k = k.reshape(n, cfg.num_key_value_heads, d)
+        v = v.reshape(n, cfg.num_key_value_heads, d)
+        ops.store_kv(caches.kv, idx, k, v, batch)
+        ops.update_compressed(caches.kv, caches.compressed, idx, batch)
+        o = ops.sparse_attention(q.reshape(n, cfg.num_attention_heads, d), caches.kv, caches.compressed,
+                                 idx, batch, cfg)
+        return ops.linear(o.reshape(n, cfg.q_size) * torch.sigmoid(gate), layer["o_proj"])
+
+    def _lightning_mixer(self, idx, layer, a, batch, caches):
+        cfg, ops = self.cfg, self.ops
+        n, H, d = a.shape[0], cfg.lightning_nh, cfg.lightning_head_dim
+        qkvz = ops.linear(a, layer["qkvg"])
+        q, k, v, z = qkvz.split(cfg.lightning_size, dim=-1)
+        q, k = ops.lightning_qk_norm_rope(q.reshape(n, H, d), k.reshape(n, H, d), layer["q_norm"],
+                                          layer["k_norm"], batch.positions, cfg.rms_norm_eps, cfg.rope_theta)
+        o = ops.gla(q, k, v.reshape(n, H, d), batch, caches.states, idx, self.log_decay,
+                    cfg.lightning_attn_scale)
+        o = ops.lightning_output(o, layer["o_norm"], z, cfg.rms_norm_eps, self.dtype)
+        return ops.linear(o, layer["o_proj"])
