@@ -1,0 +1,487 @@
+"""Triton kernels for quantized linear layers (bf16 activations) and the dispatch by M.
+
+  w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
+      one kernel, two regimes chosen by the launcher
+      - GEMV (M <= GEMV_MAX_M): split-K so that even M=1 with N=K=4096 puts several CTAs on every
+        SM; M=1 dequantizes and FMAs in fp32 registers, M in 2..64 uses tl.dot with BLOCK_M 16..64
+        on a [BK, BN] tile unpacked in registers.
+      - GEMM (prefill): large tiles, tl.dot on a dequantized weight tile, no split.
+  w8a16 (fp8 e4m3 weights, fp32 per-channel scale): split-K GEMV; at large M the dispatch uses
+      cuBLAS fp8 (`torch._scaled_mm`, per-token dynamic activation scales, rowwise weight scales).
+
+Split-K reduction is done inside the same launch: every split writes an fp32 partial, bumps a
+per-tile counter, and the last one to arrive sums the partials in split order and writes the
+output. One launch per linear (a separate reduce or memset kernel would cost ~4 us each inside a
+CUDA graph, x 4 linears x 32 layers), deterministic results, counters re-armed by the kernel.
+
+int4 -> float without the slow int->float convert: (nibble | 0x4B000000) read as fp32 is exactly
+2**23 + nibble, so subtracting (2**23 + zero) gives q - zero in one FADD.
+
+Weights are read once per launch: K*N/2 bytes of int4 plus fp16 scales and packed zeros (~4% more
+at group 128). Act-order checkpoints should go through formats.reorder_act_order at load time: the
+kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
+(ACT_ORDER) stays correct but gathers scales and zeros per element.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
+from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
+
+GEMV_MAX_M = 64  # to be measured on the H200: split-K GEMV up to here, tiled GEMM above
+SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
+SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(configs: list) -> list:
+    # the interpreter cannot benchmark; one config means the autotuner never times anything
+    return configs[:1] if _INTERPRET else configs
+
+
+# ---------------------------------------------------------------- shared jit helpers
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (pid_m, pid_n, tile), grouped so GROUP_M row tiles reuse a column tile in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n, pid
+
+
+@triton.jit
+def _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K: tl.constexpr):
+    """Write acc [BLOCK_M, BLOCK_N] (fp32) to out; with split-K, the last split reduces."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # workspace [SPLIT_K, M, N] fp32
+        tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # all threads' partials are written before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last split of this tile: sum all partials in a fixed order
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch: no memset needed
+
+
+@triton.jit
+def _split_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[k_begin, k_end) of this split; split lengths are whole BLOCK_K tiles (groups stay aligned)."""
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = tl.program_id(1) * k_len
+    return k_begin, tl.minimum(k_begin + k_len, K)
+
+
+@triton.jit
+def _int4_magic(qw):
+    """qw int32 [R, BN] -> fp32 [R, 8, BN] = 2**23 + nibble; nibble j of row r is k = 8r + j."""
+    shifts = tl.arange(0, 8) * 4
+    nib = (qw[:, None, :] >> shifts[None, :, None]) & 0xF
+    return (nib | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _zeros_magic(qzeros_ptr, g, offs_n, mask, stride_zg):
+    """2**23 + true zero point of groups g at columns offs_n (shapes broadcast), fp32."""
+    packed = tl.load(qzeros_ptr + g * stride_zg + offs_n // 8, mask=mask, other=0)
+    return (((packed >> ((offs_n % 8) * 4)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------- w4a16
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, perm_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om, stride_zg, m_bucket,
+    GROUP_SIZE: tl.constexpr,
+    ACT_ORDER: tl.constexpr,  # g_idx is not k // GROUP_SIZE: look the group up per input channel
+    X_PERM: tl.constexpr,  # qweight row k holds input channel perm[k]: gather x through perm
+    GROUP_PER_TILE: tl.constexpr,  # (heuristic) every K tile lies in one group: one scale row per tile
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n, tile = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_begin, k_end = _split_range(K, SPLIT_K, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    r = tl.arange(0, BLOCK_K // 8)  # packed rows of a K tile
+    j = tl.arange(0, 8)  # nibble within a packed row
+
+    if BLOCK_M == 1:
+        # GEMV: one pass per nibble j over the packed tile [BK/8, BN] (row r holds k = 8r + j), so
+        # qweight keeps its coalesced 2D layout; fp32 FMAs; the cross-thread reduction over K
+        # happens once, after the loop
+        offs_m = pid_m + tl.arange(0, 1)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            rows = k0 // 8 + r
+            qw = tl.load(qweight_ptr + rows[:, None] * N + offs_n[None, :],
+                         mask=(rows[:, None] < K // 8) & n_mask[None, :], other=0)
+            if GROUP_PER_TILE:
+                g = k0 // GROUP_SIZE
+                z = _zeros_magic(qzeros_ptr, g, offs_n, n_mask, stride_zg)[None, :]
+                part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            for jj in tl.static_range(8):
+                kk = rows * 8 + jj  # [BK/8] input channels of nibble jj
+                k_mask = kk < K
+                if X_PERM:
+                    xk = tl.load(perm_ptr + kk, mask=k_mask, other=0)
+                else:
+                    xk = kk
+                xj = tl.load(x_row + xk, mask=k_mask, other=0.0).to(tl.float32)[:, None]
+                wj = (((qw >> (4 * jj)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
+                if GROUP_PER_TILE:
+                    part += xj * (wj - z)
+                else:
+                    if ACT_ORDER:
+                        g = tl.load(g_idx_ptr + kk, mask=k_mask, other=0)[:, None]
+                    else:
+                        g = (kk // GROUP_SIZE)[:, None]
+                    mask2 = k_mask[:, None] & n_mask[None, :]
+                    zj = _zeros_magic(qzeros_ptr, g, offs_n[None, :], mask2, stride_zg)
+                    sj = tl.load(scales_ptr + g * N + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
+                    acc2 += xj * ((wj - zj) * sj)
+            if GROUP_PER_TILE:
+                s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                acc2 += part * s[None, :]
+        acc = tl.sum(acc2, axis=0)[None, :]
+    else:
+        # tensor cores: x tile [BM, BK] @ dequantized weight tile [BK, BN]
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            if X_PERM:
+                xk = tl.load(perm_ptr + kk, mask=k_mask, other=0)
+            else:
+                xk = kk
+            xt = tl.load(x_rows + xk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            rows = k0 // 8 + r
+            qw = tl.load(qweight_ptr + rows[:, None] * N + offs_n[None, :],
+                         mask=(rows[:, None] < K // 8) & n_mask[None, :], other=0)
+            wq = _int4_magic(qw)
+            if GROUP_PER_TILE:
+                # q - zero is a small integer, exact in bf16: scale after the dot, in fp32
+                g = k0 // GROUP_SIZE
+                z = _zeros_magic(qzeros_ptr, g, offs_n, n_mask, stride_zg)
+                s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                w = tl.reshape(wq - z[None, None, :], (BLOCK_K, BLOCK_N)).to(xt.dtype)
+                acc += tl.dot(xt, w) * s[None, :]
+            else:
+                k3 = k0 + r[:, None] * 8 + j[None, :]
+                k3_mask = k3 < K
+                if ACT_ORDER:
+                    g = tl.load(g_idx_ptr + k3, mask=k3_mask, other=0)[:, :, None]
+                else:
+                    g = (k3 // GROUP_SIZE)[:, :, None]
+                mask3 = k3_mask[:, :, None] & n_mask[None, None, :]
+                z = _zeros_magic(qzeros_ptr, g, offs_n[None, None, :], mask3, stride_zg)
+                s = tl.load(scales_ptr + g * N + offs_n[None, None, :], mask=mask3, other=0.0).to(tl.float32)
+                w = tl.reshape((wq - z) * s, (BLOCK_K, BLOCK_N)).to(xt.dtype)
+                acc = tl.dot(xt, w, acc)
+    _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K)
+
+
+_w4a16_heur = triton.heuristics(
+    {"GROUP_PER_TILE": lambda a: (not a["ACT_ORDER"]) and a["GROUP_SIZE"] % a["BLOCK_K"] == 0}
+)(_w4a16_kernel)
+
+# Config lists were checked by compiling for sm_90 (no spills, shared memory fits); timing is the
+# autotuner's job. GEMV keys on the M-tile kind: the FMA path (BLOCK_M 1) and the tl.dot path differ.
+_W4_GEMV_FMA = [
+    triton.Config({"BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_K": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 256}, num_warps=8, num_stages=2),
+]
+_W4_GEMV_DOT = [
+    triton.Config({"BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 128}, num_warps=8, num_stages=3),
+]
+_W4_GEMM = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+]
+_GEMV_KEY = ["BLOCK_M", "BLOCK_N", "N", "K", "SPLIT_K", "ACT_ORDER"]
+_w4a16_gemv_fma_tuned = triton.autotune(configs=_configs(_W4_GEMV_FMA), key=_GEMV_KEY)(_w4a16_heur)
+_w4a16_gemv_dot_tuned = triton.autotune(configs=_configs(_W4_GEMV_DOT), key=_GEMV_KEY)(_w4a16_heur)
+_w4a16_gemm_tuned = triton.autotune(configs=_configs(_W4_GEMM), key=["m_bucket", "N", "K", "ACT_ORDER"])(_w4a16_heur)
+
+
+# ---------------------------------------------------------------- w8a16 (fp8 weights)
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n, tile = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_begin, k_end = _split_range(K, SPLIT_K, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # weight [N, K], K contiguous
+    if BLOCK_M == 1:
+        offs_m = pid_m + tl.arange(0, 1)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            wt = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc2 += wt.to(tl.float32) * xv[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wt = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            # e4m3 -> fp16 is exact and native; fp16 -> bf16 is exact for e4m3 values
+            acc = tl.dot(xt, tl.trans(wt.to(tl.float16).to(xt.dtype)), acc)
+    s = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = acc * s[None, :]  # per-channel scale is linear: fine to apply before the split reduction
+    _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K)
+
+
+_W8_GEMV_FMA = [
+    triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_K": 256}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 128}, num_warps=8, num_stages=4),
+]
+_W8_GEMV_DOT = [
+    triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_K": 256}, num_warps=8, num_stages=3),
+]
+_w8a16_gemv_fma_tuned = triton.autotune(configs=_configs(_W8_GEMV_FMA), key=_GEMV_KEY[:-1])(_w8a16_kernel)
+_w8a16_gemv_dot_tuned = triton.autotune(configs=_configs(_W8_GEMV_DOT), key=_GEMV_KEY[:-1])(_w8a16_kernel)
+
+# ---------------------------------------------------------------- launch helpers
+
+_WORKSPACE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials and tile counters, one pair per device, grown on demand (kernels on one
+    stream run in order, so sharing is safe). Warm up every shape before CUDA-graph capture so no
+    growth happens during capture."""
+    key = str(device)
+    ws, cnt = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
+        n_floats = max(n_floats, 0 if ws is None else ws.numel())
+        n_tiles = max(n_tiles, 0 if cnt is None else cnt.numel())
+        ws = torch.empty(max(n_floats, 1), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=device)  # counters start at 0
+        _WORKSPACE[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs: pretend H200
+
+
+def _gemv_block_m(M: int) -> int:
+    return 1 if M == 1 else min(64, max(16, triton.next_power_of_2(M)))
+
+
+def _default_split_k(tiles: int, K: int, device: torch.device) -> int:
+    """Enough splits for SPLIT_K_CTAS_PER_SM CTAs per SM, at most 32, power of two."""
+    want = max(1, SPLIT_K_CTAS_PER_SM * _sm_count(device) // max(tiles, 1))
+    split = max(1, min(want, K // SPLIT_K_MIN_CHANNELS, 32))
+    return 1 << (split.bit_length() - 1)
+
+
+def _check_x(x: torch.Tensor, K: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _act_order(g_idx: Optional[torch.Tensor], group_size: int, act_order: Optional[bool]) -> bool:
+    if act_order is not None:
+        return act_order
+    return not is_trivial_g_idx(g_idx, group_size)  # syncs; the container caches this instead
+
+
+def w4a16_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: Optional[torch.Tensor] = None,
+    group_size: int = 128,
+    perm: Optional[torch.Tensor] = None,
+    *,
+    act_order: Optional[bool] = None,
+    split_k: Optional[int] = None,
+    block_n: int = 128,
+    block_k: Optional[int] = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Small-M x [M, K] @ int4 weights -> [M, N] in x.dtype. qzeros are v2 (true zeros).
+    block_k given: that config, no autotuning (tests, benchmarks); split_k None: heuristic."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    x = _check_x(x, K)
+    M = x.shape[0]
+    gs = K if group_size <= 0 else group_size
+    ao = _act_order(g_idx, gs, act_order)
+    block_m = _gemv_block_m(M)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split = split_k or _default_split_k(tiles, K, x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    args = (x, qweight, qzeros, scales, g_idx if g_idx is not None else qzeros, perm if perm is not None else qzeros,
+            out, ws, cnt, M, N, K, x.stride(0), out.stride(0), qzeros.stride(0), block_m)
+    meta = dict(GROUP_SIZE=gs, ACT_ORDER=ao, X_PERM=perm is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                SPLIT_K=split, GROUP_M=1)
+    grid = (tiles, split)
+    if block_k is None:
+        (_w4a16_gemv_fma_tuned if block_m == 1 else _w4a16_gemv_dot_tuned)[grid](*args, **meta)
+    else:
+        _w4a16_heur[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: Optional[torch.Tensor] = None,
+    group_size: int = 128,
+    perm: Optional[torch.Tensor] = None,
+    *,
+    act_order: Optional[bool] = None,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Large-M (prefill) x [M, K] @ int4 weights -> [M, N] in x.dtype, tiled tl.dot, no split-K.
+    config (BLOCK_M/BLOCK_N/BLOCK_K[/num_warps]) given: no autotuning."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    x = _check_x(x, K)
+    M = x.shape[0]
+    gs = K if group_size <= 0 else group_size
+    ao = _act_order(g_idx, gs, act_order)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, 0, 1)
+    args = (x, qweight, qzeros, scales, g_idx if g_idx is not None else qzeros, perm if perm is not None else qzeros,
+            out, ws, cnt, M, N, K, x.stride(0), out.stride(0), qzeros.stride(0),
+            min(triton.next_power_of_2(M), 4096))
+    meta = dict(GROUP_SIZE=gs, ACT_ORDER=ao, X_PERM=perm is not None, SPLIT_K=1, GROUP_M=8)
+
+    def grid(c):
+        return (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]), 1)
+
+    if config is None:
+        _w4a16_gemm_tuned[grid](*args, **meta)
+    else:
+        cfg = dict(config)
+        warps = cfg.pop("num_warps", 4)
+        _w4a16_heur[grid(cfg)](*args, **meta, **cfg, num_warps=warps)
+    return out
+
+
+def w8a16_gemv(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    split_k: Optional[int] = None,
+    block_n: int = 64,
+    block_k: Optional[int] = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Small-M x [M, K] @ (fp8 e4m3 W [N, K] * scale [N])^T -> [M, N] in x.dtype."""
+    N, K = w_fp8.shape
+    x = _check_x(x, K)
+    M = x.shape[0]
+    block_m = _gemv_block_m(M)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split = split_k or _default_split_k(tiles, K, x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    args = (x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1)
+    grid = (tiles, split)
+    if block_k is None:
+        (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta)
+    else:
+        _w8a16_kernel[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
+def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w8a8 on cuBLAS: per-token dynamic activation scales x rowwise weight scales (CUDA only)."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
+    x8 = (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    y = torch._scaled_mm(x8, w_fp8.t(), scale_a=sx, scale_b=scale.float().view(1, -1), out_dtype=torch.bfloat16)
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "auto") -> torch.Tensor:
+    """y = x @ W^T for x [..., K]. backend "auto": Triton/cuBLAS on CUDA, torch reference
+    elsewhere; "triton" forces the kernels (CPU works under TRITON_INTERPRET=1); "torch" the reference."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"unknown backend {backend!r}")
+    K, N = w.in_features, w.out_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    use_kernels = backend == "triton" or (backend == "auto" and x.is_cuda)
+    if M == 0:
+        y = x2.new_empty(0, N)
+    elif w.format == "bf16":
+        y = F.linear(x2, w.weight.to(x2.dtype))
+    elif not use_kernels:
+        y = linear_ref(x2, w)
+    elif w.format == "fp8":
+        if M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
+            y = w8a16_gemv(x2, w.weight, w.scale)
+        elif x2.is_cuda:
+            y = fp8_scaled_mm(x2, w.weight, w.scale)
+        else:  # interpreter: no cuBLAS fp8
+            y = fp8_matmul_ref(x2, w.weight, w.scale)
+    else:
+        fn = w4a16_gemv if M <= GEMV_MAX_M else w4a16_gemm
+        y = fn(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
+    return y.reshape(*lead, N)

@@ -1,0 +1,161 @@
+"""Triton quantized-GEMM kernels vs their torch twins, under the Triton interpreter (CPU).
+
+Run as a subprocess by tests/test_quant.py (TRITON_INTERPRET must be set before triton is first
+imported, which a shared pytest process cannot guarantee):
+    TRITON_INTERPRET=1 python tests/quant_kernel_checks.py {w4a16_gemv|w4a16_gemm|w8a16|dispatch}
+Exits non-zero with a message on the first mismatch.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from salaserve.kernels import quant_gemm as qg  # noqa: E402
+from salaserve.quant import formats, rtn  # noqa: E402
+from salaserve.quant.matmul import fp8_matmul_ref, linear_ref, w4a16_matmul_ref  # noqa: E402
+
+
+def random_w4a16(K, N, gs, act_order, gen):
+    """Random GPTQ-layout weights; act-order as GPTQ makes it: g_idx[perm[i]] = i // gs."""
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    G = (K + gs - 1) // gs
+    zeros = torch.randint(0, 16, (G, N), generator=gen)
+    scales = (torch.rand(G, N, generator=gen) * 0.02 + 0.005).half()
+    if act_order:
+        perm = torch.randperm(K, generator=gen)
+        g_idx = (torch.argsort(perm) // gs).int()
+    else:
+        g_idx = formats.trivial_g_idx(K, gs)
+    return formats.QuantizedLinearWeights.from_gptq(
+        formats.pack_int4(q), formats.pack_zeros(zeros, "gptq_v2"), scales, g_idx, gs, "gptq_v2"
+    )
+
+
+def check(name, y, ref, rtol):
+    """Max error relative to the largest reference value must stay under rtol."""
+    err = (y.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item() + 1e-6
+    status = "ok " if err <= rtol * scale else "BAD"
+    print(f"{status} {name}: max|err| {err:.3g} (ref max {scale:.3g}, allowed {rtol * scale:.3g})", flush=True)
+    if status == "BAD":
+        sys.exit(1)
+
+
+def tol(dtype):
+    # fp32: summation order only; fp16: the output rounding plus fp16 weight tiles on the dot path
+    return 2e-5 if dtype == torch.float32 else 4e-3
+
+
+def counters_rearmed():
+    for ws, cnt in qg._WORKSPACE.values():
+        if int(cnt.abs().sum()) != 0:
+            print("BAD split-K counters left non-zero", flush=True)
+            sys.exit(1)
+
+
+def w4a16_gemv_checks(gen):
+    for act_order in (False, True):
+        w = random_w4a16(256, 128, 64, act_order, gen)
+        for M in (1, 3, 17):
+            x = torch.randn(M, 256, generator=gen)
+            ref = linear_ref(x, w)
+            for split in (1, 2, 4):
+                y = qg.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size,
+                                  act_order=act_order, split_k=split, block_k=64, block_n=64)
+                check(f"w4a16_gemv M={M} act_order={act_order} split={split}", y, ref, tol(x.dtype))
+            # autotuned path (the interpreter keeps one config) with heuristic split-K
+            y = qg.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size)
+            check(f"w4a16_gemv tuned M={M} act_order={act_order}", y, ref, tol(x.dtype))
+            xh = x.half()
+            y = qg.w4a16_gemv(xh, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, split_k=2, block_k=64)
+            check(f"w4a16_gemv fp16 M={M} act_order={act_order}", y, linear_ref(xh, w), tol(xh.dtype))
+        # act-order reordered to contiguous groups: x gathered through perm in the kernel
+        if act_order:
+            wr = formats.reorder_act_order(w)
+            assert wr.g_idx_trivial and wr.perm is not None
+            for M in (1, 3):
+                x = torch.randn(M, 256, generator=gen)
+                y = qg.w4a16_gemv(x, wr.qweight, wr.qzeros, wr.scales, wr.g_idx, wr.group_size, wr.perm,
+                                  act_order=False, split_k=2, block_k=64)
+                check(f"w4a16_gemv reordered act-order M={M}", y, linear_ref(x, w), tol(x.dtype))
+    # group smaller than the K tile (per-channel group lookup), ragged N and K, several M tiles
+    for K, N, gs, M, bk in ((256, 128, 32, 1, 64), (256, 128, 32, 5, 64), (192, 100, 64, 1, 128),
+                            (192, 100, 64, 3, 128), (256, 72, 128, 80, 64)):
+        w = random_w4a16(K, N, gs, False, gen)
+        x = torch.randn(M, K, generator=gen)
+        y = qg.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, split_k=2, block_k=bk)
+        check(f"w4a16_gemv K={K} N={N} gs={gs} M={M} BK={bk}", y, linear_ref(x, w), tol(x.dtype))
+    # the raw-tensor API accepts the checkpoint (v1) zeros after conversion, and g_idx=None
+    w = random_w4a16(256, 128, 64, False, gen)
+    x = torch.randn(2, 256, generator=gen)
+    ck = w.to_checkpoint("gptq")
+    ref = w4a16_matmul_ref(x, ck["qweight"], ck["qzeros"], ck["scales"], None, 64, fmt="gptq")
+    y = qg.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, None, 64, block_k=64)
+    check("w4a16_gemv g_idx=None vs checkpoint-format reference", y, ref, tol(x.dtype))
+    counters_rearmed()
+
+
+def w4a16_gemm_checks(gen):
+    small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}
+    for act_order in (False, True):
+        w = random_w4a16(256, 128, 64, act_order, gen)
+        for M in (1, 3, 17, 40):
+            x = torch.randn(M, 256, generator=gen)
+            ref = linear_ref(x, w)
+            y = qg.w4a16_gemm(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, act_order=act_order)
+            check(f"w4a16_gemm tuned M={M} act_order={act_order}", y, ref, tol(x.dtype))
+            y = qg.w4a16_gemm(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size,
+                              act_order=act_order, config=small)
+            check(f"w4a16_gemm 16x32x64 M={M} act_order={act_order}", y, ref, tol(x.dtype))
+        xh = torch.randn(17, 256, generator=gen).half()
+        y = qg.w4a16_gemm(xh, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, config=small)
+        check(f"w4a16_gemm fp16 act_order={act_order}", y, linear_ref(xh, w), tol(xh.dtype))
+    w = formats.reorder_act_order(random_w4a16(256, 128, 64, True, gen))
+    x = torch.randn(33, 256, generator=gen)
+    y = qg.w4a16_gemm(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=False, config=small)
+    check("w4a16_gemm reordered act-order", y, linear_ref(x, w), tol(x.dtype))
+
+
+def w8a16_checks(gen):
+    for K, N in ((256, 128), (200, 100)):
+        f = rtn.quantize_fp8(torch.randn(N, K, generator=gen))
+        for M in (1, 3, 17):
+            x = torch.randn(M, K, generator=gen)
+            ref = fp8_matmul_ref(x, f.weight, f.scale)
+            for split in (1, 3):
+                y = qg.w8a16_gemv(x, f.weight, f.scale, split_k=split, block_k=64, block_n=32)
+                check(f"w8a16_gemv K={K} N={N} M={M} split={split}", y, ref, tol(x.dtype))
+            y = qg.w8a16_gemv(x, f.weight, f.scale)
+            check(f"w8a16_gemv tuned K={K} N={N} M={M}", y, ref, tol(x.dtype))
+            xh = x.half()
+            y = qg.w8a16_gemv(xh, f.weight, f.scale, split_k=2, block_k=64)
+            check(f"w8a16_gemv fp16 K={K} N={N} M={M}", y, fp8_matmul_ref(xh, f.weight, f.scale), tol(xh.dtype))
+    counters_rearmed()
+
+
+def dispatch_checks(gen):
+    W = torch.randn(96, 256, generator=gen)
+    variants = {
+        "bf16": formats.QuantizedLinearWeights.from_dense(W),
+        "fp8": rtn.quantize_fp8(W),
+        "w4a16": rtn.quantize_w4a16_rtn(W, 64),
+        "w4a16-act-order": random_w4a16(256, 96, 64, True, gen),
+    }
+    for name, w in variants.items():
+        for lead in ((1,), (2, 3), (qg.GEMV_MAX_M + 5,)):
+            x = torch.randn(*lead, 256, generator=gen)
+            y = qg.quant_linear(x, w, backend="triton")
+            assert y.shape == (*lead, 96), y.shape
+            check(f"quant_linear[{name}] x{tuple(x.shape)}", y, linear_ref(x.reshape(-1, 256), w).reshape(y.shape),
+                  tol(x.dtype))
+    counters_rearmed()
+
+
+if __name__ == "__main__":
+    gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
+    {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
+     "dispatch": dispatch_checks}[sys.argv[1]](gen)
+    print("all ok")

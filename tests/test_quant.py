@@ -1,0 +1,307 @@
+"""Quantization: GPTQ int4 packing, FP8, the weight container, RTN, GPTQ, reference matmuls, and
+the Triton kernels (under the interpreter, in a subprocess)."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from salaserve.quant import formats, rtn
+from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.gptq import HessianAccumulator, gptq_quantize
+from salaserve.quant.matmul import fp8_matmul_ref, linear_ref, w4a16_matmul_ref
+
+REPO = Path(__file__).resolve().parents[1]
+FRESH_SEEDS = [random.SystemRandom().randrange(2**31) for _ in range(3)]  # new every run; printed on failure
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("seed", FRESH_SEEDS)
+def test_int4_pack_roundtrip(seed):
+    g = gen(seed)
+    K, N = 8 * int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 70, (1,), generator=g))
+    q = torch.randint(0, 16, (K, N), generator=g, dtype=torch.uint8)
+    qw = formats.pack_int4(q)
+    assert qw.dtype == torch.int32 and qw.shape == (K // 8, N), f"seed {seed}"
+    assert torch.equal(formats.unpack_int4(qw), q), f"seed {seed}"
+
+
+def test_int4_bit_layout():
+    # k = 8 * row + j sits in bits 4j..4j+3: codes 0..7 down one column give 0x76543210
+    q = torch.arange(8, dtype=torch.uint8).repeat(2, 1).t().contiguous()  # [8, 2]
+    assert formats.pack_int4(q).tolist() == [[0x76543210, 0x76543210]]
+    # a code of 15 in the top nibble makes the int32 negative, as in real checkpoints
+    q = torch.zeros(8, 1, dtype=torch.uint8)
+    q[7] = 15
+    assert formats.pack_int4(q).item() == -(2**28)
+
+
+@pytest.mark.parametrize("seed", FRESH_SEEDS)
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_zeros_pack_roundtrip(seed, fmt):
+    g = gen(seed)
+    G, N = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 70, (1,), generator=g))
+    z = torch.randint(0, 16, (G, N), generator=g, dtype=torch.uint8)  # includes 0, which v1 cannot hold per nibble
+    qz = formats.pack_zeros(z, fmt)
+    assert qz.shape == (G, (N + 7) // 8), f"seed {seed}"
+    assert torch.equal(formats.unpack_zeros(qz, N, fmt), z), f"seed {seed}"
+    other = "gptq_v2" if fmt == "gptq" else "gptq"
+    assert torch.equal(formats.unpack_zeros(formats.convert_qzeros(qz, fmt, other), N, other), z), f"seed {seed}"
+
+
+def test_zeros_v1_matches_autogptq_convention():
+    # symmetric: zero 8 is stored as 7 per nibble in v1 (0x77777777), as 8 in v2
+    z = torch.full((2, 16), 8, dtype=torch.uint8)
+    assert formats.pack_zeros(z, "gptq").unique().tolist() == [0x77777777]
+    assert formats.pack_zeros(z, "gptq_v2").unique().tolist() == [0x88888888 - 2**32]
+    # for zeros 1..15 the v1 int32 is exactly AutoGPTQ's per-nibble (zero - 1) packing
+    g = gen(1)
+    z = torch.randint(1, 16, (3, 32), generator=g)
+    autogptq = sum(((z[:, j::8] - 1) << (4 * j)) for j in range(8))
+    assert torch.equal(formats.pack_zeros(z, "gptq"), formats._to_int32(autogptq))
+
+
+def test_dequantize_gptq_independent_formula():
+    g = gen(2)
+    K, N, gs = 64, 24, 16
+    w = rtn.quantize_w4a16_rtn(torch.randn(N, K, generator=g), gs, sym=False)
+    ck = w.to_checkpoint("gptq")
+    W = formats.dequantize_gptq(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], gs, "gptq")
+    # bit by bit, the way an AutoGPTQ kernel reads v1 files (zero = nibble + 1) for non-zero zeros
+    qw, qz = ck["qweight"].to(torch.int64) & 0xFFFFFFFF, ck["qzeros"].to(torch.int64) & 0xFFFFFFFF
+    for k in range(0, K, 7):
+        for n in range(0, N, 5):
+            q = (qw[k // 8, n] >> (4 * (k % 8))) & 0xF
+            grp = int(ck["g_idx"][k])
+            z = (qz[grp, n // 8] >> (4 * (n % 8))) & 0xF
+            z_true = formats.unpack_zeros(w.qzeros, N, "gptq_v2")[grp, n]
+            if z_true != 0:
+                assert z + 1 == z_true
+            expect = (q.item() - int(z_true)) * ck["scales"][grp, n].float()
+            assert torch.isclose(W[n, k], expect), (k, n)
+
+
+# ---------------------------------------------------------------- RTN and FP8
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("gs", [32, 128, -1])
+def test_rtn_error_bound(sym, gs):
+    g = gen(3)
+    N, K = 48, 256
+    W = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 3
+    w = rtn.quantize_w4a16_rtn(W, gs, sym=sym)
+    err = (w.dequantize() - W).abs()  # [N, K]
+    s = w.scales.float()[w.g_idx.long()].t()  # scale of each element
+    # at most half a step; 1% slack: the scale is rounded to fp16 before the codes are chosen,
+    # so the clamped top code can miss by 0.5 step + 7.5 ulp(fp16) of the scale
+    assert (err <= 0.5 * s * 1.01 + 1e-7).all(), (err / s).max()
+    zeros = formats.unpack_zeros(w.qzeros, N, "gptq_v2")
+    if sym:
+        assert (zeros == 8).all()
+
+
+def test_fp8_roundtrip():
+    g = gen(4)
+    W = torch.randn(40, 96, generator=g) * torch.logspace(-3, 1, 40)[:, None]
+    W[3] = 0  # an all-zero channel must not produce NaNs
+    w8, scale = formats.quantize_fp8_per_channel(W)
+    assert w8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (40,)
+    assert torch.allclose(scale[torch.arange(40) != 3], W.abs().amax(1)[torch.arange(40) != 3] / 448)
+    Wd = formats.dequantize_fp8(w8, scale)
+    assert torch.isfinite(Wd).all() and (Wd[3] == 0).all()
+    # e4m3 has 3 mantissa bits: relative error <= 2^-4 for normal values, plus subnormal floor
+    assert ((Wd - W).abs() <= W.abs() / 16 + scale[:, None] * 2**-9).all()
+
+
+# ---------------------------------------------------------------- container and fusion
+
+
+def _fields_equal(a: QuantizedLinearWeights, b: QuantizedLinearWeights):
+    for name in ("weight", "scale", "qweight", "qzeros", "scales", "g_idx"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.shape == y.shape and torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                                                      y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y), name
+    assert (a.format, a.in_features, a.out_features, a.group_size) == (b.format, b.in_features, b.out_features, b.group_size)
+
+
+@pytest.mark.parametrize("sizes", [(64, 32, 32), (12, 20, 8)])  # the second: N not a multiple of 8
+def test_concat_equals_quantizing_concat(sizes):
+    g = gen(5)
+    parts = [torch.randn(n, 128, generator=g) for n in sizes]
+    cat = torch.cat(parts, 0)
+    # RTN and per-channel fp8 are per output channel, so quantize(cat) == cat(quantize)
+    _fields_equal(QuantizedLinearWeights.concat([rtn.quantize_w4a16_rtn(p, 32, sym=False) for p in parts]),
+                  rtn.quantize_w4a16_rtn(cat, 32, sym=False))
+    _fields_equal(QuantizedLinearWeights.concat([rtn.quantize_fp8(p) for p in parts]), rtn.quantize_fp8(cat))
+    dense = QuantizedLinearWeights.concat([QuantizedLinearWeights.from_dense(p) for p in parts])
+    assert torch.equal(dense.weight, cat)
+
+
+def test_concat_rejects_mismatched_g_idx():
+    g = gen(6)
+    a = rtn.quantize_w4a16_rtn(torch.randn(16, 64, generator=g), 32)
+    b = rtn.quantize_w4a16_rtn(torch.randn(16, 64, generator=g), 32)
+    b.g_idx = b.g_idx[torch.randperm(64, generator=g)].contiguous()
+    with pytest.raises(ValueError, match="g_idx"):
+        QuantizedLinearWeights.concat([a, b])
+    with pytest.raises(ValueError, match="group size"):
+        QuantizedLinearWeights.concat([a, rtn.quantize_w4a16_rtn(torch.randn(16, 64, generator=g), 16)])
+    with pytest.raises(ValueError, match="format"):
+        QuantizedLinearWeights.concat([a, rtn.quantize_fp8(torch.randn(16, 64, generator=g))])
+
+
+def test_checkpoint_roundtrip_and_reorder():
+    g = gen(7)
+    W = torch.randn(32, 128, generator=g)
+    H = HessianAccumulator(128)
+    H.add(torch.randn(512, 128, generator=g) * torch.linspace(0.1, 3, 128))
+    w = gptq_quantize(W, H.hessian, group_size=32, act_order=True)
+    assert not w.g_idx_trivial
+    ck = w.to_checkpoint("gptq")
+    back = QuantizedLinearWeights.from_gptq(ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], 32, "gptq")
+    _fields_equal(back, w)
+    r = formats.reorder_act_order(w)
+    assert r.g_idx_trivial and r.perm is not None
+    assert torch.equal(r.dequantize(), w.dequantize())
+    cfg = formats.gptq_quantize_config(32, desc_act=True)
+    assert cfg["checkpoint_format"] == "gptq" and cfg["bits"] == 4
+
+
+# ---------------------------------------------------------------- reference matmuls
+
+
+def test_w4a16_matmul_ref_equals_dequantize_then_matmul():
+    g = gen(8)
+    W = torch.randn(40, 128, generator=g)
+    w = rtn.quantize_w4a16_rtn(W, 64, sym=False)
+    ck = w.to_checkpoint()
+    x = torch.randn(5, 128, generator=g)
+    # independent dequantization through numpy-style bit ops on uint32
+    qw = ck["qweight"].to(torch.int64) & 0xFFFFFFFF
+    q = torch.stack([(qw >> (4 * j)) & 0xF for j in range(8)], 1).reshape(128, 40)
+    z = formats.unpack_zeros(ck["qzeros"], 40, "gptq").long()
+    grp = torch.arange(128) // 64
+    Wd = ((q - z[grp]) * ck["scales"].float()[grp]).t()
+    y = w4a16_matmul_ref(x, ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"], 64)
+    torch.testing.assert_close(y, x @ Wd.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    assert y.dtype == x.dtype
+    xb = x.bfloat16()
+    assert w4a16_matmul_ref(xb, ck["qweight"], ck["qzeros"], ck["scales"], None, 64).dtype == torch.bfloat16
+
+
+def test_fp8_matmul_ref():
+    g = gen(9)
+    W = torch.randn(24, 64, generator=g)
+    w8, s = formats.quantize_fp8_per_channel(W)
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(fp8_matmul_ref(x, w8, s), x @ (w8.float() * s[:, None]).t())
+
+
+def test_quant_linear_cpu_falls_back_to_reference():
+    from salaserve.kernels.quant_gemm import quant_linear
+
+    g = gen(10)
+    W = torch.randn(24, 64, generator=g)
+    x = torch.randn(2, 3, 64, generator=g)
+    for w in (QuantizedLinearWeights.from_dense(W), rtn.quantize_fp8(W), rtn.quantize_w4a16_rtn(W, 32)):
+        y = quant_linear(x, w)
+        assert y.shape == (2, 3, 24)
+        torch.testing.assert_close(y, x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+    assert quant_linear(x[:0], w).shape == (0, 3, 24)
+
+
+# ---------------------------------------------------------------- GPTQ
+
+
+def test_hessian_accumulator_is_batch_invariant():
+    g = gen(11)
+    X = torch.randn(300, 32, generator=g)
+    acc = HessianAccumulator(32)
+    for chunk in (X[:7], X[7:100], X[100:].reshape(4, 50, 32)):
+        acc.add(chunk)
+    assert acc.nsamples == 300
+    torch.testing.assert_close(acc.hessian, 2 * X.t() @ X / 300, rtol=1e-5, atol=1e-5)
+
+
+def _correlated_inputs(K, n, g):
+    """LLM-like activations: a few strong latent directions, uneven channel scales, outliers."""
+    rank = K // 8
+    mix = torch.randn(rank, K, generator=g)
+    chan = torch.exp(torch.randn(K, generator=g))  # log-normal channel magnitudes
+    chan[torch.randint(0, K, (4,), generator=g)] *= 8  # outlier channels
+
+    def draw(m):
+        return (torch.randn(m, rank, generator=g) @ mix + 0.3 * torch.randn(m, K, generator=g)) * chan
+
+    return draw(n), draw(n)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(act_order=False), dict(act_order=True), dict(act_order=True, static_groups=True), dict(sym=False),
+])
+def test_gptq_beats_rtn(variant):
+    g = gen(12)
+    N, K, gs = 64, 256, 64
+    sym = variant.get("sym", True)
+    wins, ratios = 0, []
+    for _ in range(5):
+        W = torch.randn(N, K, generator=g)
+        calib, held_out = _correlated_inputs(K, 2048, g)
+        acc = HessianAccumulator(K)
+        for chunk in calib.split(512):
+            acc.add(chunk)
+        wq = gptq_quantize(W, acc.hessian, group_size=gs, **variant)
+        wr = rtn.quantize_w4a16_rtn(W, gs, sym=sym)
+        ref = held_out @ W.t()
+        e_gptq = (held_out @ wq.dequantize().t() - ref).norm()
+        e_rtn = (held_out @ wr.dequantize().t() - ref).norm()
+        ratios.append(round((e_gptq / e_rtn).item(), 3))
+        wins += int(e_gptq < e_rtn)
+        if variant.get("act_order") and not variant.get("static_groups"):
+            assert not wq.g_idx_trivial
+        else:
+            assert wq.g_idx_trivial
+    assert wins >= 4, f"GPTQ/RTN output error ratios {ratios}"
+
+
+def test_gptq_dead_inputs_and_codes_valid():
+    g = gen(13)
+    W = torch.randn(16, 64, generator=g)
+    X = torch.randn(256, 64, generator=g)
+    X[:, 5] = 0  # a channel that never fires
+    acc = HessianAccumulator(64)
+    acc.add(X)
+    w = gptq_quantize(W, acc.hessian, group_size=32, act_order=True)
+    Wd = w.dequantize()
+    assert torch.isfinite(Wd).all()
+    # the dead channel's weights are pinned to 0 (reachable exactly: the grid always contains 0
+    # for symmetric int4 with zero 8)
+    assert (Wd[:, 5] == 0).all()
+
+
+# ---------------------------------------------------------------- Triton kernels (interpreter)
+
+
+@pytest.mark.parametrize("group", ["w4a16_gemv", "w4a16_gemm", "w8a16", "dispatch"])
+def test_triton_kernels_match_reference_in_interpreter(group):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "quant_kernel_checks.py"), group],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "all ok" in proc.stdout
