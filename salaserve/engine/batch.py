@@ -45,6 +45,10 @@ class ForwardBatch:
     cache_lens_host: list[int]
     is_sparse_host: list[bool]
     is_decode: bool  # every sequence feeds exactly one token
+    # Set only for CUDA-graph decode batches, whose host mirrors are placeholders: kernels must then
+    # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
+    # dense_len / block_size wide; "sparse": any mix, page_table spans the context length.
+    decode_mode: str | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -85,3 +89,28 @@ class ForwardBatch:
             cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
             is_decode=all(len(w.token_ids) == 1 for w in work),
         )
+
+    def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
+        """The batch restricted to some sequences (eager steps only), and the token rows they own
+        in this batch, to scatter results back."""
+        starts = [0]
+        for n in self.q_lens_host:
+            starts.append(starts[-1] + n)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(self.input_ids.device)
+        idx = torch.tensor(seqs, device=self.input_ids.device)
+        q_lens = [self.q_lens_host[i] for i in seqs]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        sub = ForwardBatch(
+            input_ids=self.input_ids[rows], positions=self.positions[rows],
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=rows.device),
+            seq_lens=self.seq_lens[idx], cache_lens=self.cache_lens[idx], page_table=self.page_table[idx],
+            slot_mapping=self.slot_mapping[rows], state_slots=self.state_slots[idx],
+            is_sparse=self.is_sparse[idx], logits_indices=rows.new_zeros(0),
+            q_lens_host=q_lens, seq_lens_host=[self.seq_lens_host[i] for i in seqs],
+            cache_lens_host=[self.cache_lens_host[i] for i in seqs],
+            is_sparse_host=[self.is_sparse_host[i] for i in seqs],
+            is_decode=all(n == 1 for n in q_lens),
+        )
+        return sub, rows

@@ -69,6 +69,23 @@ class ModelRunner:
         log.info("model %s loaded in %.1f s on %s (%s, backend %s); %s", model_dir, self.load_seconds,
                  self.device, str(self.dtype).replace("torch.", ""), self.backend_name,
                  self.plan.describe(sc.block_size))
+        self.context_length = args.context_length or cfg.max_position_embeddings
+        self.graphs = None
+        if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        from salaserve.engine.cuda_graph import DecodeGraphs
+
+        cfg, sc = self.cfg, self.cfg.sparse
+        # one page and one state slot that padding rows of a graph batch may scribble on
+        scratch_page = self.caches.kv.allocator.alloc(1)[0]
+        scratch_slot = self.caches.states.alloc()
+        self.graphs = DecodeGraphs(
+            self.model, self.caches, max_bs=self.args.cuda_graph_max_bs or self.args.max_running_requests,
+            max_pages=-(-self.context_length // sc.block_size), dense_pages=-(-sc.dense_len // sc.block_size),
+            scratch_page=scratch_page, scratch_slot=scratch_slot, device=self.device)
+        self.graphs.capture()
 
     @property
     def capacity_tokens(self) -> int:
@@ -88,4 +105,6 @@ class ModelRunner:
     def forward(self, work: list[ScheduledWork]) -> torch.Tensor:
         """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order."""
         batch = self.build_batch(work)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)

@@ -1,0 +1,183 @@
+"""Micro-benchmark of the full-size model: decode step time vs batch and context, prefill time vs
+length, each next to its floor (measured copy bandwidth and matmul rate, same run).
+
+    python -m salaserve.bench.micro [--batches 1,8,32,128] [--contexts 4096,32768,131072,524288]
+                                    [--prefill 8192,32768,131072] [--json OUT.json]
+
+Decode: sequences are set up as if already prefilled to the context length (pages allocated and
+filled with random keys/values, random Lightning states), then one decode step is timed as the
+engine runs it (CUDA-graph replay when available) and, separately, the whole engine-side step
+(metadata build + copy + replay). Prefill: one request of the given length through the engine's
+chunked prefill, timed end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from salaserve.bench.floors import Ceilings, decode_bytes, measure_ceilings, prefill_flops
+from salaserve.config import EngineArgs
+from salaserve.engine.request import Request, Status
+from salaserve.engine.runner import ModelRunner
+from salaserve.engine.sampling_params import SamplingParams
+from salaserve.engine.scheduler import ScheduledWork
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def fake_decoding_requests(runner: ModelRunner, batch: int, context: int) -> list[Request]:
+    """Requests that look prefilled to `context` tokens: pages and slots taken, caches random."""
+    caches = runner.caches
+    block = caches.kv.block_size
+    reqs = []
+    g = torch.Generator(device=runner.device).manual_seed(batch * 7 + context)
+    for i in range(batch):
+        pages = caches.kv.allocator.alloc(-(-(context + 1) // block))
+        slot = caches.states.alloc()
+        r = Request(rid=f"b{i}", prompt_ids=[5] * context, params=SamplingParams(max_new_tokens=1 << 30))
+        r.tokens.append(7)  # one sampled token pending: the request is decoding
+        r.num_computed = context
+        r.pages, r.state_slot, r.status = pages, slot, Status.RUNNING
+        idx = torch.tensor(pages, device=runner.device)
+        for pool in (caches.kv.k, caches.kv.v, caches.compressed.c1, caches.compressed.c2):
+            pool[:, idx] = torch.randn(pool[:, idx].shape, generator=g, device=runner.device, dtype=torch.float32).to(pool.dtype)
+        caches.states.state[slot].normal_(generator=g).mul_(0.1)
+        reqs.append(r)
+    return reqs
+
+
+def release(runner: ModelRunner, reqs: list[Request]) -> None:
+    for r in reqs:
+        runner.caches.kv.allocator.free(r.pages)
+        runner.caches.states.free(r.state_slot)
+
+
+def time_decode(runner: ModelRunner, batch: int, context: int, iters: int = 30) -> dict:
+    reqs = fake_decoding_requests(runner, batch, context)
+    work = [ScheduledWork(r, 1) for r in reqs]
+    for _ in range(3):
+        runner.forward(work)
+    torch.cuda.synchronize()
+    # device time of the step (graph replay or eager forward), with CUDA events
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    batch_obj = runner.build_batch(work)
+    for s, e in ev:
+        s.record()
+        if runner.graphs is not None and runner.graphs.can_run(batch_obj):
+            runner.graphs.run(batch_obj)
+        else:
+            runner.model.forward(batch_obj, runner.caches)
+        e.record()
+    torch.cuda.synchronize()
+    device_ms = statistics.median(s.elapsed_time(e) for s, e in ev)
+    # host-inclusive step: build metadata + forward + wait for the logits
+    host = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.forward(work)
+        torch.cuda.synchronize()
+        host.append((time.perf_counter() - t0) * 1e3)
+    release(runner, reqs)
+    return {"device_ms": device_ms, "step_ms": statistics.median(host)}
+
+
+def time_prefill(runner: ModelRunner, tokens: int) -> float:
+    caches = runner.caches
+    block = caches.kv.block_size
+    chunk = runner.args.chunked_prefill_size
+    pages = caches.kv.allocator.alloc(-(-tokens // block))
+    slot = caches.states.alloc()
+    caches.states.state[slot].zero_()
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(3, runner.cfg.vocab_size - 8, (tokens,), generator=g).tolist()
+    r = Request(rid="p", prompt_ids=ids, params=SamplingParams(max_new_tokens=1))
+    r.pages, r.state_slot, r.status = pages, slot, Status.RUNNING
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while r.num_computed < tokens:
+        n = min(chunk, tokens - r.num_computed)
+        runner.forward([ScheduledWork(r, n)])
+        r.num_computed += n
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    caches.kv.allocator.free(pages)
+    caches.states.free(slot)
+    return dt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model dir (default: a full-size config with dummy weights)")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="4096,32768,131072,524288")
+    ap.add_argument("--prefill", default="8192,32768,131072")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--max-kv-gib", type=float, default=90.0, help="skip decode points needing more KV")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    model_dir = a.model
+    if model_dir is None:
+        import tempfile
+
+        from salaserve.model.checkpoint import write_checkpoint
+
+        model_dir = tempfile.mkdtemp(prefix="sala-full-")
+        write_checkpoint(model_dir, "full", weights=False)
+    batches, contexts, prefills = _ints(a.batches), _ints(a.contexts), _ints(a.prefill)
+    cfg_tokens = max(max(contexts) + 128, max(prefills) + 128)
+    kv_tokens = int(a.max_kv_gib * 2**30 / 8704)  # ~8.5 KiB per token incl. compressed keys
+    args = EngineArgs(model=model_dir, backend=a.backend, load_format="dummy", dtype="bfloat16",
+                      max_running_requests=max(batches), max_total_tokens=max(kv_tokens, cfg_tokens),
+                      enable_cuda_graph=not a.no_cuda_graph, context_length=max(contexts) + 1024)
+    t0 = time.perf_counter()
+    runner = ModelRunner(args, model_dir)
+    startup = time.perf_counter() - t0
+    ceil: Ceilings = measure_ceilings()
+    cfg = runner.cfg
+    gbps = ceil.copy_gbps * 1e9
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": runner.backend_name,
+              "cuda_graphs": runner.graphs is not None, "startup_s": startup,
+              "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else 0.0,
+              "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops, "decode": [], "prefill": []}
+
+    print(f"GPU {result['gpu']}: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s; "
+          f"backend {runner.backend_name}, graphs {result['cuda_graphs']}, start-up {startup:.1f} s")
+    print(f"{'decode':>8} {'batch':>6} {'context':>8} {'device ms':>10} {'step ms':>8} {'floor ms':>9} {'floor/dev':>9} {'tok/s':>9}")
+    free_tokens = runner.caches.kv.allocator.num_free * runner.caches.kv.block_size
+    for ctx in contexts:
+        for b in batches:
+            if b * (ctx + 128) > free_tokens or b > runner.caches.states.num_free:
+                print(f"{'':>8} {b:>6} {ctx:>8}  skipped: KV for {b}x{ctx} tokens exceeds the pool")
+                continue
+            t = time_decode(runner, b, ctx)
+            floor_ms = decode_bytes(cfg, b, ctx) / gbps * 1e3
+            row = {"batch": b, "context": ctx, **t, "floor_ms": floor_ms,
+                   "achieved_over_floor": floor_ms / t["device_ms"], "tokens_per_s": b / t["step_ms"] * 1e3}
+            result["decode"].append(row)
+            print(f"{'':>8} {b:>6} {ctx:>8} {t['device_ms']:>10.3f} {t['step_ms']:>8.3f} {floor_ms:>9.3f} "
+                  f"{row['achieved_over_floor']:>9.2f} {row['tokens_per_s']:>9.0f}")
+    print(f"{'prefill':>8} {'tokens':>8} {'seconds':>8} {'floor s':>8} {'floor/ach':>9} {'tok/s':>9}")
+    for n in prefills:
+        dt = time_prefill(runner, n)
+        floor_s = prefill_flops(cfg, n) / (ceil.matmul_tflops * 1e12)
+        row = {"tokens": n, "seconds": dt, "floor_s": floor_s, "achieved_over_floor": floor_s / dt,
+               "tokens_per_s": n / dt}
+        result["prefill"].append(row)
+        print(f"{'':>8} {n:>8} {dt:>8.2f} {floor_s:>8.2f} {row['achieved_over_floor']:>9.2f} {n / dt:>9.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
