@@ -426,6 +426,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     stage1_visibility: str = "causal"
+    speculative_algorithm: str | None = None  # None | "NGRAM"
+    speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
+    speculative_max_batch: int = 8  # no speculation when more requests decode at once
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 1
     enable_cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     log_level: str = "info"
@@ -445,5 +450,10 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in [0.05, 0.99], got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.speculative_algorithm not in (None, "NGRAM"):
+            raise ValueError(f"speculative_algorithm must be None or 'NGRAM', got {self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
+                             f"{self.speculative_num_draft_tokens}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")

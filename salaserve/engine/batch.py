@@ -21,6 +21,8 @@ class SeqWork:
     cache_len: int  # tokens already in the caches
     token_ids: list[int]  # tokens fed this step
     need_logits: bool  # sample after this step (last chunk of a prefill, or decode)
+    num_logits: int = 1  # rows at the end of token_ids whose logits are needed (k+1 when verifying)
+    verify: bool = False  # speculative verify: the last sampled token followed by draft tokens
 
     @property
     def seq_len(self) -> int:
@@ -45,6 +47,11 @@ class ForwardBatch:
     cache_lens_host: list[int]
     is_sparse_host: list[bool]
     is_decode: bool  # every sequence feeds exactly one token
+    # Speculative verify, per sequence: Lightning layers compute outputs without committing the
+    # state (their k/v go to spec_kv for the replay of the accepted prefix), and each query token
+    # chooses dense or sparse attention by its own position, as plain decoding would.
+    verify_host: list[bool] = None
+    spec_kv: dict = None  # (lightning layer idx, seq idx) -> (k, v) fp32 [n, H, d]
     # Set only for CUDA-graph decode batches, whose host mirrors are placeholders: kernels must then
     # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
     # dense_len / block_size wide; "sparse": any mix, page_table spans the context length.
@@ -70,7 +77,7 @@ class ForwardBatch:
                 slot_map.append(w.pages[p // block_size] * block_size + p % block_size)
             cu.append(cu[-1] + n)
             if w.need_logits:
-                logit_rows.append(cu[-1] - 1)
+                logit_rows.extend(range(cu[-1] - w.num_logits, cu[-1]))
         max_pages = max(len(w.pages) for w in work)
         table = [w.pages + [0] * (max_pages - len(w.pages)) for w in work]
         seq_lens = [w.seq_len for w in work]
@@ -88,6 +95,7 @@ class ForwardBatch:
             q_lens_host=[len(w.token_ids) for w in work], seq_lens_host=seq_lens,
             cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
             is_decode=all(len(w.token_ids) == 1 for w in work),
+            verify_host=[w.verify for w in work], spec_kv={},
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
@@ -112,5 +120,7 @@ class ForwardBatch:
             cache_lens_host=[self.cache_lens_host[i] for i in seqs],
             is_sparse_host=[self.is_sparse_host[i] for i in seqs],
             is_decode=all(n == 1 for n in q_lens),
+            verify_host=[self.verify_host[i] for i in seqs] if self.verify_host else None,
+            spec_kv=self.spec_kv,
         )
         return sub, rows

@@ -17,6 +17,8 @@ from salaserve.engine.sampler import Sampler, SamplingState
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import Scheduler
 from salaserve.model.default import default_model_dir
+from salaserve.spec.accept import accept_greedy, accept_sampling, spec_generator
+from salaserve.spec.ngram import NgramDrafter
 
 log = logging.getLogger("salaserve")
 
@@ -36,7 +38,10 @@ class Engine:
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[StepOutput] = []  # produced outside step() (e.g. max_new_tokens=0)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0,
+                      "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        if args.speculative_algorithm == "NGRAM":
+            self.scheduler.propose = self._propose_draft
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids) -> list[int]:
@@ -103,6 +108,48 @@ class Engine:
                           finish_reason=req.finish_reason, num_prompt=req.num_prompt,
                           num_output=req.num_output, logprobs=logprobs)
 
+    # ---- speculative decoding ----------------------------------------------------------------
+    def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
+        """N-gram draft for a decoding request; none for large batches, penalised sampling, or
+        where it would overshoot max_new_tokens."""
+        args = self.args
+        p = req.params
+        if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 \
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or req.sampling.blocks_stop:
+            return []
+        if req.drafter is None:
+            req.drafter = self.make_drafter(req)
+            req.spec_k = args.speculative_num_draft_tokens
+        room = self._max_new_tokens(req) - req.num_output - 1
+        return req.drafter.propose(req.tokens, min(req.spec_k, room))
+
+    def make_drafter(self, req: Request):
+        """The drafter of a request (replaceable, e.g. by an oracle in benchmarks and tests)."""
+        return NgramDrafter(self.args.speculative_ngram_max, self.args.speculative_ngram_min)
+
+    def _verify(self, req: Request, logits, draft: list[int]) -> list[int]:
+        """Accepted drafts + the target's next token, and the adaptive draft length update."""
+        p = req.params
+        if p.is_greedy:
+            new = accept_greedy(logits, draft)
+        else:
+            gen = spec_generator(p, req.sampling.num_generated, logits.device, self.sampler._global_generator(logits.device))
+            new = accept_sampling(logits, draft, p, gen)
+        accepted = len(new) - 1
+        # adaptive depth: grow after a fully accepted draft, shrink towards what was accepted
+        k_max = self.args.speculative_num_draft_tokens
+        req.spec_k = min(k_max, req.spec_k + 1) if accepted == len(draft) else max(1, accepted + 1)
+        self.stats["spec_verify_steps"] += 1
+        self.stats["spec_draft_tokens"] += len(draft)
+        self.stats["spec_accepted_tokens"] += accepted
+        return new
+
+    @property
+    def avg_spec_accept_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + 1), SGLang's metric."""
+        n = self.stats["spec_verify_steps"]
+        return (self.stats["spec_accepted_tokens"] + n) / n if n else None
+
     # ---- the loop body -----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending_outputs = list(self._pending_outputs), []
@@ -115,32 +162,55 @@ class Engine:
         logits = self.runner.forward(work)
         self.stats["steps"] += 1
 
-        sampled = []
-        for w in work:
+        sampled, rows = [], []
+        row = 0
+        for i, w in enumerate(work):
             req = w.req
+            if w.draft:  # verify: accept a prefix, commit the Lightning state for it
+                new = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft)
+                row += 1 + len(w.draft)
+                n_commit = len(new)  # the pending token + the accepted drafts
+                self.runner.commit_verified(i, req.state_slot, n_commit)
+                old = req.num_computed
+                req.num_computed += n_commit
+                self.scheduler.compressed.on_extend(old, req.num_computed)
+                outputs.append(self._emit(req, new, None))
+                continue
             old = req.num_computed
             req.num_computed += w.num_tokens
             self.scheduler.compressed.on_extend(old, req.num_computed)
             if req.num_computed == len(req.tokens):
                 sampled.append(req)
+                rows.append(row)
+                row += 1
         if not sampled:
             return outputs
-        result = self.sampler.sample(logits, [r.sampling for r in sampled])
-        now = time.monotonic()
+        result = self.sampler.sample(logits[rows] if len(rows) != logits.shape[0] else logits,
+                                     [r.sampling for r in sampled])
         for i, (req, tok) in enumerate(zip(sampled, result.token_ids)):
-            req.tokens.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self.stats["generated_tokens"] += 1
             lp = None
             if result.logprobs is not None and result.logprobs[i] is not None:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else None
                 lp = [(result.logprobs[i], top)]
+            outputs.append(self._emit(req, [tok], lp, sampled_already=True))
+        return outputs
+
+    def _emit(self, req: Request, new: list[int], lp, sampled_already: bool = False) -> StepOutput:
+        """Append new tokens (stopping at the first that ends the request) and report them."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        kept = []
+        for tok in new:
+            req.tokens.append(tok)
+            if not sampled_already:
+                req.sampling.append(tok)
+            kept.append(tok)
+            self.stats["generated_tokens"] += 1
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(self._output(req, [tok], lp))
-        return outputs
+                break
+        return self._output(req, kept, lp)
 
     def _stop_reason(self, req: Request, tok: int) -> dict | None:
         p = req.params

@@ -34,6 +34,8 @@ class Request:
     finish_reason: dict | None = None
     sampling: Any = None  # the sampler's per-request state
     num_preemptions: int = 0
+    drafter: Any = None  # speculative decoding: the request's n-gram index
+    spec_k: int = 0  # current draft length (adaptive)
     first_token_time: float | None = None
 
     def __post_init__(self):

@@ -96,6 +96,11 @@ class ModelRunner:
         for w in work:
             r = w.req
             start = r.num_computed
+            if w.draft:  # verify: the pending token, then the drafts; logits at every position
+                seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
+                                    token_ids=r.tokens[start:start + 1] + w.draft, need_logits=True,
+                                    num_logits=1 + len(w.draft), verify=True))
+                continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
                                 need_logits=start + w.num_tokens == len(r.tokens)))
@@ -105,6 +110,15 @@ class ModelRunner:
     def forward(self, work: list[ScheduledWork]) -> torch.Tensor:
         """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order."""
         batch = self.build_batch(work)
+        self.last_batch = batch
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)
+
+    def commit_verified(self, seq_index: int, slot: int, num_tokens: int) -> None:
+        """After a verify step: advance the sequence's Lightning states by its accepted tokens."""
+        batch = self.last_batch
+        ops = self.model.ops
+        for layer in range(len(self.cfg.lightning_layers)):
+            k, v = batch.spec_kv.pop((layer, seq_index))
+            ops.gla_commit(self.caches.states, layer, slot, k, v, self.model.log_decay, num_tokens)

@@ -10,7 +10,8 @@ running request is preempted: its pages and slot are freed and it is re-queued t
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
@@ -21,7 +22,8 @@ from salaserve.engine.request import Request, Status
 @dataclass
 class ScheduledWork:
     req: Request
-    num_tokens: int  # tokens fed this step, starting at req.num_computed
+    num_tokens: int  # tokens fed this step, starting at req.num_computed (draft tokens included)
+    draft: list[int] = field(default_factory=list)  # speculative tokens fed after the pending one
 
 
 class Scheduler:
@@ -36,6 +38,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order; the last is the newest
         self.num_preemptions = 0
+        # speculative decoding: returns draft tokens for a decoding request (given the number of
+        # decoding requests this step), or None when speculation is off
+        self.propose: Callable[[Request, int], list[int]] | None = None
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -102,12 +107,16 @@ class Scheduler:
         budget = self.budget
 
         # 1. decodes, oldest first; preempt the newest running request while pages are short
+        n_decoding = sum(1 for r in self.running if r.is_decoding)
         for req in list(self.running):
             if req not in self.running or not req.is_decoding:
                 continue
+            draft = self.propose(req, n_decoding) if self.propose is not None else []
+            if draft and not self._grow(req, req.num_computed + 1 + len(draft)):
+                draft = []  # no room for speculation: plain decode
             if self._room_for_decode(req, work, out_of_room):
-                work.append(ScheduledWork(req, 1))
-                budget -= 1
+                work.append(ScheduledWork(req, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
 
         # 2. continue chunked prefills of running requests
         for req in self.running:

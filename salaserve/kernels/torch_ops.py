@@ -55,12 +55,27 @@ class TorchBackend:
             slot = int(batch.state_slots[i])
             s = states.state[slot, layer]
             sl = slice(start, start + n)
-            form = spec.gla_recurrent if n == 1 else spec.gla_chunked
-            o, new_state = form(q[sl].float(), k[sl].float(), v[sl].float(), log_decay, s.float(), scale)
-            states.state[slot, layer] = new_state.to(states.state.dtype)
+            kf, vf = k[sl].float(), v[sl].float()
+            if batch.verify_host and batch.verify_host[i]:
+                # token by token, exactly as plain decoding would; the state is not committed
+                o, _ = spec.gla_recurrent(q[sl].float(), kf, vf, log_decay, s.float(), scale)
+                batch.spec_kv[(layer, i)] = (kf, vf)
+            else:
+                form = spec.gla_recurrent if n == 1 else spec.gla_chunked
+                o, new_state = form(q[sl].float(), kf, vf, log_decay, s.float(), scale)
+                states.state[slot, layer] = new_state.to(states.state.dtype)
             out[sl] = o
             start += n
         return out
+
+    def gla_commit(self, states: StatePool, layer: int, slot: int, k, v, log_decay, n: int):
+        """Advance a verified sequence's state by its first n tokens (accepted prefix), replaying
+        the recurrence from the live state with the k/v kept from the verify step."""
+        s = states.state[slot, layer].float()
+        gamma = log_decay.exp()[:, None, None]
+        for t in range(n):
+            s = gamma * s + k[t, :, :, None] * v[t, :, None, :]
+        states.state[slot, layer] = s.to(states.state.dtype)
 
     def lightning_output(self, o, o_norm, z, eps, dtype):
         """bf16(o) -> RMSNorm over the full H*d vector -> times sigmoid(z)."""
@@ -109,7 +124,10 @@ class TorchBackend:
             pos = batch.positions[start:start + n]
             key_pos = torch.arange(L, device=q.device)
             causal = key_pos[None, :] <= pos[:, None]  # [n, L]
-            if not batch.is_sparse_host[i]:
+            verify = bool(batch.verify_host and batch.verify_host[i])
+            if verify:  # plain decoding at position p is dense iff p + 1 < dense_len
+                dense_rows = pos + 1 < sc.dense_len
+            if not batch.is_sparse_host[i] or (verify and bool(dense_rows.all())):
                 out[start:start + n] = spec.attention(qi, keys, values, causal[None], scale)
             else:
                 c1, c2 = comp.gather(layer, pages, L)
@@ -118,6 +136,8 @@ class TorchBackend:
                 scores = spec.stage1_scores(qi, c1, c2, vis1, vis2, cfg.gqa_group_size, scale)
                 blocks = spec.select_blocks(scores, pos // sc.block_size, pages.numel(), sc)
                 allowed = blocks.repeat_interleave(sc.block_size, dim=-1)[..., :L] & causal[None]
+                if verify:
+                    allowed = torch.where(dense_rows[None, :, None], causal[None], allowed)
                 out[start:start + n] = spec.attention(qi, keys, values, allowed, scale)
             start += n
         return out

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose tokens, one target forward verifies them exactly."""

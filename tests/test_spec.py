@@ -1,0 +1,145 @@
+"""Speculative decoding on the tiny model (fp32, CPU): exactness, acceptance, resources."""
+
+import random
+
+import pytest
+import torch
+
+from salaserve.engine.engine import Engine
+from salaserve.engine.sampling_params import SamplingParams
+from salaserve.spec.accept import accept_greedy, accept_sampling, target_probs
+from salaserve.spec.ngram import NgramDrafter
+from salaserve.spec.oracle import OracleDrafter
+
+
+def brute_force_propose(tokens, k, max_n=4, min_n=1):
+    L = len(tokens)
+    for n in range(min(max_n, L), min_n - 1, -1):
+        suffix = tokens[L - n:]
+        for e in range(L - 2, n - 2, -1):  # most recent earlier occurrence ending at e
+            if tokens[e - n + 1:e + 1] == suffix:
+                return tokens[e + 1:e + 1 + k]
+    return []
+
+
+def test_ngram_drafter_matches_brute_force():
+    rng = random.Random(0)
+    for trial in range(30):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 60))]
+        d = NgramDrafter()
+        # grow the sequence token by token, proposing at every step (incremental index)
+        for L in range(1, len(tokens) + 1):
+            assert d.propose(tokens[:L], 5) == brute_force_propose(tokens[:L], 5)
+
+
+def test_accept_greedy():
+    logits = torch.full((4, 10), -1.0)
+    for i, t in enumerate([3, 5, 7, 9]):
+        logits[i, t] = 1.0
+    assert accept_greedy(logits, [3, 5, 7]) == [3, 5, 7, 9]
+    assert accept_greedy(logits, [3, 6, 7]) == [3, 5]
+    assert accept_greedy(logits, [4, 5, 7]) == [3]
+
+
+def test_rejection_sampling_matches_target_distribution():
+    """The first emitted token is distributed as the target's, whatever the (point-mass) draft."""
+    params = SamplingParams(temperature=1.0, top_k=4)
+    logits = torch.tensor([[0.5, 1.5, -0.3, 0.9, 0.0, 2.0]] * 3)
+    p = target_probs(logits, params)[0]
+    assert p[4] == 0 and p[2] == 0  # top-k=4 keeps ids 5, 1, 3, 0
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    for draft in ([1, 1], [2, 5], [5, 3]):
+        counts = torch.zeros(6)
+        seconds = torch.zeros(6)
+        for _ in range(n):
+            out = accept_sampling(logits, draft, params, g)
+            counts[out[0]] += 1
+            if len(out) > 1:
+                seconds[out[1]] += 1
+        freq = counts / n
+        # 4-sigma binomial bound per token
+        sigma = (p * (1 - p) / n).sqrt()
+        assert ((freq - p).abs() <= 4 * sigma + 1e-9).all(), (draft, freq, p)
+        if draft[0] in (1, 5):  # when the first draft was accepted, the second token is ~ p too
+            sec = seconds / seconds.sum()
+            assert (sec - p).abs().max() < 0.03
+
+
+def make_engine(model_dir, spec, **kw):
+    return Engine(model=model_dir, device="cpu", dtype="float32", backend="torch", chunked_prefill_size=64,
+                  max_running_requests=32, speculative_algorithm="NGRAM" if spec else None,
+                  speculative_num_draft_tokens=6, speculative_max_batch=32, **kw)
+
+
+def run_all(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.new_token_ids)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    out = []
+    for i in range(32):
+        if i % 2:  # repetitive prompts
+            base = [rng.randrange(3, 8000) for _ in range(rng.randrange(2, 9))]
+            L = rng.choice([30, 90, 110, 125, 180])
+        else:
+            base = [rng.randrange(3, 8000) for _ in range(300)]
+            L = rng.choice([5, 60, 100, 120, 127, 140, 260])
+        out.append((base * 300)[:L])
+    return out
+
+
+def test_greedy_identical_with_and_without_speculation(tiny_model_dir, prompts):
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    plain = run_all(make_engine(tiny_model_dir, False), prompts, params)
+
+    # n-gram drafts (rarely right on random weights) ...
+    eng = make_engine(tiny_model_dir, True)
+    assert run_all(eng, prompts, params) == plain
+
+    # ... and an oracle that knows the plain output but corrupts every 3rd draft: many accepted
+    # tokens, partial acceptance, rollback, drafts crossing dense_len (128) and C1/C2 boundaries
+    oracle = make_engine(tiny_model_dir, True)
+    conts = {i: plain[f"r{i}"] for i in range(len(prompts))}
+    oracle.make_drafter = lambda req: OracleDrafter(req.num_prompt, conts[int(req.rid[1:])], error_every=3,
+                                                    vocab_size=oracle.cfg.vocab_size)
+    assert run_all(oracle, prompts, params) == plain
+    assert oracle.avg_spec_accept_length > 2.0  # not vacuous: drafts were accepted
+    assert oracle.stats["spec_accepted_tokens"] < oracle.stats["spec_draft_tokens"]  # and some rejected
+    c = oracle.resource_counters()
+    assert c["pages_used"] == 0 and c["slots_used"] == 0 and c["compressed_entries"] == 0
+
+
+def test_abort_during_verify_frees_resources(tiny_model_dir, prompts):
+    eng = make_engine(tiny_model_dir, True)
+    initial = eng.resource_counters()
+    eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, [7] * 100)
+    for i, p in enumerate(prompts[:8]):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps % 3 == 0:
+            live = sorted(eng.requests)
+            if live:
+                eng.abort(live[0])
+    assert eng.stats["spec_verify_steps"] > 0
+    assert eng.resource_counters() == initial
+
+
+def test_seeded_sampling_with_speculation_runs(tiny_model_dir, prompts):
+    eng = make_engine(tiny_model_dir, True)
+    eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, [11] * 100)
+    out = run_all(eng, prompts[:4], SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=10,
+                                                   ignore_eos=True))
+    assert all(len(v) == 10 for v in out.values())
+    assert eng.stats["spec_verify_steps"] > 0
