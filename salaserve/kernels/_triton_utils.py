@@ -1,0 +1,53 @@
+"""Small helpers shared by the Triton kernels (dtype mapping, exact roundings)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype of a torch float dtype (fp32, bf16 or fp16)."""
+    try:
+        return _TL_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {dtype} (expected float32, bfloat16 or float16)") from None
+
+
+def promote(*dtypes: torch.dtype) -> torch.dtype:
+    """torch's result dtype of an elementwise op between tensors of these dtypes."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+@triton.jit
+def round_to(x, DT: tl.constexpr):
+    """fp32 x rounded to DT (round to nearest even) and returned as fp32: the rounding torch does
+    whenever it stores an intermediate in DT. A no-op for DT = fp32."""
+    if DT == tl.bfloat16:
+        # bf16 = the top 16 bits of fp32; round to nearest even by integer arithmetic. (The Triton
+        # interpreter's own fp32->bf16 cast truncates, so this keeps CPU tests exact; on the GPU it
+        # equals cvt.rn.bf16.f32 for every finite value.)
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def rsqrt_rn(x):
+    """1 / sqrt(x) with two correctly rounded steps (what torch computes on CPU), rather than the
+    approximate rsqrt instruction: keeps the bf16 roundings that follow identical to torch's more often."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(x))
+
+
+# Launch option for every kernel here: no fused multiply-adds, so each fp32 product and sum is
+# rounded on its own as in torch's separate elementwise kernels (an FMA skips one rounding, which
+# can tip a later bf16 rounding). The kernels are memory-bound; the extra instructions are free.
+NO_FMA = {"enable_fp_fusion": False}

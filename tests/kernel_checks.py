@@ -1,0 +1,101 @@
+"""Shared helpers for the kernel tests: random inputs, ForwardBatch building, comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+from salaserve.engine.batch import ForwardBatch, SeqWork
+
+
+def decode_batch(positions, slots, device="cpu") -> ForwardBatch:
+    """A decode ForwardBatch: one token per sequence at the given absolute positions and slots."""
+    work = [SeqWork(state_slot=s, pages=[0], cache_len=p, token_ids=[1], need_logits=True)
+            for p, s in zip(positions, slots)]
+    return ForwardBatch.build(work, block_size=1 << 30, dense_len=1 << 30, device=device)
+
+
+def prefill_batch(lens, cache_lens, slots, device="cpu") -> ForwardBatch:
+    work = [SeqWork(state_slot=s, pages=[0], cache_len=c, token_ids=[1] * n, need_logits=True)
+            for n, c, s in zip(lens, cache_lens, slots)]
+    return ForwardBatch.build(work, block_size=1 << 30, dense_len=1 << 30, device=device)
+
+
+def fused_qkvz(n, heads, d, dtype, device="cpu", gen=None):
+    """q, k, v, z as strided views into one [n, 4*H*d] projection output, like the model's."""
+    qkvz = torch.randn(n, 4 * heads * d, generator=gen, device="cpu").to(device=device, dtype=dtype)
+    q, k, v, z = qkvz.split(heads * d, dim=-1)
+    return q.view(n, heads, d), k.view(n, heads, d), v.view(n, heads, d), z
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in fp64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def max_err(a, b) -> float:
+    """max |a - b| / max |b|."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_within_ulps(a, b, max_ulps: int = 1, max_frac: float = 0.0):
+    """a, b same low-precision dtype: every element within max_ulps ulps of its reference (ulp at the
+    reference's magnitude), and at most max_frac of the elements differing at all."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    af, bf = a.float(), b.float()
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[a.dtype]
+    ulp = torch.exp2(torch.floor(torch.log2(bf.abs().clamp_min(1e-30))) - mant)
+    diff = (af - bf).abs()
+    bad = diff > max_ulps * ulp
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than {max_ulps} ulp; worst {float(diff.max())}"
+    frac = float((diff > 0).float().mean())
+    assert frac <= max_frac, f"{frac:.2e} of the elements differ (allowed {max_frac:.1e})"
+
+
+def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int):
+    """Compile a @triton.jit kernel for sm_90 (H100/H200) ahead of time, on a machine without a GPU,
+    with the specialisations the JIT would pick at the real shapes (pointers and strides divisible
+    by 16). Catches what the interpreter lets through (types, constexpr branches, layouts) and
+    reports register use. Arguments named *_ptr are pointers (`ptr_types` overrides the default
+    *fp32), scale/eps are fp32, other non-constexpr arguments i32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = ptr_types.get(n, "*fp32")
+        elif n in ("scale", "eps"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in constexprs.items()},
+                    attrs=attrs)
+    # enable_fp_fusion=False: as the launches do (NO_FMA)
+    return triton_compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+
+
+def cubin_resources(kernel) -> dict | None:
+    """{'REG': n, 'STACK': bytes, ...} from cuobjdump (bundled with triton), or None without it."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return {k: int(v) for k, v in found.items()} or None

@@ -1,0 +1,176 @@
+"""Triton kernels of salaserve.kernels.lightning / .fused against their torch twins, on CPU.
+
+Run under the Triton interpreter, which must be switched on before triton is first imported:
+tests/test_kernels_lightning.py runs this file in a subprocess with TRITON_INTERPRET=1 (the file
+name keeps it out of normal collection). By hand:
+
+    TRITON_INTERPRET=1 python -m pytest tests/lightning_interp_cases.py
+
+Small shapes; fp32 cases are compared at ~1e-5, bf16 cases (the roundings to the model dtype, done
+by exact integer arithmetic in the kernels) to within one bf16 ulp on a small fraction of elements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 (run through test_kernels_lightning.py)", allow_module_level=True)
+
+from kernel_checks import assert_within_ulps, decode_batch, fused_qkvz, max_err, rel_err  # noqa: E402
+
+from salaserve.cache.state import StatePool  # noqa: E402
+from salaserve.config import alibi_slopes  # noqa: E402
+from salaserve.kernels import fused, lightning  # noqa: E402
+from salaserve.kernels.torch_ops import TorchBackend  # noqa: E402
+from salaserve.model import reference as spec  # noqa: E402
+
+EPS, THETA = 1e-6, 10000.0
+H, D = 4, 16
+TB = TorchBackend()
+
+
+def _log_decay(heads=H):
+    return -torch.tensor(alibi_slopes(heads), dtype=torch.float32)
+
+
+def _norm_weight(n, dtype, gen):
+    return (1.0 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
+
+
+def test_inv_freq_matches_reference():
+    pos = torch.tensor([0, 1, 7, 100000, 524287])
+    inv = lightning.rope_inv_freq(D, THETA, "cpu")
+    cos, sin = spec.rope_cos_sin(pos, D, THETA)
+    ang = torch.outer(pos.float(), inv)
+    assert torch.equal(ang.cos(), cos[:, : D // 2]) and torch.equal(ang.sin(), sin[:, D // 2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_matches_torch(dtype):
+    """Three decode steps over two layers; slots scattered in a bigger pool; positions up to 5e5."""
+    gen = torch.Generator().manual_seed(0)
+    B, num_slots, n_layers = 3, 6, 3
+    scale = D ** -0.5
+    log_decay = _log_decay()
+    qw, kw = _norm_weight(D, dtype, gen), _norm_weight(D, dtype, gen)
+    ours = StatePool(num_slots, n_layers, H, D, torch.float32, "cpu")
+    ours.state.copy_(0.3 * torch.randn(ours.state.shape, generator=gen))
+    ref = StatePool(num_slots, n_layers, H, D, torch.float32, "cpu")
+    ref.state.copy_(ours.state)
+    initial = ours.state.clone()
+    slots = [4, 0, 2]
+    steps = [([0, 100000, 524300], 1, 8), ([1, 100001, 524301], 2, 16), ([2, 100002, 524302], 1, None)]
+    for positions, layer, block_v in steps:
+        batch = decode_batch(positions, slots)
+        q, k, v, _ = fused_qkvz(B, H, D, dtype, gen=gen)
+        o = lightning.lightning_decode_step(q, k, v, qw, kw, batch.positions, ours.state, batch.state_slots,
+                                            layer, log_decay, scale, EPS, THETA, block_v=block_v)
+        qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, batch.positions, EPS, THETA)
+        o_ref = TB.gla(qr, kr, v, batch, ref, layer, log_decay, scale)
+        assert o.dtype == torch.float32 and o.shape == (B, H, D)
+        # fp32: same math up to summation order; bf16: q/k roundings may differ by an ulp rarely
+        tol = 1e-5 if dtype == torch.float32 else 1e-3
+        assert rel_err(o, o_ref) < tol and max_err(o, o_ref) < 5 * tol
+        assert rel_err(ours.state, ref.state) < tol
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert torch.equal(ours.state[untouched], initial[untouched])  # other slots: bit-identical
+    assert torch.equal(ours.state[:, 0], initial[:, 0])  # layer 0 never used
+
+
+def test_decode_step_fresh_state_is_exact_recurrence():
+    """From S = 0, one step gives o = scale * (q.k) v exactly as the reference recurrence."""
+    gen = torch.Generator().manual_seed(1)
+    B = 2
+    pool = StatePool(2, 1, H, D, torch.float32, "cpu")
+    q, k, v, _ = fused_qkvz(B, H, D, torch.float32, gen=gen)
+    w = torch.ones(D)
+    pos = torch.tensor([5, 9])
+    slots = torch.tensor([1, 0])
+    o = lightning.lightning_decode_step(q, k, v, w, w, pos, pool.state, slots, 0, _log_decay(), 0.25, EPS, THETA)
+    qr, kr = TB.lightning_qk_norm_rope(q, k, w, w, pos, EPS, THETA)
+    for b in range(B):
+        o_ref, s_ref = spec.gla_recurrent(qr[b:b + 1], kr[b:b + 1], v[b:b + 1].float(), _log_decay(),
+                                          torch.zeros(H, D, D), 0.25)
+        torch.testing.assert_close(o[b], o_ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pool.state[int(slots[b]), 0], s_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(2)
+    N = 5
+    q, k, _, _ = fused_qkvz(N, H, D, dtype, gen=gen)
+    qw, kw = _norm_weight(D, dtype, gen), _norm_weight(D, dtype, gen)
+    pos = torch.tensor([0, 3, 4095, 100000, 600000])
+    qo, ko = lightning.qk_norm_rope(q, k, qw, kw, pos, EPS, THETA)
+    qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, pos, EPS, THETA)
+    assert qo.dtype == qr.dtype and ko.dtype == kr.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(qo, qr, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ko, kr, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within_ulps(qo, qr, max_ulps=1, max_frac=0.02)
+        assert_within_ulps(ko, kr, max_ulps=1, max_frac=0.02)
+    q32, _ = lightning.qk_norm_rope(q, k, qw, kw, pos, EPS, THETA, out_dtype=torch.float32)
+    assert q32.dtype == torch.float32 and torch.equal(q32, qo.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [4, 3])  # 3 x 16 = 48 columns: a masked (non power of two) row
+def test_lightning_output_matches_torch(dtype, heads):
+    gen = torch.Generator().manual_seed(3)
+    N = 3
+    o = torch.randn(N, heads, D, generator=gen)
+    _, _, _, z = fused_qkvz(N, heads, D, dtype, gen=gen)  # z: strided rows
+    w = _norm_weight(heads * D, dtype, gen)
+    out = lightning.lightning_output(o, w, z, EPS, dtype)
+    ref = TB.lightning_output(o, w, z, EPS, dtype)
+    assert out.dtype == ref.dtype and out.shape == ref.shape == (N, heads * D)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert_within_ulps(out, ref, max_ulps=1, max_frac=0.02)
+    # [N, H*d] input gives the same
+    assert torch.equal(lightning.lightning_output(o.reshape(N, -1), w, z, EPS, dtype), out)
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert_within_ulps(out, ref, max_ulps=1, max_frac=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [64, 40])
+def test_rms_norm_and_add_rms_norm(dtype, cols):
+    gen = torch.Generator().manual_seed(4)
+    N = 4
+    big = torch.randn(N, 3 * cols, generator=gen).to(dtype)
+    x = big[:, cols: 2 * cols]  # strided rows
+    upd = (4 * torch.randn(N, cols, generator=gen)).to(dtype)
+    w = _norm_weight(cols, dtype, gen)
+    _check(fused.rms_norm(x, w, EPS), TB.rms_norm(x, w, EPS), dtype)
+    _check(fused.rms_norm(x.reshape(2, 2, cols), w, EPS), TB.rms_norm(x.reshape(2, 2, cols), w, EPS), dtype)
+    r = 0.24748737341529164
+    h, n = fused.add_rms_norm(x, upd, r, w, EPS)
+    h_ref, n_ref = TB.add_rms_norm(x, upd, r, w, EPS)
+    assert torch.equal(h, h_ref)  # two roundings, no reduction: bit-exact
+    _check(n, n_ref, dtype)
+    assert torch.equal(x, big[:, cols: 2 * cols])  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_sigmoid_mul(dtype):
+    gen = torch.Generator().manual_seed(5)
+    N, F = 3, 40
+    gate_up = (3 * torch.randn(N, 2 * F, generator=gen)).to(dtype)
+    _check(fused.silu_mul(gate_up, block=16), TB.silu_mul(gate_up), dtype)
+    big = (3 * torch.randn(N, 3 * F, generator=gen)).to(dtype)
+    x, g = big[:, :F], big[:, 2 * F:]
+    _check(fused.sigmoid_mul(x, g, block=16), x * torch.sigmoid(g), dtype)
