@@ -52,6 +52,7 @@ class ForwardBatch:
     # chooses dense or sparse attention by its own position, as plain decoding would.
     verify_host: list[bool] = None
     spec_kv: dict = None  # (lightning layer idx, seq idx) -> (k, v) fp32 [n, H, d]
+    derived: dict = None  # per-step tensors kernels derive once and share across layers
     # Set only for CUDA-graph decode batches, whose host mirrors are placeholders: kernels must then
     # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
     # dense_len / block_size wide; "sparse": any mix, page_table spans the context length.
@@ -95,7 +96,7 @@ class ForwardBatch:
             q_lens_host=[len(w.token_ids) for w in work], seq_lens_host=seq_lens,
             cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
             is_decode=all(len(w.token_ids) == 1 for w in work),
-            verify_host=[w.verify for w in work], spec_kv={},
+            verify_host=[w.verify for w in work], spec_kv={}, derived={},
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
@@ -121,6 +122,6 @@ class ForwardBatch:
             is_sparse_host=[self.is_sparse_host[i] for i in seqs],
             is_decode=all(n == 1 for n in q_lens),
             verify_host=[self.verify_host[i] for i in seqs] if self.verify_host else None,
-            spec_kv=self.spec_kv,
+            spec_kv=self.spec_kv, derived={},
         )
         return sub, rows

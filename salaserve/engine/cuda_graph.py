@@ -56,6 +56,8 @@ class DecodeGraphs:
         self.pool = None
         self.capture_seconds = 0.0
         self.padding_from = 0  # rows >= this hold padding values (after capture: all of them)
+        # sparse-mode graphs need a graph-safe block selection in the backend
+        self.modes = ("dense", "sparse") if hasattr(model.ops, "select_blocks_decode") else ("dense",)
 
     def _static_batch(self, bs: int, mode: str) -> ForwardBatch:
         b = self.buf
@@ -66,7 +68,7 @@ class DecodeGraphs:
             logits_indices=b["logits_indices"][:bs],
             # host mirrors are placeholders in graph mode (decode_mode tells kernels not to read them)
             q_lens_host=[1] * bs, seq_lens_host=[1] * bs, cache_lens_host=[0] * bs, is_sparse_host=[False] * bs,
-            is_decode=True, decode_mode=mode,
+            is_decode=True, decode_mode=mode, verify_host=[False] * bs, spec_kv={}, derived={},
         )
 
     def _fill_padding(self, start: int, end: int) -> None:
@@ -90,7 +92,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for mode in ("dense", "sparse"):
+            for mode in self.modes:
                 for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
                     batch = self._static_batch(bs, mode)
                     for _ in range(2):  # compile / autotune outside the capture
@@ -104,17 +106,23 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch sizes %s, dense and sparse) in %.1f s",
-                 len(self.graphs), self.sizes, self.capture_seconds)
+        log.info("captured %d decode CUDA graphs (batch sizes %s, modes %s) in %.1f s",
+                 len(self.graphs), self.sizes, "/".join(self.modes), self.capture_seconds)
+
+    def _mode(self, batch: ForwardBatch) -> str:
+        if any(batch.is_sparse_host) or batch.page_table.shape[1] > self.widths["dense"]:
+            return "sparse"
+        return "dense"
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.num_seqs <= self.max_bs
+        return (batch.is_decode and batch.num_seqs <= self.max_bs and not any(batch.verify_host or ())
+                and self._mode(batch) in self.modes)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay the graph for this decode batch; logits of its real rows."""
         B = batch.num_seqs
         bs = next(s for s in self.sizes if s >= B)
-        mode = "sparse" if any(batch.is_sparse_host) or batch.page_table.shape[1] > self.widths["dense"] else "dense"
+        mode = self._mode(batch)
         b = self.buf
         for name in ("input_ids", "positions", "seq_lens", "cache_lens", "slot_mapping", "state_slots", "is_sparse"):
             b[name][:B].copy_(getattr(batch, name), non_blocking=True)

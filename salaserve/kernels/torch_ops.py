@@ -38,6 +38,9 @@ class TorchBackend:
     def linear(self, x, weight):
         return x @ weight.t()
 
+    def sigmoid_mul(self, x, gate):
+        return x * torch.sigmoid(gate)
+
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_qk_norm_rope(self, q, k, q_norm, k_norm, positions, eps, theta):
         """q, k [N, H, d]: per-head RMSNorm, then NeoX RoPE at absolute positions."""
@@ -45,6 +48,12 @@ class TorchBackend:
         k = spec.rms_norm(k, k_norm, eps)
         cos, sin = spec.rope_cos_sin(positions, q.shape[-1], theta)
         return spec.apply_rope(q, cos, sin), spec.apply_rope(k, cos, sin)
+
+    def lightning_attention(self, q, k, v, q_norm, k_norm, batch: ForwardBatch, states: StatePool, layer: int,
+                            log_decay, scale, eps, theta):
+        """q/k RMSNorm + RoPE, then simple GLA from each sequence's state slot. o [N, H, d] fp32."""
+        q, k = self.lightning_qk_norm_rope(q, k, q_norm, k_norm, batch.positions, eps, theta)
+        return self.gla(q, k, v, batch, states, layer, log_decay, scale)
 
     def gla(self, q, k, v, batch: ForwardBatch, states: StatePool, layer: int, log_decay, scale):
         """Simple GLA over each sequence's tokens, starting from and writing back its state slot.

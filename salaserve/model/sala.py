@@ -100,16 +100,15 @@ class SalaModel:
         ops.update_compressed(caches.kv, caches.compressed, idx, batch)
         o = ops.sparse_attention(q.reshape(n, cfg.num_attention_heads, d), caches.kv, caches.compressed,
                                  idx, batch, cfg)
-        return ops.linear(o.reshape(n, cfg.q_size) * torch.sigmoid(gate), layer["o_proj"])
+        return ops.linear(ops.sigmoid_mul(o.reshape(n, cfg.q_size), gate), layer["o_proj"])
 
     def _lightning_mixer(self, idx, layer, a, batch, caches):
         cfg, ops = self.cfg, self.ops
         n, H, d = a.shape[0], cfg.lightning_nh, cfg.lightning_head_dim
         qkvz = ops.linear(a, layer["qkvg"])
         q, k, v, z = qkvz.split(cfg.lightning_size, dim=-1)
-        q, k = ops.lightning_qk_norm_rope(q.reshape(n, H, d), k.reshape(n, H, d), layer["q_norm"],
-                                          layer["k_norm"], batch.positions, cfg.rms_norm_eps, cfg.rope_theta)
-        o = ops.gla(q, k, v.reshape(n, H, d), batch, caches.states, idx, self.log_decay,
-                    cfg.lightning_attn_scale)
+        o = ops.lightning_attention(q.reshape(n, H, d), k.reshape(n, H, d), v.reshape(n, H, d), layer["q_norm"],
+                                    layer["k_norm"], batch, caches.states, idx, self.log_decay,
+                                    cfg.lightning_attn_scale, cfg.rms_norm_eps, cfg.rope_theta)
         o = ops.lightning_output(o, layer["o_norm"], z, cfg.rms_norm_eps, self.dtype)
         return ops.linear(o, layer["o_proj"])
