@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, run the GPU tests and benchmarks, keep logs in $OUT.
+#   scripts/gpu_check.sh [tests] [micro] [kernels] [train]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/fla_core*.whl .whl/fastapi*.whl .whl/starlette*.whl .whl/uvicorn*.whl .whl/pydantic*.whl \
+  .whl/annotated*.whl .whl/typing_inspection*.whl .whl/einops*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for stage in "$@"; do
+  case "$stage" in
+    tests)
+      python3 -m pytest -m gpu -q -x -s tests/test_kernels_lightning.py tests/test_kernels_attention.py \
+        tests/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    micro)
+      python3 -m salaserve.bench.micro ${MICRO_ARGS:-} --json "$OUT/micro.json" 2>&1 | tee "$OUT/micro.log" | grep -v Warning ;;
+    kernels)
+      python3 -m salaserve.kernels.bench_lightning 2>&1 | tee "$OUT/bench_lightning.log" | tail -15
+      python3 -m salaserve.kernels.bench_attention 2>&1 | tee "$OUT/bench_attention.log" | tail -25 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
