@@ -73,6 +73,9 @@ class SalaModel:
         batch.logits_indices, [M, vocab]."""
         cfg, ops, p = self.cfg, self.ops, self.p
         eps, r = cfg.rms_norm_eps, cfg.residual_scale
+        # per-step derived tensors are recomputed by every forward: a graph capture must record
+        # their computation, not reuse tensors left by a warm-up run
+        batch.derived = {}
         h = (p["embed"][batch.input_ids] * cfg.scale_emb).to(self.dtype)
         normed = ops.rms_norm(h, p["layers"][0]["input_norm"], eps)
         for i, layer in enumerate(p["layers"]):
