@@ -53,6 +53,26 @@ def assert_within_ulps(a, b, max_ulps: int = 1, max_frac: float = 0.0):
     assert frac <= max_frac, f"{frac:.2e} of the elements differ (allowed {max_frac:.1e})"
 
 
+def assert_rope_within_ulps(a, b, max_ulps: int = 2, max_frac: float = 0.0):
+    """RoPE outputs [..., d]: compare against the ulp at the magnitude of each rotated pair
+    (x_i, x_{i+d/2}), whose norm the rotation preserves. A lone element of a pair can come out of
+    the rotation near zero by cancellation; its own ulp is then tiny while the rounding error of
+    the (normed, bf16-rounded) inputs is set by the pair's magnitude. Each input component may be
+    one ulp off (GPU vs CPU rsqrt/cos/sin in the last fp32 bit), hence two ulps of the pair."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    af, bf = a.float(), b.float()
+    half = bf.shape[-1] // 2
+    pair = torch.sqrt(bf[..., :half] ** 2 + bf[..., half:] ** 2)
+    pair = torch.cat([pair, pair], dim=-1)
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[a.dtype]
+    ulp = torch.exp2(torch.floor(torch.log2(pair.clamp_min(1e-30))) - mant)
+    diff = (af - bf).abs()
+    bad = diff > max_ulps * ulp
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than {max_ulps} pair-ulps; worst {float(diff.max())}"
+    frac = float((diff > 0).float().mean())
+    assert frac <= max_frac, f"{frac:.2e} of the elements differ (allowed {max_frac:.1e})"
+
+
 def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int):
     """Compile a @triton.jit kernel for sm_90 (H100/H200) ahead of time, on a machine without a GPU,
     with the specialisations the JIT would pick at the real shapes (pointers and strides divisible

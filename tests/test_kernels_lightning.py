@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_checks import assert_within_ulps, decode_batch, fused_qkvz, max_err, prefill_batch, rel_err
+from kernel_checks import assert_rope_within_ulps, assert_within_ulps, decode_batch, fused_qkvz, max_err, prefill_batch, rel_err
 
 from salaserve.cache.state import StatePool
 from salaserve.config import alibi_slopes
@@ -308,9 +308,10 @@ def test_gpu_lightning_output_and_qk_norm_rope(N):
     pos = torch.randint(0, 600000, (N,), generator=gen).to(dev)
     qo, ko = qk_norm_rope(q, k, qw, kw, pos, EPS, THETA)
     qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, pos, EPS, THETA)
-    # one-ulp bf16 flips where the GPU's fp32 differs from torch's in the last bit: rare
-    assert_within_ulps(qo, qr, max_ulps=1, max_frac=1e-3)
-    assert_within_ulps(ko, kr, max_ulps=1, max_frac=1e-3)
+    # bf16 flips where the GPU's fp32 differs from torch's in the last bit: rare; measured per
+    # rotated pair (see assert_rope_within_ulps)
+    assert_rope_within_ulps(qo, qr, max_ulps=2, max_frac=1e-3)
+    assert_rope_within_ulps(ko, kr, max_ulps=2, max_frac=1e-3)
     o = torch.randn(N, H_REAL, D_REAL, generator=gen).to(dev)
     w = (1.0 + 0.2 * torch.randn(H_REAL * D_REAL, generator=gen)).to(dev, dtype)
     out = lightning_output(o, w, z, EPS, dtype)
