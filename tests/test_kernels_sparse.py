@@ -39,7 +39,7 @@ ROOT = os.path.dirname(HERE)
 @pytest.fixture(scope="session")
 def interp():
     """Run both parts of _sparse_kernel_cases.py under the interpreter, in parallel (2 cores)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     procs = {part: subprocess.Popen([sys.executable, os.path.join(HERE, "_sparse_kernel_cases.py"), part],
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for part in ("select", "attention")}

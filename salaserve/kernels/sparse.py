@@ -275,7 +275,7 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
     """Packed keys [Hkv, n_rows, nb_out] int32 for the tokens [tok_base, tok_base + n_rows) that
     the tiles cover (see `_stage1_block_keys_kernel`). Fixed shapes for fixed inputs shapes."""
     sc = comp.sc
-    N, Hq, D = q.shape
+    _, Hq, D = q.shape
     hkv = comp.c1.shape[3]
     group = Hq // hkv
     gp = max(16, _pow2(group))
