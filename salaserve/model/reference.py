@@ -131,6 +131,24 @@ def kernel_visible_count(n_queries: int, kernel: int, stride: int, total: int, d
     return n.clamp(min=0, max=total)
 
 
+def block_scores(scores: torch.Tensor, query_blocks: torch.Tensor, num_blocks: int,
+                 sc: SparseConfig) -> torch.Tensor:
+    """Pool C1 scores to blocks and force init/local blocks to +inf, future blocks to -inf
+    (spec 3.4 step 2). Shapes as in `select_blocks`; returns [G, T, num_blocks] fp32."""
+    G, T, n1 = scores.shape
+    per_block, pad, width = sc.c1_per_block, sc.pool_padding, sc.pool_kernel
+    # C1 entries overlapping block b: [per_block*b - pad, per_block*b - pad + width).
+    padded = F.pad(scores.float(), (pad, num_blocks * per_block + width - n1 - pad), value=float("-inf"))
+    windows = padded.unfold(-1, width, per_block)[:, :, :num_blocks]  # [G, T, nb, width]
+    pooled = windows.amax(-1)
+
+    b = torch.arange(num_blocks, device=scores.device)
+    qb = query_blocks[:, None]
+    forced = (b[None, :] < sc.init_blocks) | ((b[None, :] >= qb - sc.local_blocks) & (b[None, :] <= qb))
+    pooled = torch.where(forced[None], float("inf"), pooled)
+    return torch.where((b[None, :] > qb)[None], float("-inf"), pooled)
+
+
 def select_blocks(scores: torch.Tensor, query_blocks: torch.Tensor, num_blocks: int,
                   sc: SparseConfig) -> torch.Tensor:
     """Pool C1 scores to blocks, force init/local blocks, drop future blocks, take top-k (spec 3.4).
@@ -144,24 +162,18 @@ def select_blocks(scores: torch.Tensor, query_blocks: torch.Tensor, num_blocks: 
     kernel's. Ties are broken toward the lower block index (a stable sort), so that the engine's
     kernels can reproduce the choice exactly (torch.topk's CUDA tie order is unspecified, Q4).
     """
-    G, T, n1 = scores.shape
-    per_block, pad, width = sc.c1_per_block, sc.pool_padding, sc.pool_kernel
-    # C1 entries overlapping block b: [per_block*b - pad, per_block*b - pad + width).
-    padded = F.pad(scores.float(), (pad, num_blocks * per_block + width - n1 - pad), value=float("-inf"))
-    windows = padded.unfold(-1, width, per_block)[:, :, :num_blocks]  # [G, T, nb, width]
-    block_scores = windows.amax(-1)
+    return select_from_block_scores(block_scores(scores, query_blocks, num_blocks, sc), query_blocks, sc)
 
-    b = torch.arange(num_blocks, device=scores.device)
-    qb = query_blocks[:, None]
-    forced = (b[None, :] < sc.init_blocks) | ((b[None, :] >= qb - sc.local_blocks) & (b[None, :] <= qb))
-    block_scores = torch.where(forced[None], float("inf"), block_scores)
-    block_scores = torch.where((b[None, :] > qb)[None], float("-inf"), block_scores)
 
+def select_from_block_scores(bscores: torch.Tensor, query_blocks: torch.Tensor, sc: SparseConfig) -> torch.Tensor:
+    """Top-k of `block_scores` output [G, T, nb] with ties toward the lower block index; causal only."""
+    G, T, num_blocks = bscores.shape
     k = min(sc.topk_eff, num_blocks)
-    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    chosen = torch.zeros(G, T, num_blocks, dtype=torch.bool, device=scores.device)
+    order = torch.sort(bscores, dim=-1, descending=True, stable=True).indices[..., :k]
+    chosen = torch.zeros(G, T, num_blocks, dtype=torch.bool, device=bscores.device)
     chosen.scatter_(-1, order, True)
-    return chosen & (b[None, :] <= qb)[None]
+    b = torch.arange(num_blocks, device=bscores.device)
+    return chosen & (b[None, :] <= query_blocks[:, None])[None]
 
 
 def stage1_scores(q: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, vis1: torch.Tensor,

@@ -1,0 +1,550 @@
+"""InfLLM-v2 block selection and block-sparse prefill attention over the paged caches (Triton).
+
+Spec section 3.4/3.5 and the executable spec `salaserve/model/reference.py` (`stage1_scores`,
+`select_blocks`): the project's choices are followed exactly, i.e. natural causal visibility of
+compressed entries (entry j is visible to the query at position p iff its whole window lies in
+[0, p]), future blocks score -inf, and ties are broken toward the lower block index.
+
+Selection, for one query (token t at absolute position p, KV group g):
+  1. lse_h = log sum_i exp(s * q_h.C2[i]) over the visible C2 entries            (`_stage1_lse_kernel`)
+  2. S[j]  = bf16( sum_{h in g} exp(s * q_h.C1[j] - lse_h) ), 0 for invisible j, -inf past n1
+     Bscore[b] = max S[j] over j in [c1_per_block*b - pad, c1_per_block*(b+1) - 1]
+     forced blocks (init, local window incl. the current block) = +inf, future blocks = -inf
+                                                                              (`_stage1_block_keys_kernel`)
+  3. top-k over the blocks with ties toward the lower index                   (`_topk_blocks`, torch)
+
+Step 2 writes, per (group, token, block), one packed int32 key: the bf16 block score's bits mapped
+to an order-preserving int16 in the high half and (65535 - block) in the low half. Keys are unique
+per row, so a plain `torch.topk` on them returns exactly the reference's stable-sort choice, ties
+included, on any device; the [tokens, n1] score matrix is never materialised.
+
+Public entry points:
+  select_blocks_decode    one query per sequence, CUDA-graph capturable, returns page ids
+  select_blocks_prefill   per-token block indices for (chunked) prefill
+  sparse_prefill_attention  block-sparse causal attention over the selected blocks
+  sparse_attention        TorchBackend.sparse_attention's contract (selection + attention)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.config import ModelConfig, SparseConfig
+from salaserve.engine.batch import ForwardBatch
+
+LOG2E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
+
+# Launch parameters. Several are tuning knobs for the GPU (see bench_sparse.py).
+_TARGET_PROGRAMS = 528  # ~4 programs per SM on an H200 (132 SMs): enough to fill it at batch 1
+_LSE_BLOCK_N = 64  # C2 entries per tl.dot in the lse pass (also the unit of its splits)
+_SELECT_BUFFER_BYTES = 256 << 20  # bound on the int32 key buffer of one prefill selection chunk
+_MAX_BLOCKS = 1 << 16  # the packed key keeps the block index in 16 bits
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs (tests) need IEEE products to match the fp32 reference; bf16 ignores it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _visible(pos, KERNEL: tl.constexpr, STRIDE: tl.constexpr):
+    """Compressed entries whose window [STRIDE*j, STRIDE*j + KERNEL) lies inside [0, pos].
+    Written without a negative numerator: Triton's integer division truncates toward zero."""
+    return tl.where(pos + 1 >= KERNEL, (pos + 1 - KERNEL) // STRIDE + 1, 0)
+
+
+@triton.jit
+def _tile_rows(tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile,
+               GP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A tile is BLOCK_T consecutive tokens of one sequence. Rows of the dot's M dimension are
+    (token, head-in-group) pairs, row r = t * GP + h; GP >= 16 pads the group for tl.dot."""
+    seq = tl.load(tile_seq_ptr + pid_tile)
+    tok0 = tl.load(tile_tok0_ptr + pid_tile)
+    ntok = tl.load(tile_ntok_ptr + pid_tile)
+    r = tl.arange(0, BLOCK_T * GP)
+    t_of_r = r // GP
+    h_of_r = r % GP
+    tok_r = tok0 + t_of_r
+    pos_r = tl.load(positions_ptr + tok_r, mask=t_of_r < ntok, other=0)
+    return seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r
+
+
+@triton.jit
+def _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh,
+                 GROUP: tl.constexpr, D: tl.constexpr):
+    d = tl.arange(0, D)
+    ptrs = q_ptr + tok_r[:, None] * stride_qt + (g * GROUP + h_of_r)[:, None] * stride_qh + d[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _stage1_lse_kernel(
+    q_ptr, c2_ptr, page_table_ptr, positions_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
+    m_part_ptr, l_part_ptr,
+    stride_qt, stride_qh, stride_c2p, stride_c2s, stride_c2h, stride_pt, stride_ps, stride_ph,
+    qk_scale2, entries_per_split, tok_base,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, K2: tl.constexpr, S2: tl.constexpr, C2PP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Partial log-sum-exp (base 2, online max / sum) of s*q_h.C2[i] over one range of C2 entries,
+    for every (token, head) row of a tile and KV head g. Partials are merged by the next kernel,
+    so decode at batch 1 can spread a long C2 list over many programs."""
+    pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
+        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
+    row_ok = (t_of_r < ntok) & (h_of_r < GROUP)
+    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
+    vis2 = tl.where(row_ok, _visible(pos_r, K2, S2), 0)
+
+    lo = pid_split * entries_per_split
+    hi = tl.minimum(lo + entries_per_split, tl.max(vis2, axis=0))
+    d = tl.arange(0, D)
+    m = tl.full([BLOCK_T * GP], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T * GP], tl.float32)
+    for i0 in range(lo, hi, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        i_ok = i < hi
+        page = tl.load(page_table_ptr + seq * stride_pt + i // C2PP, mask=i_ok, other=0).to(tl.int64)
+        c = tl.load(c2_ptr + page[:, None] * stride_c2p + (i % C2PP)[:, None] * stride_c2s
+                    + g * stride_c2h + d[None, :], mask=i_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(c), input_precision=DOT_PREC) * qk_scale2
+        s = tl.where(i[None, :] < vis2[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+        m = m_new
+
+    out = pid_split * stride_ps + (g * GROUP + h_of_r) * stride_ph + (tok_r - tok_base)
+    tl.store(m_part_ptr + out, m, mask=row_ok)
+    tl.store(l_part_ptr + out, l, mask=row_ok)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), kept in fp32. Spelled out on the bits because the
+    Triton interpreter's bf16 cast truncates; finite and +-inf inputs (NaN never reaches here)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_key(score, blk):
+    """Order-preserving int32 key of (bf16 score, -block) for a bf16-valued fp32 score: the high
+    half is the bf16 bit pattern made monotone as a signed int16 (negative floats get their
+    magnitude bits flipped), the low half 65535 - block, so equal scores rank the lower block first."""
+    bits = score.to(tl.int32, bitcast=True) >> 16  # arithmetic shift: the bf16 bits as int16
+    key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+    return key * 65536 + (65535 - blk)
+
+
+@triton.jit
+def _stage1_block_keys_kernel(
+    q_ptr, c1_ptr, page_table_ptr, seq_lens_ptr, positions_ptr,
+    tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
+    m_part_ptr, l_part_ptr, keys_ptr,
+    stride_qt, stride_qh, stride_c1p, stride_c1s, stride_c1h, stride_pt, stride_ps, stride_ph,
+    stride_kg, stride_kt,
+    qk_scale2, n_split2, nb_out, blocks_per_split, tok_base, dense_len,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BB: tl.constexpr, C1PB: tl.constexpr, PAD: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
+    BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Packed block keys [Hkv, tokens, nb_out] for the blocks [pid_split * blocks_per_split, ...)
+    of a tile of tokens, KV head g.
+
+    A step of the loop scores the C1 entries of BB consecutive blocks b0-1 .. b0+BB-2 with one
+    tl.dot and outputs blocks b0 .. b0+BB-2: block b pools its own c1_per_block entries plus the
+    last PAD entries of block b-1 (windows that start before b but overlap it), so the first block
+    of the step only donates those entries. Steps are independent (no carry), which lets decode
+    split one sequence's blocks over many programs.
+    """
+    pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
+        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
+    row_ok = (t_of_r < ntok) & (h_of_r < GROUP)
+    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
+
+    L = tl.load(seq_lens_ptr + seq)
+    n1 = _visible(L - 1, K1, S1)  # entries of the whole sequence
+    sparse = L >= dense_len
+    dense = L < dense_len  # dense sequences: every causal block is forced (all listed)
+
+    # Merge the C2 partials into lse2 = log2 sum 2^(s*log2e*q.C2) per row (-inf: nothing visible).
+    prow = (g * GROUP + h_of_r) * stride_ph + (tok_r - tok_base)
+    m = tl.full([BLOCK_T * GP], float("-inf"), tl.float32)
+    for sp in range(n_split2):
+        m = tl.maximum(m, tl.load(m_part_ptr + sp * stride_ps + prow, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros([BLOCK_T * GP], tl.float32)
+    for sp in range(n_split2):
+        m_s = tl.load(m_part_ptr + sp * stride_ps + prow, mask=row_ok, other=float("-inf"))
+        l += tl.load(l_part_ptr + sp * stride_ps + prow, mask=row_ok, other=0.0) * tl.exp2(m_s - m_safe)
+    lse2 = m_safe + tl.log2(l)  # log2(0) = -inf
+
+    vis1 = _visible(pos_r, K1, S1)
+    t = tl.arange(0, BLOCK_T)
+    tok_ok = t < ntok
+    qb = tl.load(positions_ptr + tok0 + t, mask=tok_ok, other=0) // BS  # [BLOCK_T]
+    # Only blocks below qb - LOCAL need a score; the rest are forced (+inf) or future (-inf).
+    score_end = tl.max(tl.where(tok_ok, qb - LOCAL, 0), axis=0)
+
+    k = tl.arange(0, BB)  # block slot in a step; slot 0 only donates its tail entries
+    e = tl.arange(0, BB * C1PB)  # C1 entry slot in a step, block-major
+    e_blk, e_slot = e // C1PB, e % C1PB
+    u = tl.arange(0, C1PB)
+    d = tl.arange(0, D)
+    shift = (k[:, None] - 1) == k[None, :]  # [BB, BB]: slot k takes from slot k - 1
+
+    b_lo = pid_split * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, nb_out)
+    # Steps below score_end compute scores; the rest only store forced / future keys. Two loops
+    # rather than a branch, so that the compiler can pipeline the first one's loads.
+    score_hi = tl.where(sparse, tl.minimum(tl.maximum(score_end, b_lo), b_hi), b_lo)
+    for b0 in range(b_lo, score_hi, BB - 1):
+        eb = b0 - 1 + e_blk  # block (= page) holding each entry
+        j = eb * C1PB + e_slot  # C1 entry index; negative before block 0
+        j_ok = (eb >= 0) & (j < n1)
+        page = tl.load(page_table_ptr + seq * stride_pt + eb, mask=j_ok, other=0).to(tl.int64)
+        c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s
+                    + g * stride_c1h + d[None, :], mask=j_ok[:, None], other=0.0)
+        a2 = tl.dot(q, tl.trans(c), input_precision=DOT_PREC) * qk_scale2
+        p = tl.exp2(a2 - lse2[:, None])
+        p = tl.where((p == float("inf")) | (p != p), 0.0, p)  # reference: nan_to_num(nan=0, posinf=0)
+        p = tl.where(row_ok[:, None] & (j[None, :] < vis1[:, None]), p, 0.0)
+        s = tl.sum(tl.reshape(p, (BLOCK_T, GP, BB * C1PB)), axis=1)  # sum over the group's heads
+        s = _round_bf16(s)  # InfLLM-v2 stores stage-1 scores in bf16
+        s = tl.where(j_ok[None, :], s, float("-inf"))  # pooling pads past the entries with -inf
+        s3 = tl.reshape(s, (BLOCK_T, BB, C1PB))
+        own = tl.max(s3, axis=2)
+        tail = tl.max(tl.where(u[None, None, :] >= C1PB - PAD, s3, float("-inf")), axis=2)
+        # tail of the previous block, tail[:, k - 1]: a shift along the block axis, written as a
+        # masked max over [BLOCK_T, BB, BB] (plain ops only; tl.gather lowering is fragile)
+        prev = tl.max(tl.where(shift[None, :, :], tail[:, None, :], float("-inf")), axis=2)
+        _store_keys(keys_ptr, tl.maximum(own, prev), b0, b_hi, qb, dense, tok_ok, t, tok0 - tok_base, g,
+                    stride_kg, stride_kt, BB, INIT, LOCAL)
+    rest = b_lo + tl.cdiv(score_hi - b_lo, BB - 1) * (BB - 1)  # where the first loop stopped
+    for b0 in range(rest, b_hi, BB - 1):
+        _store_keys(keys_ptr, tl.zeros([BLOCK_T, BB], tl.float32), b0, b_hi, qb, dense, tok_ok, t,
+                    tok0 - tok_base, g, stride_kg, stride_kt, BB, INIT, LOCAL)
+
+
+@triton.jit
+def _store_keys(keys_ptr, pooled, b0, b_hi, qb, dense, tok_ok, t, row0, g, stride_kg, stride_kt,
+                BB: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
+    """Force init / local blocks (+inf; every causal block of a dense sequence), drop future ones
+    (-inf), pack and store the keys of blocks b0 .. b0+BB-2 (step slots 1 .. BB-1)."""
+    k = tl.arange(0, BB)
+    blk = (b0 - 1 + k)[None, :]
+    qb2 = qb[:, None]
+    forced = (blk < INIT) | ((blk >= qb2 - LOCAL) & (blk <= qb2)) | (dense & (blk <= qb2))
+    score = tl.where(forced, float("inf"), tl.where(blk > qb2, float("-inf"), pooled))
+    ok = tok_ok[:, None] & (k[None, :] >= 1) & (blk < b_hi)
+    ptrs = keys_ptr + g * stride_kg + (row0 + t)[:, None] * stride_kt + blk
+    tl.store(ptrs, _pack_key(score, blk), mask=ok)
+
+
+def _split(total: int, parallel: int, unit: int) -> tuple[int, int]:
+    """(items per split, number of splits) so that parallel * splits ~ _TARGET_PROGRAMS, with
+    splits a multiple of `unit` items."""
+    total = max(total, 1)
+    want = max(1, min(-(-_TARGET_PROGRAMS // max(parallel, 1)), -(-total // unit)))
+    per = -(-(-(-total // want)) // unit) * unit
+    return per, -(-total // per)
+
+
+def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, positions,
+                 tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_rows: int, tok_base: int,
+                 nb_out: int, scale: float, block_t: int, bb: int) -> torch.Tensor:
+    """Packed keys [Hkv, n_rows, nb_out] int32 for the tokens [tok_base, tok_base + n_rows) that
+    the tiles cover (see `_stage1_block_keys_kernel`). Fixed shapes for fixed inputs shapes."""
+    sc = comp.sc
+    _, Hq, D = q.shape
+    hkv = comp.c1.shape[3]
+    group = Hq // hkv
+    gp = max(16, _pow2(group))
+    c1pb = sc.c1_per_block
+    if comp.c1_per_page != c1pb or c1pb & (c1pb - 1) or sc.pool_padding > c1pb:
+        raise ValueError("C1 entries must pool page-aligned: c1_per_block a power of two, pool padding "
+                         "<= c1_per_block")
+    if nb_out > _MAX_BLOCKS or D & (D - 1):
+        raise ValueError(f"unsupported shape: {nb_out} blocks (max {_MAX_BLOCKS}), head_dim {D}")
+    if comp.c1.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the compressed keys are {comp.c1.dtype}")
+    tile_seq, tile_tok0, tile_ntok = tiles
+    n_tiles = tile_seq.shape[0]
+    c1, c2 = comp.c1[layer], comp.c2[layer]  # [pages, per_page, Hkv, D]
+    qk_scale2 = scale * LOG2E
+    prec = _dot_precision(q.dtype)
+
+    block_n2 = _LSE_BLOCK_N
+    per2, n_split2 = _split(nb_out * comp.c2_per_page, n_tiles * hkv, block_n2)
+    m_part = torch.empty(n_split2, Hq, n_rows, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    _stage1_lse_kernel[(n_tiles, hkv, n_split2)](
+        q, c2, page_table, positions, tile_seq, tile_tok0, tile_ntok, m_part, l_part,
+        q.stride(0), q.stride(1), c2.stride(0), c2.stride(1), c2.stride(2), page_table.stride(0),
+        m_part.stride(0), m_part.stride(1), qk_scale2, per2, tok_base,
+        GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BLOCK_N=block_n2, K2=sc.c2_kernel_size,
+        S2=sc.c2_kernel_stride, C2PP=comp.c2_per_page, DOT_PREC=prec)
+
+    keys = torch.empty(hkv, n_rows, nb_out, dtype=torch.int32, device=q.device)
+    per1, n_split1 = _split(nb_out, n_tiles * hkv, bb - 1)
+    _stage1_block_keys_kernel[(n_tiles, hkv, n_split1)](
+        q, c1, page_table, seq_lens, positions, tile_seq, tile_tok0, tile_ntok, m_part, l_part, keys,
+        q.stride(0), q.stride(1), c1.stride(0), c1.stride(1), c1.stride(2), page_table.stride(0),
+        m_part.stride(0), m_part.stride(1), keys.stride(0), keys.stride(1),
+        qk_scale2, n_split2, nb_out, per1, tok_base, sc.dense_len,
+        GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BB=bb, C1PB=c1pb, PAD=sc.pool_padding,
+        K1=sc.kernel_size, S1=sc.kernel_stride, BS=sc.block_size, INIT=sc.init_blocks,
+        LOCAL=sc.local_blocks, DOT_PREC=prec, num_warps=8 if block_t * gp * bb * c1pb > 4096 else 4)
+    return keys
+
+
+def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of the kernel's key packing: (bf16 block scores as fp32, block indices)."""
+    bits = keys >> 16
+    bits = torch.where(bits < 0, bits ^ 0x7FFF, bits)
+    scores = bits.to(torch.int16).view(torch.bfloat16).float()
+    return scores, 65535 - (keys & 0xFFFF)
+
+
+def _topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: torch.Tensor) -> torch.Tensor:
+    """keys [Hkv, R, nb] -> block indices [Hkv, R, width] int32: for each row the `limit` best
+    blocks (limit: int or [R]), causal ones (<= qb [R]) only, ascending, -1 padded at the end."""
+    k = min(width, keys.shape[-1])
+    # With limit < k (dense rows mixed in) the rank matters, so ask for sorted output then.
+    need_rank = not (isinstance(limit, int) and limit >= k)
+    top = keys.topk(k, dim=-1, sorted=need_rank).indices  # unique keys: a deterministic choice
+    valid = top <= qb[None, :, None]
+    if need_rank:
+        rank = torch.arange(k, device=keys.device)
+        lim = limit if isinstance(limit, int) else limit[None, :, None]
+        valid &= rank < lim
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where(valid, top, big).sort(dim=-1).values
+    idx = torch.where(idx == big, -1, idx).to(torch.int32)
+    if k < width:
+        idx = torch.nn.functional.pad(idx, (0, width - k), value=-1)
+    return idx
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode selection
+# ---------------------------------------------------------------------------------------------
+
+
+def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, page_table: torch.Tensor,
+                         seq_lens: torch.Tensor, sc: SparseConfig, scale: float, max_sel: int,
+                         block_t: int = 1, bb: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks to attend for one decode query per sequence (position seq_len - 1).
+
+    q [B, Hq, d] (bf16/fp32); page_table [B, P] int32 (P is the static width, >= every
+    sequence's page count); seq_lens [B] int32 total lengths including the new token.
+    Returns (block_table [B, Hkv, max_sel] int32 page ids, block_count [B, Hkv] int32):
+      - entries [0, count) are page ids in ascending block order, so the last listed page is always
+        the sequence's last (possibly partial) page, holding seq_len - (nb - 1) * block_size tokens;
+        entries past count are 0 (a valid page id, never to be read);
+      - sparse sequences (seq_len >= dense_len): the top-k of spec 3.4 with every existing entry
+        visible, count = min(topk_eff, nb);
+      - dense sequences (seq_len < dense_len): every block, count = nb. This needs
+        max_sel >= ceil((dense_len - 1) / block_size) (128 for the real config); a smaller max_sel
+        serves sparse sequences only.
+    CUDA-graph capturable: no host sync, every shape depends only on (B, P, max_sel).
+    """
+    if max_sel < sc.topk_eff:
+        raise ValueError(f"max_sel={max_sel} < topk_eff={sc.topk_eff}")
+    B = q.shape[0]
+    nb_out = page_table.shape[1]
+    dev = q.device
+    seq_lens = seq_lens.to(torch.int32)
+    positions = (seq_lens - 1).to(torch.int64)
+    ar = torch.arange(B, device=dev, dtype=torch.int32)
+    tiles = (ar, ar, torch.ones_like(ar))
+    keys = _stage1_keys(q, comp, layer, page_table, seq_lens, positions, tiles, B, 0, nb_out,
+                        scale, block_t, bb)
+    limit = torch.where(seq_lens >= sc.dense_len, sc.topk_eff, max_sel)
+    blocks = _topk_blocks(keys, max_sel, limit, positions // sc.block_size)  # [Hkv, B, max_sel]
+    blocks = blocks.transpose(0, 1)  # [B, Hkv, max_sel]
+    count = (blocks >= 0).sum(-1, dtype=torch.int32)
+    pages = torch.gather(page_table, 1, blocks.clamp(min=0).flatten(1).long()).view_as(blocks)
+    return torch.where(blocks >= 0, pages, 0).contiguous(), count
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill selection
+# ---------------------------------------------------------------------------------------------
+
+
+def _prefill_tiles(batch: ForwardBatch, block_t: int):
+    """Host-side tiles: BLOCK_T consecutive tokens of one sequence each."""
+    seqs, tok0s, ntoks = [], [], []
+    start = 0
+    for i, n in enumerate(batch.q_lens_host):
+        for t in range(0, n, block_t):
+            seqs.append(i)
+            tok0s.append(start + t)
+            ntoks.append(min(block_t, n - t))
+        start += n
+    return seqs, tok0s, ntoks
+
+
+def prefill_width(batch: ForwardBatch, sc: SparseConfig) -> int:
+    """Width of select_blocks_prefill's output: topk_eff, or more when a dense sequence needs all
+    of its blocks listed."""
+    dense_nb = [-(-L // sc.block_size) for L, s in zip(batch.seq_lens_host, batch.is_sparse_host) if not s]
+    return max([sc.topk_eff] + dense_nb)
+
+
+def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
+                          sc: SparseConfig, scale: float, block_t: int = 4, bb: int = 32) -> torch.Tensor:
+    """Per-token block selection for a (chunked) prefill batch.
+
+    q [N, Hq, d] (the batch's tokens, packed by sequence); compressed keys read through
+    batch.page_table. Token t at absolute position p sees C1/C2 entries by the natural causal rule.
+    Returns block_idx [Hkv, N, W] int32: block indices, ascending, -1 padded at the end.
+    W = topk_eff when every sequence is sparse; a dense sequence (seq_len < dense_len) gets every
+    causal block listed and W grows to cover it (see `prefill_width`).
+    Not graph-capturable (host-side tiling from batch.q_lens_host).
+    """
+    N = q.shape[0]
+    hkv = comp.c1.shape[3]
+    dev = q.device
+    width = prefill_width(batch, sc)
+    nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
+    seqs, tok0s, ntoks = _prefill_tiles(batch, block_t)
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32).to(dev, non_blocking=True)  # noqa: E731
+    tile_seq, tile_tok0, tile_ntok = as_t(seqs), as_t(tok0s), as_t(ntoks)
+    if all(batch.is_sparse_host):
+        limit = sc.topk_eff  # = width: the top-k needs no ranks
+    else:
+        tok_seq = torch.repeat_interleave(torch.arange(len(batch.q_lens_host), device=dev),
+                                          batch.cu_seqlens_q.diff(), output_size=N)
+        limit = torch.where(batch.is_sparse[tok_seq], sc.topk_eff, width)
+    qb = batch.positions // sc.block_size
+
+    out = torch.empty(hkv, N, width, dtype=torch.int32, device=dev)
+    rows_per_chunk = max(block_t, _SELECT_BUFFER_BYTES // (4 * hkv * nb_out))
+    i = 0
+    while i < len(tok0s):  # chunks of whole tiles, bounding the key buffer
+        j = i
+        while j < len(tok0s) and tok0s[j] + ntoks[j] - tok0s[i] <= rows_per_chunk:
+            j += 1
+        j = max(j, i + 1)
+        lo, hi = tok0s[i], tok0s[j - 1] + ntoks[j - 1]
+        keys = _stage1_keys(q, comp, layer, batch.page_table, batch.seq_lens, batch.positions,
+                            (tile_seq[i:j], tile_tok0[i:j], tile_ntok[i:j]), hi - lo, lo, nb_out,
+                            scale, block_t, bb)
+        out[:, lo:hi] = _topk_blocks(keys, width, limit if isinstance(limit, int) else limit[lo:hi], qb[lo:hi])
+        i = j
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: block-sparse prefill attention
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sparse_prefill_attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, block_idx_ptr, page_table_ptr, tok_seq_ptr, positions_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+    stride_bg, stride_bt, stride_pt,
+    scale2,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, W: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One program per (token, KV head g): the group's query heads are the M dimension of tl.dot
+    (padded to GP >= 16), iterating over the token's selected blocks (pages through the page
+    table). Causal mask inside the current block; fp32 online softmax (base 2)."""
+    tok, g = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(tok_seq_ptr + tok)
+    pos = tl.load(positions_ptr + tok)
+    h = tl.arange(0, GP)
+    h_ok = h < GROUP
+    d = tl.arange(0, D)
+    s_off = tl.arange(0, BS)
+    q = tl.load(q_ptr + tok * stride_qt + (g * GROUP + h)[:, None] * stride_qh + d[None, :],
+                mask=h_ok[:, None], other=0.0)
+
+    row = block_idx_ptr + g * stride_bg + tok * stride_bt
+    w = tl.arange(0, W)
+    count = tl.sum((tl.load(row + w) >= 0).to(tl.int32), axis=0)  # valid entries come first
+
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for i in range(count):
+        b = tl.load(row + i)
+        page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
+        kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
+        k = tl.load(k_ptr + kv_off)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
+        # every selected block is <= the query's block, so each has a visible key: m stays finite
+        s = tl.where((b * BS + s_off)[None, :] <= pos, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(o_ptr + tok * stride_ot + (g * GROUP + h)[:, None] * stride_oh + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch,
+                             block_idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, Hq, d]; block_idx [Hkv, N, W] int32 (ascending or not, valid entries first, -1 after).
+    Each query attends to the keys of its selected blocks that are <= its position. Returns
+    [N, Hq, d] in q.dtype. Graph-safe in itself (grid = (N, Hkv)), but the callers are not."""
+    N, Hq, D = q.shape
+    hkv = kv.k.shape[3]
+    group = Hq // hkv
+    k, v = kv.k[layer], kv.v[layer]  # [pages, block_size, Hkv, D]
+    if k.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV cache is {k.dtype}")
+    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    width = block_idx.shape[-1]
+    if width & (width - 1):  # the kernel reads a power-of-two row to count valid entries
+        block_idx = torch.nn.functional.pad(block_idx, (0, _pow2(width) - width), value=-1)
+    block_idx = block_idx.contiguous()
+    tok_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=q.device),
+                                      batch.cu_seqlens_q.diff(), output_size=N)
+    _sparse_prefill_attn_kernel[(N, hkv)](
+        q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0),
+        scale * LOG2E,
+        GROUP=group, GP=max(16, _pow2(group)), D=D, BS=kv.block_size, W=block_idx.shape[-1],
+        DOT_PREC=_dot_precision(q.dtype))
+    return out
+
+
+def sparse_attention(q: torch.Tensor, kv: KVPool, comp: CompressedKeyPool, layer: int,
+                     batch: ForwardBatch, cfg: ModelConfig, **select_kw) -> torch.Tensor:
+    """TorchBackend.sparse_attention's contract: q [N, Hq, d] -> [N, Hq, d] in q.dtype, per-token
+    InfLLM-v2 selection and block-sparse attention. Meant for prefill batches of sparse sequences;
+    dense sequences are also exact (every causal block is listed) but a dense kernel is faster."""
+    scale = cfg.head_dim ** -0.5
+    block_idx = select_blocks_prefill(q, comp, layer, batch, cfg.sparse, scale, **select_kw)
+    return sparse_prefill_attention(q, kv, layer, batch, block_idx, scale)

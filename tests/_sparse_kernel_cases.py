@@ -1,0 +1,364 @@
+"""Cases for tests/test_kernels_sparse.py, shared by the interpreter run (a subprocess with
+TRITON_INTERPRET=1, tiny config, fp32) and the GPU run (real config, bf16).
+
+Each `check_*` function builds random caches and a batch, runs a kernel from
+salaserve/kernels/sparse.py and its reference twin, and returns a dict of statistics; the tests
+assert on them. Run as a script, it executes the interpreter cases and prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.config import ModelConfig, preset_config
+from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.model import reference as spec
+
+LAYER = 1  # a layer other than 0, so that layer offsets are exercised
+
+
+def tiny_cfg(**sparse) -> ModelConfig:
+    cfg = preset_config("tiny")
+    return dataclasses.replace(cfg, sparse=dataclasses.replace(cfg.sparse, **sparse)) if sparse else cfg
+
+
+def make_case(cfg: ModelConfig, seqs: list[tuple[int, int]], seed: int, dtype=torch.float32, device="cpu",
+              structured: bool = True, spare_pages: int = 3) -> dict:
+    """Random K/V for every position of each sequence (cache_len + q_len tokens), C1/C2 built
+    from them as the engine would, pages scattered randomly over the pool, and random queries
+    for the q_len new tokens. `structured` adds a random per-block offset to the keys so that block
+    scores spread out (pure noise gives mostly tied bf16 scores, also worth testing)."""
+    sc = cfg.sparse
+    g = torch.Generator().manual_seed(seed)
+    bs, hkv, d = sc.block_size, cfg.num_key_value_heads, cfg.head_dim
+    need = [-(-(c + n) // bs) for c, n in seqs]
+    num_pages = sum(need) + spare_pages
+    kv = KVPool(2, num_pages, bs, hkv, d, dtype, device)
+    comp = CompressedKeyPool(sc, 2, num_pages, hkv, d, dtype, device)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    work, start = [], 0
+    for i, ((cache_len, q_len), n_pages) in enumerate(zip(seqs, need)):
+        pages = perm[start:start + n_pages]
+        start += n_pages
+        L = cache_len + q_len
+        keys = torch.randn(L, hkv, d, generator=g)
+        if structured:
+            keys += 2.0 * torch.randn(n_pages, hkv, d, generator=g).repeat_interleave(bs, 0)[:L]
+        keys = keys.to(dtype)  # what the cache holds; C1/C2 are means of these (spec 3.3)
+        values = torch.randn(L, hkv, d, generator=g)
+        pt = torch.tensor(pages)
+        flat = pt.repeat_interleave(bs)[:L] * bs + torch.arange(L) % bs
+        for layer in range(2):
+            kv.k[layer].view(-1, hkv, d)[flat.to(device)] = keys.to(device)
+            kv.v[layer].view(-1, hkv, d)[flat.to(device)] = values.to(device, dtype)
+            for pool, kernel, stride, per_page in ((comp.c1, sc.kernel_size, sc.kernel_stride, comp.c1_per_page),
+                                                   (comp.c2, sc.c2_kernel_size, sc.c2_kernel_stride,
+                                                    comp.c2_per_page)):
+                c = spec.compress_keys(keys, kernel, stride)
+                j = torch.arange(c.shape[0])
+                pool[layer, pt[j // per_page].to(device), (j % per_page).to(device)] = c.to(device, dtype)
+        work.append(SeqWork(state_slot=i, pages=pages, cache_len=cache_len, token_ids=[5] * q_len,
+                            need_logits=True))
+    batch = ForwardBatch.build(work, bs, sc.dense_len, device)
+    n = batch.num_tokens
+    q = torch.randn(n, cfg.num_attention_heads, d, generator=g)
+    q = q + 1.5 * torch.randn(1, cfg.num_attention_heads, d, generator=g)  # a shared direction per head
+    return dict(cfg=cfg, kv=kv, comp=comp, batch=batch, q=q.to(device, dtype))
+
+
+def _seq_slices(batch: ForwardBatch):
+    start = 0
+    for i, n in enumerate(batch.q_lens_host):
+        L = batch.seq_lens_host[i]
+        yield i, slice(start, start + n), L
+        start += n
+
+
+def reference_block_scores(case: dict, decode: bool = False):
+    """Per sequence: the reference block scores [G, T, nb] and selection mask [G, T, nb]
+    (decode=True: one query per sequence at its last position)."""
+    cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
+    sc, scale, bs = cfg.sparse, cfg.head_dim ** -0.5, cfg.sparse.block_size
+    out = []
+    for i, sl, L in _seq_slices(batch):
+        nb = -(-L // bs)
+        pages = batch.page_table[i, :nb]
+        c1, c2 = comp.gather(LAYER, pages, L)
+        qi = q[i:i + 1] if decode else q[sl]
+        pos = torch.tensor([L - 1], device=q.device) if decode else batch.positions[sl]
+        vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0])
+        vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0])
+        scores = spec.stage1_scores(qi.float(), c1.float(), c2.float(), vis1, vis2, cfg.gqa_group_size, scale)
+        bscores = spec.block_scores(scores, pos // bs, nb, sc)
+        out.append((bscores, spec.select_from_block_scores(bscores, pos // bs, sc)))
+    return out
+
+
+def _mask_from_idx(idx: torch.Tensor, nb: int) -> torch.Tensor:
+    """[..., W] block indices (-1 unused) -> bool [..., nb]."""
+    m = torch.zeros(*idx.shape[:-1], nb + 1, dtype=torch.bool, device=idx.device)
+    m.scatter_(-1, torch.where(idx < 0, nb, idx).long(), True)
+    return m[..., :nb]
+
+
+def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between bf16-valued fp32 tensors of equal sign (inf == inf)."""
+    ia = a.to(torch.bfloat16).view(torch.int16).int()
+    ib = b.to(torch.bfloat16).view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+def _new_stats() -> dict:
+    return dict(rows=0, rows_differ=0, rows_unexplained=0, rule_mismatch=0, blocks=0, blocks_common=0,
+                scores=0, score_exact=0, score_max_ulp=0)
+
+
+def _compare(stats: dict, kscores, mine, bref, mref, qb, sc) -> None:
+    """Accumulate the comparison of one sequence's rows [G, T, nb]: kernel block scores `kscores`
+    (unpacked keys) and selection mask `mine` against the reference's `bref`, `mref`.
+
+    score_exact: causal block scores bit-equal to the reference's; score_max_ulp: the largest
+    difference in bf16 steps; rule_mismatch: rows whose kernel selection differs from the reference
+    rule applied to the kernel's OWN scores (pooling/top-k/tie logic: must be 0); rows_differ:
+    rows whose selection differs from the reference; rows_unexplained: those among them whose
+    block scores are all bit-equal to the reference's (must be 0: only rounding may differ)."""
+    nb = bref.shape[-1]
+    causal = (torch.arange(nb, device=qb.device)[None, :] <= qb[:, None])[None].expand_as(bref)
+    same = (kscores == bref) | (kscores.isinf() & bref.isinf() & (kscores.sign() == bref.sign()))
+    stats["scores"] += int(causal.sum())
+    stats["score_exact"] += int((same & causal).sum())
+    finite = causal & bref.isfinite() & kscores.isfinite()
+    if finite.any():
+        stats["score_max_ulp"] = max(stats["score_max_ulp"], int(_ulp_diff(kscores[finite], bref[finite]).max()))
+    if (~same & causal & ~finite).any():
+        stats["score_max_ulp"] = 1 << 20  # an infinity where the reference has a finite value
+    stats["rule_mismatch"] += int((spec.select_from_block_scores(kscores, qb, sc) != mine).any(-1).sum())
+    differ = (mine != mref).any(-1)  # [G, T]
+    stats["rows"] += differ.numel()
+    stats["rows_differ"] += int(differ.sum())
+    stats["rows_unexplained"] += int((differ & (same | ~causal).all(-1)).sum())
+    stats["blocks"] += int(mref.sum())
+    stats["blocks_common"] += int((mref & mine).sum())
+
+
+def check_prefill_selection(case: dict, block_t: int = 4, bb: int = 32) -> dict:
+    """select_blocks_prefill against reference.stage1_scores + select_blocks (see `_compare`),
+    plus the output layout: ascending valid entries, -1 only at the end."""
+    from salaserve.kernels import sparse as ks
+
+    cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
+    sc, scale = cfg.sparse, cfg.head_dim ** -0.5
+    idx = ks.select_blocks_prefill(q, comp, LAYER, batch, sc, scale, block_t=block_t, bb=bb)
+    nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
+    tiles = ks._prefill_tiles(batch, block_t)
+    tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device) for x in tiles)
+    keys = ks._stage1_keys(q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles,
+                           batch.num_tokens, 0, nb_out, scale, block_t, bb)
+    kscores, kblocks = ks.unpack_keys(keys)
+    stats = _new_stats()
+    stats.update(sorted_ok=True, width=idx.shape[-1], dense_rows_ok=True)
+    for (i, sl, L), (bref, mref) in zip(_seq_slices(batch), reference_block_scores(case)):
+        nb = bref.shape[-1]
+        assert torch.equal(kblocks[:, sl, :nb].long(), torch.arange(nb, device=q.device).expand_as(bref))
+        mine = _mask_from_idx(idx[:, sl], nb)
+        qb = batch.positions[sl] // sc.block_size
+        if batch.is_sparse_host[i]:
+            _compare(stats, kscores[:, sl, :nb], mine, bref, mref, qb, sc)
+        else:  # a dense sequence lists every causal block
+            causal = torch.arange(nb, device=q.device)[None, :] <= qb[:, None]
+            stats["dense_rows_ok"] &= bool((mine == causal[None]).all())
+        valid = idx[:, sl] >= 0
+        stats["sorted_ok"] &= bool((idx[:, sl][..., 1:] > idx[:, sl][..., :-1])[valid[..., 1:]].all())
+        stats["sorted_ok"] &= bool((valid[..., 1:] <= valid[..., :-1]).all())  # -1 only at the end
+    return stats
+
+
+def check_decode_selection(case: dict, max_sel: int, bb: int = 16) -> dict:
+    """select_blocks_decode against the reference selection at each sequence's last position (see
+    `_compare`), plus the output contract: shapes/dtypes, ascending pages ending with the last
+    page, 0 padding, every block listed for dense sequences. One query per sequence: q[i]."""
+    from salaserve.kernels import sparse as ks
+
+    cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
+    sc, scale = cfg.sparse, cfg.head_dim ** -0.5
+    B, hkv = batch.num_seqs, cfg.num_key_value_heads
+    table, count = ks.select_blocks_decode(q[:B], comp, LAYER, batch.page_table, batch.seq_lens, sc, scale,
+                                           max_sel, bb=bb)
+    ar = torch.arange(B, device=q.device, dtype=torch.int32)
+    keys = ks._stage1_keys(q[:B], comp, LAYER, batch.page_table, batch.seq_lens, (batch.seq_lens - 1).long(),
+                           (ar, ar, torch.ones_like(ar)), B, 0, batch.page_table.shape[1], scale, 1, bb)
+    kscores, _ = ks.unpack_keys(keys)
+    stats = _new_stats()
+    stats.update(layout_ok=(tuple(table.shape) == (B, hkv, max_sel) and table.dtype == torch.int32
+                            and tuple(count.shape) == (B, hkv) and count.dtype == torch.int32),
+                 dense_rows_ok=True)
+    table, count = table.cpu(), count.cpu()
+    for (i, sl, L), (bref, mref) in zip(_seq_slices(batch), reference_block_scores(case, decode=True)):
+        nb = bref.shape[-1]
+        inv = {p: b for b, p in enumerate(batch.page_table[i, :nb].tolist())}  # page -> block
+        mine = torch.zeros(hkv, 1, nb, dtype=torch.bool)
+        for g in range(hkv):
+            c = int(count[i, g])
+            blocks = [inv.get(p, -1) for p in table[i, g, :c].tolist()]
+            stats["layout_ok"] &= (c > 0 and -1 not in blocks and blocks == sorted(set(blocks))
+                                   and blocks[-1] == nb - 1 and bool((table[i, g, c:] == 0).all()))
+            mine[g, 0, [b for b in blocks if b >= 0]] = True
+        mine = mine.to(q.device)
+        if L >= sc.dense_len:
+            _compare(stats, kscores[:, i:i + 1, :nb], mine, bref, mref,
+                     torch.tensor([(L - 1) // sc.block_size], device=q.device), sc)
+        else:
+            stats["dense_rows_ok"] &= bool(mine.all())
+    return stats
+
+
+def sparse_twin(q, kv, layer, batch, block_idx, scale):
+    """Torch twin of sparse_prefill_attention: reference softmax attention restricted to the
+    keys of each token's listed blocks that are <= its position."""
+    out = torch.empty_like(q)
+    bs = kv.block_size
+    for i, sl, L in _seq_slices(batch):
+        nb = -(-L // bs)
+        keys, values = kv.gather(layer, batch.page_table[i, :nb], L)
+        pos = batch.positions[sl]
+        allowed = _mask_from_idx(block_idx[:, sl], nb).repeat_interleave(bs, -1)[..., :L]
+        allowed &= (torch.arange(L, device=q.device)[None, :] <= pos[:, None])[None]
+        out[sl] = spec.attention(q[sl], keys, values, allowed, scale)
+    return out
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int = 32) -> dict:
+    """sparse_prefill_attention against the torch twin on the kernel's own selection
+    (shuffle=True: entries in random order, which the kernel must accept too)."""
+    from salaserve.kernels import sparse as ks
+
+    cfg, kv, comp, batch, q = case["cfg"], case["kv"], case["comp"], case["batch"], case["q"]
+    scale = cfg.head_dim ** -0.5
+    idx = ks.select_blocks_prefill(q, comp, LAYER, batch, cfg.sparse, scale, block_t=block_t, bb=bb)
+    if shuffle:  # random order of the valid entries, -1 kept at the end
+        g = torch.Generator().manual_seed(1)
+        key = torch.rand(idx.shape, generator=g).to(idx.device) + (idx < 0).float() * 2
+        idx = torch.gather(idx, -1, key.argsort(-1))
+    got = ks.sparse_prefill_attention(q, kv, LAYER, batch, idx, scale)
+    want = sparse_twin(q, kv, LAYER, batch, idx, scale)
+    return dict(max_abs=float((got.float() - want.float()).abs().max()), rel=_rel_err(got, want),
+                dtype_ok=got.dtype == q.dtype)
+
+
+def check_full(case: dict, **select_kw) -> dict:
+    """sparse_attention against TorchBackend.sparse_attention (selection + attention). Rows whose
+    selection differs from the reference (rare bf16 rounding flips, see `_compare`) are counted;
+    max_abs / rel compare the other rows, rel_all every row."""
+    from salaserve.kernels import sparse as ks
+    from salaserve.kernels.torch_ops import TorchBackend
+
+    cfg, kv, comp, batch, q = case["cfg"], case["kv"], case["comp"], case["batch"], case["q"]
+    got = ks.sparse_attention(q, kv, comp, LAYER, batch, cfg, **select_kw)
+    want = TorchBackend().sparse_attention(q, kv, comp, LAYER, batch, cfg)
+    idx = ks.select_blocks_prefill(q, comp, LAYER, batch, cfg.sparse, cfg.head_dim ** -0.5, **select_kw)
+    same_sel = torch.ones(cfg.num_key_value_heads, batch.num_tokens, dtype=torch.bool, device=q.device)
+    refs = reference_block_scores(case)
+    for (i, sl, L), (_, mref) in zip(_seq_slices(batch), refs):
+        if batch.is_sparse_host[i]:
+            same_sel[:, sl] = (_mask_from_idx(idx[:, sl], mref.shape[-1]) == mref).all(-1)
+    rows = same_sel.t().repeat_interleave(cfg.gqa_group_size, 1)  # [N, Hq]
+    err = (got.float() - want.float()).abs()[rows]
+    return dict(rows=rows.numel(), rows_differ=int((~rows).sum()), max_abs=float(err.max()) if err.numel() else 0.0,
+                rel=_rel_err(got[rows], want[rows]), rel_all=_rel_err(got, want), dtype_ok=got.dtype == q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The interpreter run (tiny config, fp32)
+# ---------------------------------------------------------------------------------------------
+
+class _knobs:
+    """Temporarily set launch knobs of salaserve.kernels.sparse (split sizes)."""
+
+    def __init__(self, **kw):
+        from salaserve.kernels import sparse as ks
+
+        self.ks, self.kw = ks, kw
+
+    def __enter__(self):
+        self.old = {k: getattr(self.ks, k) for k in self.kw}
+        for k, v in self.kw.items():
+            setattr(self.ks, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.ks, k, v)
+
+
+def _part_select() -> dict:
+    """Selection cases. Tiny config: block 16, C1 8/4, C2 32/16, dense_len 128, topk_eff 8.
+    (cache_len, q_len) per sequence; block_t / bb (tokens per tile, blocks per step) vary so that
+    tiles and steps end at different places; one program per tile unless a case asks for splits."""
+    cfg = tiny_cfg()
+    res = {}
+    with _knobs(_TARGET_PROGRAMS=1):
+        # one-shot prefill of a sparse prompt: every C1/C2 birth, partial last page (140 = 8*16 + 12)
+        res["select_oneshot_struct"] = check_prefill_selection(
+            make_case(cfg, [(0, 140)], seed=1), block_t=8, bb=4)
+        res["select_oneshot_noise"] = check_prefill_selection(
+            make_case(cfg, [(0, 140)], seed=2, structured=False), block_t=4, bb=8)
+        # chunks on top of caches, starting mid-page and mid C1/C2 window, partial last pages
+        chunked = [(131, 37), (250, 22), (127, 9)]
+        res["select_chunked_struct"] = check_prefill_selection(make_case(cfg, chunked, seed=3), block_t=8, bb=4)
+        res["select_chunked_noise"] = check_prefill_selection(
+            make_case(cfg, chunked, seed=4, structured=False), block_t=2, bb=16)
+        # a dense sequence (L < dense_len) in the batch: all its causal blocks listed, width grows
+        res["select_mixed"] = check_prefill_selection(make_case(cfg, [(170, 21), (40, 50)], seed=5), block_t=8, bb=4)
+        # every block ties (q = 0: equal stage-1 scores), so only the tie rule decides
+        case = make_case(cfg, [(0, 200), (150, 30)], seed=6)
+        case["q"] = torch.zeros_like(case["q"])
+        res["select_all_ties"] = check_prefill_selection(case, block_t=8, bb=8)
+        # 2 local blocks and 3 data-dependent ones: top-k and ties matter more
+        res["select_small_topk"] = check_prefill_selection(
+            make_case(tiny_cfg(topk=3, window_size=32), [(0, 150), (200, 40)], seed=7), block_t=8, bb=4)
+    # several programs per tile: split C2 (lse partials merged) and split block ranges
+    with _knobs(_TARGET_PROGRAMS=64, _LSE_BLOCK_N=16):
+        res["select_splits"] = check_prefill_selection(
+            make_case(cfg, [(250, 22), (400, 9)], seed=8), block_t=8, bb=4)
+    # decode: one query per sequence, dense ones (L < 128) get every block; several splits
+    with _knobs(_TARGET_PROGRAMS=48, _LSE_BLOCK_N=16):
+        dec = make_case(cfg, [(130, 1), (255, 1), (300, 1), (60, 1), (127, 1), (1000, 1)], seed=9)
+        res["decode"] = check_decode_selection(dec, max_sel=16, bb=4)
+        dec["q"] = torch.zeros_like(dec["q"])
+        res["decode_all_ties"] = check_decode_selection(dec, max_sel=16, bb=8)
+    return res
+
+
+def _part_attention() -> dict:
+    """Attention cases (the interpreter's cost is per (token, KV head) program, so few tokens)."""
+    cfg = tiny_cfg()
+    res = {}
+    with _knobs(_TARGET_PROGRAMS=1):
+        sel = dict(block_t=8, bb=8)
+        att = make_case(cfg, [(140, 20), (0, 30), (90, 10)], seed=10)
+        res["attention"] = check_attention(att, **sel)
+        res["attention_shuffled"] = check_attention(att, shuffle=True, **sel)
+        res["full_chunked"] = check_full(make_case(cfg, [(131, 20), (250, 7), (300, 3)], seed=11), **sel)
+        res["full_mixed"] = check_full(make_case(cfg, [(150, 10), (40, 30)], seed=12), **sel)
+        # one-shot sparse prefill at every position, with a config small enough to afford it:
+        # dense_len 64, topk_eff 3 (1 local block)
+        small = tiny_cfg(topk=2, window_size=16, dense_len=64)
+        res["full_oneshot"] = check_full(make_case(small, [(0, 90)], seed=13), **sel)
+    return res
+
+
+PARTS = {"select": _part_select, "attention": _part_attention}
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    print(json.dumps(PARTS[sys.argv[1]]()))
+    sys.stdout.flush()
