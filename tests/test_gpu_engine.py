@@ -95,14 +95,18 @@ def test_chunked_prefill_equals_one_shot(full_dir, engine):
                    max_total_tokens=20_000, max_running_requests=1, chunked_prefill_size=2048,
                    enable_cuda_graph=False)
     _, chunked = engine_logits(small, prompt, 1)
-    rel, top1 = compare(chunked, one)
+    rel, _ = compare(chunked, one)
     print(f"chunked 2048 vs 8192: rel err {rel:.4f}")
-    assert rel < 0.02 and top1 == 1.0
+    # Same math through other kernels (queries below 6144 go through the dense flash kernel in the
+    # 2048-chunk run, through the sparse one with all blocks selected in the 8192-chunk run): the
+    # same bf16 noise level as engine vs reference. A lost state or cache would give O(1).
+    assert rel < REL_ERR
 
 
 def test_graph_decode_equals_eager(full_dir):
-    """Decode batches of several sizes (padded to the captured sizes) give the same logits through
-    CUDA graphs as eagerly; guards against state captured from warm-up runs."""
+    """Decode batches give the same logits through CUDA graphs as eagerly; guards against state
+    captured from warm-up runs. Unpadded sizes run the very same kernels: bitwise equal. Padded
+    sizes change the GEMMs' M (other cuBLAS tiles), so only the bf16 noise bound applies there."""
     from salaserve.bench.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
@@ -110,7 +114,7 @@ def test_graph_decode_equals_eager(full_dir):
 
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     max_running_requests=16, max_total_tokens=300_000), full_dir)
-    for B, ctx in [(1, 300), (3, 4000), (8, 1000), (13, 700)]:
+    for B, ctx in [(1, 300), (8, 1000), (3, 4000), (13, 700), (2, 9000), (4, 20000)]:
         reqs = fake_decoding_requests(runner, B, ctx)
         # eager first on a copy of the states, then the graph on the originals
         slots = [r.state_slot for r in reqs]
@@ -122,5 +126,6 @@ def test_graph_decode_equals_eager(full_dir):
         graph = runner.forward(work).float()
         rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
         print(f"B={B} ctx={ctx}: graph vs eager rel err {rel:.2e}")
-        assert rel < 1e-3
+        padded = B not in runner.graphs.sizes
+        assert rel < (REL_ERR if padded else 1e-6)
         release(runner, reqs)

@@ -3,6 +3,10 @@
 Decode batches (CUDA-graph mode included) only touch device tensors; eager prefill and verify
 steps may use the batch's host mirrors. Ops without a Triton version yet fall through to the
 torch implementation (correct, slow): speculative verify.
+
+Note for comparisons: with random full-size weights, 32 bf16 layers amplify any rounding
+difference (another split count, another GEMM tile for a padded M) to ~2% of the logits, so
+only identical kernel choices give identical results.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from salaserve.kernels import attention as attn
+from salaserve.kernels import sparse as sparse_ops
 from salaserve.kernels.fused import TritonFusedOps
 from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.torch_ops import TorchBackend
@@ -45,22 +50,35 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             return TorchBackend.sparse_attention(self, q, kv, comp, layer, batch, cfg)
         return self._prefill_attention(q, kv, comp, layer, batch, cfg)
 
+    @staticmethod
+    def max_decode_blocks(cfg) -> int:
+        """Longest page list of a decode query: every block of a dense sequence (L < dense_len),
+        or the top-k selection of a sparse one."""
+        sc = cfg.sparse
+        return max(sc.topk_eff, -(-(sc.dense_len - 1) // sc.block_size))
+
+    def select_blocks_decode(self, q, kv, comp, layer, batch, cfg):
+        return sparse_ops.select_blocks_decode(q, comp, layer, batch.page_table, batch.seq_lens, cfg.sparse,
+                                               cfg.head_dim ** -0.5, self.max_decode_blocks(cfg))
+
+    def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
+        return sparse_ops.sparse_attention(q, kv, comp, layer, batch, cfg)
+
     def _decode_attention(self, q, kv, comp, layer, batch, cfg):
         """One token per sequence over a page list: all pages for dense sequences, the InfLLM-v2
         selection for sparse ones. Graph-safe."""
         sc, hkv = cfg.sparse, cfg.num_key_value_heads
         scale = cfg.head_dim ** -0.5
         sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
-        if sparse and hasattr(self, "select_blocks_decode"):
+        if sparse:
             table, count = self.select_blocks_decode(q, kv, comp, layer, batch, cfg)
-        elif sparse:  # no selection kernel: the torch twin (eager only)
-            return TorchBackend.sparse_attention(self, q, kv, comp, layer, batch, cfg)
         else:
             if "dense_table" not in batch.derived:  # once per step, shared by the sparse layers
                 batch.derived["dense_table"] = attn.dense_block_table(batch.page_table, batch.seq_lens, hkv,
                                                                       sc.block_size)
             table, count = batch.derived["dense_table"]
-        splits = attn.choose_num_splits(q.shape[0], hkv, table.shape[2])
+        # the split count depends only on static sizes, so eager and graph runs use the same kernels
+        splits = attn.choose_num_splits(q.shape[0], hkv, self.max_decode_blocks(cfg))
         return attn.paged_decode_attention(q, kv, layer, table, count, batch.seq_lens, scale, splits)
 
     def _prefill_attention(self, q, kv, comp, layer, batch, cfg):
@@ -78,10 +96,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             qs = q if rows is None else q[rows]
             if fn == "dense":
                 o = attn.dense_prefill_attention(qs, kv, layer, sub, scale)
-            elif hasattr(self, "sparse_prefill"):
-                o = self.sparse_prefill(qs, kv, comp, layer, sub, cfg)
             else:
-                o = TorchBackend.sparse_attention(self, qs, kv, comp, layer, sub, cfg)
+                o = self.sparse_prefill(qs, kv, comp, layer, sub, cfg)
             if rows is None:
                 return o
             out[rows] = o
