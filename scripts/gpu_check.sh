@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for stage in "$@"; do
   case "$stage" in
     tests)
-      python3 -m pytest -m gpu -q -s tests/test_kernels_lightning.py tests/test_kernels_attention.py \
+      python3 -m pytest -m gpu -q -s tests/test_kernels_lightning.py tests/test_kernels_attention.py tests/test_kernels_sparse.py \
         tests/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     micro)
       python3 -m salaserve.bench.micro ${MICRO_ARGS:-} --json "$OUT/micro.json" 2>&1 | tee "$OUT/micro.log" | grep -v Warning ;;
