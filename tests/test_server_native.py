@@ -196,13 +196,13 @@ def test_abort_request_and_duplicate_rid(client, tiny_server):
 
 
 def test_requests_beyond_the_running_limit_queue(tiny_server):
-    """20 concurrent requests against --max-running-requests 8: none rejected, all complete."""
+    """24 concurrent requests against --max-running-requests 16: none rejected, all complete."""
 
     async def run():
         async with httpx.AsyncClient(base_url=tiny_server.url, timeout=120) as c:
             rs = await asyncio.gather(*(c.post("/generate", json={
                 "text": f"request {i}", "sampling_params": {"max_new_tokens": 4 + i % 5, "ignore_eos": True}})
-                for i in range(20)))
+                for i in range(24)))
         return rs
 
     for i, r in enumerate(asyncio.run(run())):
