@@ -107,3 +107,11 @@ def test_shutdown_and_server_gone(worker):
     assert worker.run_once() is False
     inbox.close()  # the server is gone: serve_forever returns instead of blocking
     worker.serve_forever()
+
+
+def test_speculation_accept_length_is_reported_as_sglang_names_it(worker):
+    worker, _, _ = worker
+    assert "avg_spec_accept_length" not in worker.stats()
+    worker.engine.stats["avg_spec_accept_length"] = 2.5  # what a speculating engine records
+    stats = worker.stats()
+    assert stats["avg_spec_accept_length"] == 2.5 and "engine_avg_spec_accept_length" not in stats

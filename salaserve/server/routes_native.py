@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from fastapi import APIRouter, Request
@@ -197,11 +198,12 @@ async def get_server_info(request: Request):
     `internal_states[0]` (avg_spec_accept_length with speculation)."""
     state = server_state(request)
     try:
-        return server_info(state)
+        body = json.dumps(server_info(state), default=str)
     except Exception as e:  # must not fail; report what we can
         log.exception("get_server_info")
-        return {"status": "ready" if state.ready else "starting", "internal_states": [{}], "version": __version__,
-                "error": str(e)}
+        body = json.dumps({"status": "ready" if state.ready else "starting", "internal_states": [{}],
+                           "version": __version__, "error": str(e)})
+    return Response(body, media_type="application/json")
 
 
 def server_info(state: ServerState) -> dict:
