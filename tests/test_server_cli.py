@@ -98,3 +98,14 @@ def test_engine_death_stops_the_server(default_server):
     assert any("error" in json.loads(line[6:]) for line in rest[:-1])  # the stream says why it ended
     assert server.proc.wait(30) == 1
     assert "engine process exited unexpectedly" in server.log()
+
+
+def test_engine_start_failure_exits_with_status_1(tmp_path):
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "minicpm_sala"}')
+    r = subprocess.run([sys.executable, "-m", "salaserve.cli", "serve", "--model-path", str(bad), "--port", "0",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "salaserve serve: stopped:" in r.stderr

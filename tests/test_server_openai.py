@@ -76,6 +76,15 @@ def test_chat_stop_n_and_logprobs(oai, model):
     assert r.choices[0].message.content != r.choices[1].message.content
     assert r.usage.completion_tokens == 12
 
+    chunks = list(oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=5, n=2,
+                                              temperature=0.7, seed=5, stream=True,
+                                              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01,
+                                                          "repetition_penalty": 1.1},
+                                              frequency_penalty=0.5, presence_penalty=0.2))
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    finals = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices[0].finish_reason]
+    assert sorted(roles) == [0, 1] and sorted(finals) == [(0, "length"), (1, "length")]
+
     r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
                                     top_logprobs=2, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content

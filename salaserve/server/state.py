@@ -47,7 +47,11 @@ class ServerState:
         try:
             loop = asyncio.get_running_loop()
             tok = loop.run_in_executor(None, load_tokenizer, self.args.model_path, self.args.trust_remote_code)
-            info = await self.client.start()
+            try:
+                info = await self.client.start()
+            except BaseException:  # the engine's error is the one to report
+                tok.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise
             self.tokenization = Tokenization(await tok)
             log.info("engine ready: %s on %s (%s, backend %s); context %d tokens, KV cache %d tokens, "
                      "%d state slots", info["model_dir"], info["device"], info["dtype"], info["backend"],
