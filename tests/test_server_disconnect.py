@@ -33,7 +33,8 @@ async def one_stream(client: httpx.AsyncClient, i: int, rng: random.Random) -> d
             events.append(json.loads(line[6:]))
             if drop_after is not None and len(events) >= drop_after:
                 return {"dropped": True}  # leaving the block closes the connection mid-stream
-    return {"dropped": False, "max_new": max_new, "last": events[-1]}
+    # (a stream meant to be dropped may end first: events can carry several tokens each)
+    return {"dropped": False, "max_new": max_new, "last": events[-1], "meant_to_stay": drop_after is None}
 
 
 async def dropped_non_stream(client: httpx.AsyncClient, i: int) -> None:
@@ -60,7 +61,8 @@ def test_disconnects_free_everything(tiny_server):
 
     results = [r for r in asyncio.run(run()) if r is not None]
     finished = [r for r in results if not r["dropped"]]
-    assert len(finished) == N_STREAMS // 2
+    assert sum(r["meant_to_stay"] for r in finished) == N_STREAMS // 2
+    assert len(finished) < N_STREAMS * 0.6  # most of the other half really left mid-request
     for r in finished:
         meta = r["last"]["meta_info"]
         assert meta["finish_reason"] == {"type": "length", "length": r["max_new"]}
