@@ -60,7 +60,14 @@ def _cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_serve(argv: list[str]) -> int:
+    from salaserve.server.launch import run
+
+    return run(argv)
+
+
 COMMANDS = {
+    "serve": _cmd_serve,
     "make-checkpoint": _cmd_make_checkpoint,
     "generate": _cmd_generate,
 }

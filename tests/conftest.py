@@ -16,3 +16,14 @@ def tiny_model_dir(tmp_path_factory):
 def pytest_configure(config):
     # keep CPU tests deterministic and light on the 2-core CI machine
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tmp_path_factory):
+    """`salaserve serve` on the tiny checkpoint (CPU), shared by the server test modules that need
+    no special flags. At most 16 running requests, so larger bursts exercise the queue."""
+    from server_utils import run_server, tiny_server_args
+
+    args = tiny_server_args(tiny_model_dir, "--max-running-requests", "16", "--enable-metrics")
+    with run_server(args, str(tmp_path_factory.mktemp("server-logs"))) as server:
+        yield server

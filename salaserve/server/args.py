@@ -1,0 +1,120 @@
+"""`salaserve serve` flags: those of `python -m sglang.launch_server` that the SOAR toolkit and
+users pass, plus our own (--device, --dtype, --backend).
+
+The platform launches with a fixed SGLang command line, so every flag it uses must parse. Flags
+that mean nothing here are accepted with a one-line notice; unknown flags too (SGLang has
+hundreds), so a launch line written for SGLang never fails on a flag we do not know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from salaserve.config import EngineArgs
+
+# flag dest -> why it is ignored (printed once at start-up when the flag is given)
+IGNORED_FLAGS = {
+    "disable_radix_cache": "salaserve keeps no prefix cache across requests, so there is nothing to disable",
+    "attention_backend": "salaserve picks its own attention kernels (see --backend)",
+    "dense_as_sparse": "salaserve decides dense vs sparse attention per sequence from the model's dense_len",
+}
+
+
+@dataclass
+class ServerArgs:
+    """What the HTTP side needs; the engine's knobs travel separately as EngineArgs."""
+
+    model_path: str | None = None  # None: the built-in default model (resolved at launch)
+    served_model_name: str | None = None  # default: the model path, as SGLang does
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    enable_metrics: bool = False
+    skip_server_warmup: bool = False
+    trust_remote_code: bool = False
+    stream_interval: int = 1  # tokens between streamed events (SGLang's --stream-interval)
+    max_request_bytes: int = 64 * 2**20  # request bodies beyond this get 413
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path or ""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["api_key"] = None if self.api_key is None else "***"  # never echo the key back
+        return d
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="salaserve serve",
+                                description="Serve MiniCPM-SALA over HTTP (SGLang-native and OpenAI APIs).")
+    a = p.add_argument
+    a("--model-path", "--model", dest="model_path", default=None,
+      help="model directory (default: the built-in default model)")
+    a("--served-model-name", default=None, help="model id in /v1/models (default: the model path)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+      help="tensor parallelism; salaserve serves one GPU, so only 1 is accepted")
+    a("--max-running-requests", type=int, default=32)
+    a("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+    a("--mem-fraction-static", type=float, default=0.88)
+    a("--chunked-prefill-size", type=int, default=8192)
+    a("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    a("--trust-remote-code", action="store_true")
+    a("--disable-radix-cache", action="store_true")
+    a("--attention-backend", default=None)
+    a("--skip-server-warmup", action="store_true")
+    a("--dense-as-sparse", action="store_true")
+    a("--quantization", default=None)
+    a("--kv-cache-dtype", default="auto")
+    a("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    a("--random-seed", type=int, default=0)
+    a("--stream-interval", type=int, default=1)
+    # our own
+    a("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    a("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
+    a("--max-request-mb", type=float, default=64.0, help="largest accepted request body, in MiB")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
+    """Returns the engine's and the server's arguments plus one notice per ignored flag.
+    Raises SystemExit (argparse) for a flag value that cannot be served, e.g. --tp-size 2."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if ns.tp_size != 1:
+        parser.error(f"--tp-size {ns.tp_size}: salaserve serves one GPU; only --tp-size 1 is supported")
+    if ns.stream_interval < 1:
+        parser.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
+    if ns.max_request_mb <= 0:
+        parser.error(f"--max-request-mb must be positive, got {ns.max_request_mb}")
+    notices = [f"note: --{name.replace('_', '-')} is accepted for SGLang compatibility and ignored: {why}"
+               for name, why in IGNORED_FLAGS.items() if getattr(ns, name) not in (None, False)]
+    if unknown:
+        notices.append(f"note: ignoring arguments salaserve does not know: {' '.join(unknown)}")
+    engine = EngineArgs(
+        model=ns.model_path, backend=ns.backend, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
+        seed=ns.random_seed, max_running_requests=ns.max_running_requests,
+        chunked_prefill_size=ns.chunked_prefill_size, mem_fraction_static=ns.mem_fraction_static,
+        max_total_tokens=ns.max_total_tokens, context_length=ns.context_length,
+        kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, log_level=ns.log_level,
+    )
+    try:
+        engine.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    server = ServerArgs(
+        model_path=ns.model_path, served_model_name=ns.served_model_name, host=ns.host, port=ns.port,
+        api_key=ns.api_key, enable_metrics=ns.enable_metrics, skip_server_warmup=ns.skip_server_warmup,
+        trust_remote_code=ns.trust_remote_code, stream_interval=ns.stream_interval,
+        max_request_bytes=int(ns.max_request_mb * 2**20), log_level=ns.log_level,
+    )
+    return engine, server, notices

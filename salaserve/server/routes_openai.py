@@ -1,0 +1,320 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/tokenize,
+/v1/detokenize (also as /tokenize and /detokenize).
+
+Chat prompts are rendered with the model's chat template and tokenized without special tokens
+(the template emits BOS); completion prompts are tokenized with BOS, as SGLang does. Reasoning
+(`<think>...`) stays inside `content`: like SGLang without --reasoning-parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from salaserve.server.generation import RequestGroup, run_unless_disconnected
+from salaserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, openai_error_body, parse_model, read_json)
+from salaserve.server.responses import (chat_logprobs, completion_logprobs, group_usage, matched_stop,
+                                        openai_finish_reason)
+from salaserve.server.routes_native import server_state
+from salaserve.server.sse import DONE, EventStreamResponse, event
+from salaserve.server.state import ServerState
+
+log = logging.getLogger("salaserve.server")
+router = APIRouter()
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty")
+
+
+# ---- models ----------------------------------------------------------------------------------------------
+def model_card(state: ServerState) -> dict:
+    name = state.args.model_name
+    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "sglang", "root": name,
+            "parent": None, "max_model_len": state.client.info.get("context_length")}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(server_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    state = server_state(request)
+    if model_id != state.args.model_name:
+        raise ApiError(404, f"The model '{model_id}' does not exist", "model")
+    return model_card(state)
+
+
+# ---- shared request handling ------------------------------------------------------------------------------
+def sampling_dict(req, max_new_tokens: int | None) -> dict:
+    d = {"max_new_tokens": max_new_tokens, "n": req.n, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
+         "ignore_eos": req.ignore_eos, "min_new_tokens": req.min_tokens,
+         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
+         "logit_bias": req.logit_bias or None}
+    d.update({k: getattr(req, k) for k in SAMPLING_FIELDS if getattr(req, k) is not None})
+    return d
+
+
+def checked_max_tokens(value: int | None, name: str, context_length: int) -> int | None:
+    if value is None:
+        return None
+    if value <= 0:
+        raise ApiError(400, f"{name} must be positive, got {value}", name)
+    if value > context_length:
+        raise ApiError(400, f"{name} ({value}) is larger than the model's context length ({context_length})", name)
+    return value
+
+
+def with_logprobs(state: ServerState, params, top: int, name: str):
+    params.logprobs, params.top_logprobs = True, top
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, f"{name}: {e}", name) from None
+    return params
+
+
+def add_samples(state: ServerState, group: RequestGroup, ids: list[int], base, rid: str | None = None) -> list:
+    params = dataclasses.replace(base)
+    state.check_lengths(len(ids), params)
+    siblings = state.siblings(params)
+    return [group.add(ids, p, 0, rid=rid if len(siblings) == 1 else None) for p in siblings]
+
+
+async def finish_non_stream(request: Request, group: RequestGroup):
+    try:
+        seqs = await run_unless_disconnected(request, group.wait())
+    finally:
+        group.cancel()
+    if seqs is not None:
+        errors = [s.error for s in seqs if s.error]
+        if errors:
+            raise ApiError(500, errors[0])
+    return seqs
+
+
+def response_head(kind: str, model: str | None, state: ServerState) -> dict:
+    return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+            "created": int(time.time()), "model": model or state.args.model_name}
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------------------
+def completion_prompts(prompt) -> list:
+    """str | [str] | [int] | [[int]] -> a list of prompts (str or id list); empty ones are errors."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ApiError(400, "Prompt cannot be empty", "prompt")
+    return prompts
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = server_state(request)
+    state.require_ready()
+    req: CompletionRequest = parse_model(CompletionRequest, await read_json(request, openai=True))
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    prompts = completion_prompts(req.prompt)
+    base = state.sampling_params(sampling_dict(req, checked_max_tokens(req.max_tokens, "max_tokens",
+                                                                       state.context_length)))
+    if req.logprobs is not None:
+        base = with_logprobs(state, base, req.logprobs, "logprobs")
+    group = state.new_group()
+    echo = []
+    for prompt in prompts:
+        ids = await state.tokenization.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        seqs = add_samples(state, group, ids, base, rid=req.rid if len(prompts) == 1 else None)
+        text = (prompt if isinstance(prompt, str) else state.tokenization.decode(ids)) if req.echo else ""
+        echo.extend([text] * len(seqs))
+    await state.start(group)
+    head = response_head("text_completion", req.model, state)
+    token_text = state.tokenization.token_text
+
+    def logprobs_of(seq, pairs, ids, offset):
+        return completion_logprobs(pairs, ids, token_text, offset) if req.logprobs is not None else None
+
+    if req.stream:
+        return EventStreamResponse(_completion_stream(state, group, req, head, echo, logprobs_of))
+    seqs = await finish_non_stream(request, group)
+    if seqs is None:
+        return Response(status_code=499)
+    choices = [{"index": s.index, "text": echo[s.index] + s.text,
+                "logprobs": logprobs_of(s, s.logprobs, s.token_ids, len(echo[s.index])),
+                "finish_reason": openai_finish_reason(s), "matched_stop": matched_stop(s)} for s in seqs]
+    return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs),
+                         "metadata": {"weight_version": "default"}})
+
+
+async def _completion_stream(state, group, req, head, echo, logprobs_of):
+    sent = [0] * len(group.seqs)  # text characters sent per choice (logprob offsets)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    try:
+        async for updates in group.updates(state.args.stream_interval):
+            for u in updates:
+                seq = group.seqs[u.index]
+                if seq.error:
+                    yield event({"error": openai_error_body(500, seq.error)})
+                    continue
+                text = u.text
+                if echo[u.index] and sent[u.index] == 0:
+                    text = echo[u.index] + text
+                if not text and not u.finished and not (req.logprobs is not None and u.token_ids):
+                    continue
+                choice = {"index": u.index, "text": text,
+                          "logprobs": logprobs_of(seq, u.logprobs, u.token_ids, sent[u.index]),
+                          "finish_reason": openai_finish_reason(seq), "matched_stop": matched_stop(seq)}
+                sent[u.index] += len(text)
+                yield event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
+        if req.stream_options and req.stream_options.include_usage:
+            yield event({**head, "choices": [], "usage": group_usage(group.seqs)})
+        yield DONE
+    except Exception as e:
+        log.exception("/v1/completions stream failed")
+        yield event({"error": openai_error_body(500, f"internal error: {e}")})
+        yield DONE
+    finally:
+        group.cancel()
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------------------
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(req.messages):
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for the system role
+            d["role"] = "system"
+        content = d.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+                parts.append(part["text"])
+            d["content"] = "\n".join(parts)
+        elif content is None:
+            d["content"] = ""
+        out.append(d)
+    return out
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = server_state(request)
+    state.require_ready()
+    req: ChatCompletionRequest = parse_model(ChatCompletionRequest, await read_json(request, openai=True))
+    fmt = (req.response_format or {}).get("type")
+    if fmt not in (None, "text"):
+        raise ApiError(400, f"response_format {fmt!r} is not supported (only 'text')", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    ctx = state.context_length
+    if req.max_completion_tokens is not None:
+        max_new = checked_max_tokens(req.max_completion_tokens, "max_completion_tokens", ctx)
+    else:
+        max_new = checked_max_tokens(req.max_tokens, "max_tokens", ctx)
+    base = state.sampling_params(sampling_dict(req, max_new))
+    if req.logprobs:
+        base = with_logprobs(state, base, req.top_logprobs or 0, "top_logprobs")
+    try:
+        ids = await state.tokenization.encode_chat(template_messages(req), tools=req.tools,
+                                                   template_kwargs=req.chat_template_kwargs,
+                                                   continue_final_message=req.continue_final_message)
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    if not ids:
+        raise ApiError(400, "messages: the chat template rendered an empty prompt", "messages")
+    group = state.new_group()
+    add_samples(state, group, ids, base, rid=req.rid)
+    await state.start(group)
+    head = response_head("chat.completion", req.model, state)
+    token_text = state.tokenization.token_text
+
+    if req.stream:
+        head["object"] = "chat.completion.chunk"
+        return EventStreamResponse(_chat_stream(state, group, req, head, token_text))
+    seqs = await finish_non_stream(request, group)
+    if seqs is None:
+        return Response(status_code=499)
+    choices = [{"index": s.index,
+                "message": {"role": "assistant", "content": s.text, "reasoning_content": None, "tool_calls": None},
+                "logprobs": chat_logprobs(s.logprobs, s.token_ids, token_text) if req.logprobs else None,
+                "finish_reason": openai_finish_reason(s), "matched_stop": matched_stop(s)} for s in seqs]
+    return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs),
+                         "metadata": {"weight_version": "default"}})
+
+
+async def _chat_stream(state, group, req, head, token_text):
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def chunk(index, delta, finish_reason=None, logprobs=None, **extra):
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+        return event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
+
+    try:
+        for seq in group.seqs:
+            yield chunk(seq.index, {"role": "assistant", "content": ""})
+        async for updates in group.updates(state.args.stream_interval):
+            for u in updates:
+                seq = group.seqs[u.index]
+                if seq.error:
+                    yield event({"error": openai_error_body(500, seq.error)})
+                    continue
+                if u.text or (req.logprobs and u.token_ids):
+                    lp = chat_logprobs(u.logprobs, u.token_ids, token_text) if req.logprobs else None
+                    yield chunk(u.index, {"content": u.text}, logprobs=lp)
+                if u.finished:
+                    yield chunk(u.index, {}, openai_finish_reason(seq), matched_stop=matched_stop(seq))
+        if req.stream_options and req.stream_options.include_usage:
+            yield event({**head, "choices": [], "usage": group_usage(group.seqs)})
+        yield DONE
+    except Exception as e:
+        log.exception("/v1/chat/completions stream failed")
+        yield event({"error": openai_error_body(500, f"internal error: {e}")})
+        yield DONE
+    finally:
+        group.cancel()
+
+
+# ---- tokenize / detokenize ----------------------------------------------------------------------------------------
+@router.post("/v1/tokenize")
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    state = server_state(request)
+    state.require_ready()
+    req: TokenizeRequest = parse_model(TokenizeRequest, await read_json(request, openai=request.url.path.startswith("/v1")))
+    enc = state.tokenization.encode
+    if isinstance(req.prompt, str):
+        tokens = await enc(req.prompt, req.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.context_length}
+    tokens = [await enc(p, req.add_special_tokens) for p in req.prompt]
+    return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": state.context_length}
+
+
+@router.post("/v1/detokenize")
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    state = server_state(request)
+    state.require_ready()
+    req: DetokenizeRequest = parse_model(DetokenizeRequest,
+                                         await read_json(request, openai=request.url.path.startswith("/v1")))
+    batch = bool(req.tokens) and isinstance(req.tokens[0], list)
+    seqs = req.tokens if batch else [req.tokens]
+    vocab = state.client.info["vocab_size"]
+    for ids in seqs:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+    texts = [state.tokenization.decode(ids) for ids in seqs]
+    return {"text": texts if batch else texts[0]}

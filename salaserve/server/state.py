@@ -1,0 +1,145 @@
+"""What every route shares: arguments, the engine client, the tokenizer, metrics, readiness, and
+the checks that turn a prompt plus sampling options into engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from salaserve.config import EngineArgs
+from salaserve.engine.sampling_params import SamplingParams
+from salaserve.server.args import ServerArgs
+from salaserve.server.engine_client import EngineClient, EngineUnavailable
+from salaserve.server.generation import RequestGroup
+from salaserve.server.metrics import ServerMetrics
+from salaserve.server.protocol import ApiError
+from salaserve.server.tokenization import Tokenization, load_tokenizer
+
+log = logging.getLogger("salaserve.server")
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: sibling seeds far apart
+WARMUP_PROMPT = "The capital city of France is"
+
+
+@dataclass
+class ServerState:
+    args: ServerArgs
+    engine_args: EngineArgs
+    on_fatal: Callable[[str], None] | None = None
+    client: EngineClient = None
+    tokenization: Tokenization | None = None
+    metrics: ServerMetrics | None = None
+    ready: bool = False
+    started_at: float = field(default_factory=time.time)
+    rid_aliases: dict[str, list[str]] = field(default_factory=dict)  # user rid -> engine rids (n > 1)
+
+    def __post_init__(self):
+        self.client = EngineClient(self.engine_args, on_death=self.fatal)
+        self.metrics = ServerMetrics(self.args.model_name, self.client)
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    async def boot(self) -> None:
+        """Load the tokenizer and start the engine side by side, warm up, then report ready."""
+        try:
+            loop = asyncio.get_running_loop()
+            tok = loop.run_in_executor(None, load_tokenizer, self.args.model_path, self.args.trust_remote_code)
+            try:
+                info = await self.client.start()
+            except BaseException:  # the engine's error is the one to report
+                tok.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise
+            self.tokenization = Tokenization(await tok)
+            log.info("engine ready: %s on %s (%s, backend %s); context %d tokens, KV cache %d tokens, "
+                     "%d state slots", info["model_dir"], info["device"], info["dtype"], info["backend"],
+                     info["context_length"], info["max_total_num_tokens"], info["num_state_slots"])
+            if not self.args.skip_server_warmup:
+                await self.warm_up()
+            self.ready = True
+            log.info("The server is fired up and ready to roll! http://%s:%d", self.args.host, self.args.port)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("start-up failed: %s", e)
+            self.fatal(str(e))
+
+    async def warm_up(self) -> None:
+        t0 = time.perf_counter()
+        ids = await self.tokenization.encode(WARMUP_PROMPT)
+        group = RequestGroup(self.client, self.tokenization.tokenizer)  # not counted in the metrics
+        group.add(ids, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+        await group.start()
+        seq = (await group.wait())[0]
+        if seq.error:
+            raise RuntimeError(f"warm-up generation failed: {seq.error}")
+        log.info("warm-up done in %.2f s: %r", time.perf_counter() - t0, seq.text)
+
+    def fatal(self, message: str) -> None:
+        self.ready = False
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def shutdown(self) -> None:
+        self.ready = False
+        self.client.close()
+        if self.tokenization is not None:
+            self.tokenization.close()
+
+    # ---- per-request helpers -------------------------------------------------------------------
+    def require_ready(self) -> None:
+        if self.client.dead:
+            raise ApiError(503, f"the engine is not running: {self.client.dead}")
+        if not self.ready:
+            raise ApiError(503, "the server is starting; retry when /health returns 200")
+
+    @property
+    def context_length(self) -> int:
+        return self.client.info["context_length"]
+
+    def new_group(self) -> RequestGroup:
+        return RequestGroup(self.client, self.tokenization.tokenizer, self.metrics)
+
+    def sampling_params(self, d: dict) -> SamplingParams:
+        try:
+            return SamplingParams.from_dict(d, vocab_size=self.client.info["vocab_size"])
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+        """SGLang's rule: the prompt, and the prompt plus max_new_tokens, stay under the context
+        length. Resolves max_new_tokens=None to everything the context leaves."""
+        ctx = self.context_length
+        if prompt_len >= ctx:
+            raise ApiError(400, f"The input ({prompt_len} tokens) is longer than the model's context length "
+                                f"({ctx} tokens).")
+        if params.max_new_tokens is None:
+            params.max_new_tokens = ctx - prompt_len
+        elif prompt_len + params.max_new_tokens >= ctx:
+            raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {ctx} "
+                                f"tokens. You requested a total of {prompt_len + params.max_new_tokens} tokens: "
+                                f"{prompt_len} tokens from the input messages and {params.max_new_tokens} tokens "
+                                f"for the completion. Please reduce the number of tokens in the input messages "
+                                f"or the completion to fit within the limit.")
+
+    @staticmethod
+    def siblings(params: SamplingParams) -> list[SamplingParams]:
+        """`n` independent samples: n requests with n=1; a seeded request gets a distinct seed
+        per sibling (the first keeps the given one, so n=1 and sample 0 of n agree)."""
+        out = []
+        for j in range(params.n):
+            p = dataclasses.replace(params, n=1)
+            if params.seed is not None and j:
+                p.seed = (params.seed + j * _SEED_STRIDE) % 2**64
+            out.append(p)
+        return out
+
+    async def start(self, group: RequestGroup) -> None:
+        try:
+            await group.start()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except EngineUnavailable as e:
+            raise ApiError(503, str(e)) from None

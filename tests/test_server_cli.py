@@ -1,0 +1,111 @@
+"""`salaserve serve` flags (SGLang's launch line parses), the README's first command on a fresh
+machine (no --model-path: the built-in default model), and a dying engine taking the server down
+with a clear exit status instead of leaving it half alive."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from server_utils import REPO_ROOT, run_server
+
+from salaserve.server.args import parse_args
+
+# The SOAR platform's launch line (entrypoint.sh with the default SGLANG_SERVER_ARGS).
+PLATFORM_LINE = ("--model-path /models/sala --trust-remote-code --port 30000 --disable-radix-cache "
+                 "--attention-backend minicpm_flashinfer --chunked-prefill-size 8192 --skip-server-warmup "
+                 "--dense-as-sparse --tp-size 1 --max-running-requests 32 --enable-metrics").split()
+
+
+def test_platform_launch_line_parses():
+    engine, server, notices = parse_args(PLATFORM_LINE)
+    assert server.model_path == "/models/sala" and server.port == 30000 and server.host == "127.0.0.1"
+    assert server.model_name == "/models/sala"  # /v1/models id defaults to the model path
+    assert server.enable_metrics and server.skip_server_warmup and server.trust_remote_code
+    assert engine.max_running_requests == 32 and engine.chunked_prefill_size == 8192
+    assert len(notices) == 3 and all(n.startswith("note: --") for n in notices)  # one line per ignored flag
+
+
+def test_flags_map_to_engine_and_server_args():
+    engine, server, notices = parse_args([
+        "--model-path", "m", "--served-model-name", "sala", "--host", "0.0.0.0", "--context-length", "4096",
+        "--mem-fraction-static", "0.8", "--api-key", "k", "--quantization", "fp8", "--kv-cache-dtype", "auto",
+        "--load-format", "dummy", "--log-level", "warning", "--device", "cpu", "--dtype", "float32",
+        "--backend", "torch", "--max-total-tokens", "2048", "--some-future-flag", "x"])
+    assert server.model_name == "sala" and server.host == "0.0.0.0" and server.api_key == "k"
+    assert server.to_dict()["api_key"] == "***"
+    assert (engine.context_length, engine.mem_fraction_static, engine.quantization, engine.load_format) == \
+        (4096, 0.8, "fp8", "dummy")
+    assert (engine.device, engine.dtype, engine.backend, engine.max_total_tokens) == ("cpu", "float32", "torch", 2048)
+    assert notices == ["note: ignoring arguments salaserve does not know: --some-future-flag x"]
+
+
+@pytest.mark.parametrize("argv", [["--tp-size", "2"], ["--max-running-requests", "0"], ["--backend", "cuda"],
+                                  ["--port", "http"]])
+def test_unservable_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "salaserve.cli", "serve", "--model-path", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == 2 and "not a model directory" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    """`salaserve serve` exactly as the README's first command: no flags but the port."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    with run_server([], str(tmp_path_factory.mktemp("logs")), env={"XDG_CACHE_HOME": str(cache)}) as s:
+        yield s, str(cache)
+
+
+def test_readme_first_command_serves_the_default_model(default_server):
+    server, cache = default_server
+    model_id = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    assert model_id.startswith(os.path.join(cache, "salaserve"))  # written to the user's cache
+    body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8}})
+    if shutil.which("curl"):
+        out = subprocess.run(["curl", "-s", server.url + "/generate", "-H", "Content-Type: application/json",
+                              "-d", body], capture_output=True, text=True, timeout=120).stdout
+    else:
+        out = httpx.post(server.url + "/generate", content=body, timeout=120).text
+    reply = json.loads(out)
+    assert reply["text"] and reply["meta_info"]["completion_tokens"] >= 1
+
+
+def test_engine_death_stops_the_server(default_server):
+    server, _ = default_server
+    engine_pids = [int(p) for p in open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read().split()]
+    engine = [p for p in engine_pids if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(engine) == 1
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/generate", json={"text": "x", "stream": True,
+                                                 "sampling_params": {"max_new_tokens": 60000, "ignore_eos": True}}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.kill(engine[0], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert any("error" in json.loads(line[6:]) for line in rest[:-1])  # the stream says why it ended
+    assert server.proc.wait(30) == 1
+    assert "engine process exited unexpectedly" in server.log()
+
+
+def test_engine_start_failure_exits_with_status_1(tmp_path):
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "minicpm_sala"}')
+    r = subprocess.run([sys.executable, "-m", "salaserve.cli", "serve", "--model-path", str(bad), "--port", "0",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+                       env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "salaserve serve: stopped:" in r.stderr

@@ -1,0 +1,138 @@
+"""The official `openai` client against `salaserve serve`: chat and completions, streamed and
+not, stop strings, n=2, logprobs, usage, chat_template_kwargs."""
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(oai, tiny_model_dir):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [tiny_model_dir]
+    return models[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir, trust_remote_code=False)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+
+
+def test_chat(oai, model, tokenizer):
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    # the prompt is the chat template's rendering, tokenized without extra special tokens
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False).input_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    no_think = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=False)
+    assert no_think.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False).input_ids)
+    assert no_think.usage.prompt_tokens > r.usage.prompt_tokens
+
+    # streamed: role chunk, content deltas, a finish chunk, the usage chunk; same text as unstreamed
+    full = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_stop_n_and_logprobs(oai, model):
+    full = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    if stop.strip():
+        r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0, stop=[stop])
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == full[:full.index(stop)]
+        streamed = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0,
+                                               stop=stop, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.index(stop)]
+
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.choices[0].message.content != r.choices[1].message.content
+    assert r.usage.completion_tokens == 12
+
+    chunks = list(oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=5, n=2,
+                                              temperature=0.7, seed=5, stream=True,
+                                              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01,
+                                                          "repetition_penalty": 1.1},
+                                              frequency_penalty=0.5, presence_penalty=0.2))
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    finals = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices[0].finish_reason]
+    assert sorted(roles) == [0, 1] and sorted(finals) == [(0, "length"), (1, "length")]
+
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                    top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_completions(oai, model, tokenizer):
+    prompt = "def fibonacci(n):"
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
+    assert r.usage.prompt_tokens == len(tokenizer(prompt).input_ids)  # BOS + text
+    text = r.choices[0].text
+
+    streamed = list(oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+    assert streamed[-1].usage.completion_tokens == 10
+
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    if stop.strip():
+        s = oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stop=stop)
+        assert s.choices[0].finish_reason == "stop" and s.choices[0].text == text[:text.index(stop)]
+
+    batch = oai.completions.create(model=model, prompt=["a b", "c d e"], max_tokens=3, n=2, temperature=0.9,
+                                   seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert batch.usage.completion_tokens == 12
+    assert batch.usage.prompt_tokens == len(tokenizer("a b").input_ids) + len(tokenizer("c d e").input_ids)
+
+    lp = oai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                echo=True, extra_body={"ignore_eos": True})
+    assert lp.choices[0].text.startswith(prompt)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 3 and len(lp.choices[0].logprobs.top_logprobs[0]) == 2
+
+    ids = oai.completions.create(model=model, prompt=tokenizer(prompt).input_ids, max_tokens=10, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == text
+
+
+def test_errors_reach_the_client(oai, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[], max_tokens=4)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt="x", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10**9)
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
