@@ -16,6 +16,11 @@ def tiny_model_dir(tmp_path_factory):
 def pytest_configure(config):
     # keep CPU tests deterministic and light on the 2-core CI machine
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch's intra-op threads spin-wait on a busy 2-core machine and make the tiny model's
+    # small ops 100x slower; one thread is the fast setting for these sizes
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,9 @@ def test_shutdown_and_server_gone(worker):
 def test_speculation_accept_length_is_reported_as_sglang_names_it(worker):
     worker, _, _ = worker
     assert "avg_spec_accept_length" not in worker.stats()
-    worker.engine.stats["avg_spec_accept_length"] = 2.5  # what a speculating engine records
+    # what a speculating engine counts: 4 verify steps that accepted 6 draft tokens in all
+    worker.engine.stats["spec_verify_steps"] = 4
+    worker.engine.stats["spec_accepted_tokens"] = 6
     stats = worker.stats()
     assert stats["avg_spec_accept_length"] == 2.5 and "engine_avg_spec_accept_length" not in stats
+    worker.engine.stats["spec_verify_steps"] = worker.engine.stats["spec_accepted_tokens"] = 0

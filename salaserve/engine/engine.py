@@ -1,7 +1,7 @@
 """The engine core: requests in, one step at a time, token ids out.
 
 Synchronous and single-threaded; `LLM` drives it in-process and the server drives it from its own
-process (`engine/process.py`). Tokenization, detokenization and stop strings live outside, so a
+process (`server/engine_worker.py`). Tokenization, detokenization and stop strings live outside, so a
 step is scheduling + one model forward + sampling + token-level stop checks.
 """
 
@@ -95,7 +95,8 @@ class Engine:
         return self.scheduler.has_work or bool(self._pending_outputs)
 
     def _max_new_tokens(self, req: Request) -> int:
-        return min(req.params.max_new_tokens, self.context_length - req.num_prompt)
+        room = self.context_length - req.num_prompt
+        return room if req.params.max_new_tokens is None else min(req.params.max_new_tokens, room)
 
     def _finish(self, req: Request, reason: dict) -> None:
         self.scheduler.remove(req)
@@ -106,7 +107,8 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int], logprobs=None) -> StepOutput:
         return StepOutput(rid=req.rid, new_token_ids=new_ids, finished=req.status == Status.FINISHED,
                           finish_reason=req.finish_reason, num_prompt=req.num_prompt,
-                          num_output=req.num_output, logprobs=logprobs)
+                          num_output=req.num_output, logprobs=logprobs, spec_verify_ct=req.spec_verify_ct,
+                          spec_accepted=req.spec_accepted)
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
@@ -139,6 +141,8 @@ class Engine:
         # adaptive depth: grow after a fully accepted draft, shrink towards what was accepted
         k_max = self.args.speculative_num_draft_tokens
         req.spec_k = min(k_max, req.spec_k + 1) if accepted == len(draft) else max(1, accepted + 1)
+        req.spec_verify_ct += 1
+        req.spec_accepted += accepted
         self.stats["spec_verify_steps"] += 1
         self.stats["spec_draft_tokens"] += len(draft)
         self.stats["spec_accepted_tokens"] += accepted

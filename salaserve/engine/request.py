@@ -36,6 +36,8 @@ class Request:
     num_preemptions: int = 0
     drafter: Any = None  # speculative decoding: the request's n-gram index
     spec_k: int = 0  # current draft length (adaptive)
+    spec_verify_ct: int = 0  # verify steps run for this request
+    spec_accepted: int = 0  # draft tokens accepted over them
     first_token_time: float | None = None
 
     def __post_init__(self):
@@ -78,6 +80,8 @@ class StepOutput:
     num_prompt: int
     num_output: int
     logprobs: list | None = None  # per new token: (logprob, [(id, logprob), ...] or None)
+    spec_verify_ct: int = 0  # cumulative speculative verify steps of the request
+    spec_accepted: int = 0  # cumulative accepted draft tokens
 
 
 def length_reason(n: int) -> dict:

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     a("--random-seed", type=int, default=0)
     a("--stream-interval", type=int, default=1)
+    a("--speculative-algorithm", default=None, choices=["NGRAM", "EAGLE", "EAGLE3"],
+      help="speculative decoding (NGRAM: prompt-lookup drafts, exact verify)")
+    a("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens per verify step")
+    a("--speculative-max-batch", type=int, default=8, help="speculate only while at most this many requests decode")
+    a("--disable-cuda-graph", action="store_true")
+    a("--cuda-graph-max-bs", type=int, default=None)
     # our own
     a("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -94,6 +100,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         parser.error(f"--tp-size {ns.tp_size}: salaserve serves one GPU; only --tp-size 1 is supported")
     if ns.stream_interval < 1:
         parser.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
+    if ns.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        parser.error(f"--speculative-algorithm {ns.speculative_algorithm}: not supported yet (use NGRAM)")
     if ns.max_request_mb <= 0:
         parser.error(f"--max-request-mb must be positive, got {ns.max_request_mb}")
     notices = [f"note: --{name.replace('_', '-')} is accepted for SGLang compatibility and ignored: {why}"
@@ -106,6 +114,9 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         chunked_prefill_size=ns.chunked_prefill_size, mem_fraction_static=ns.mem_fraction_static,
         max_total_tokens=ns.max_total_tokens, context_length=ns.context_length,
         kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, log_level=ns.log_level,
+        speculative_algorithm=ns.speculative_algorithm, speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
+        speculative_max_batch=ns.speculative_max_batch, enable_cuda_graph=not ns.disable_cuda_graph,
+        cuda_graph_max_bs=ns.cuda_graph_max_bs,
     )
     try:
         engine.validate()

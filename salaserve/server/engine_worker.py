@@ -160,8 +160,9 @@ class EngineWorker:
             **self.engine.resource_counters(),
             **{f"engine_{k}": v for k, v in engine_stats.items() if k != SPEC_ACCEPT_KEY},
         }
-        if SPEC_ACCEPT_KEY in engine_stats:  # with speculative decoding: SGLang's key, as is
-            out[SPEC_ACCEPT_KEY] = engine_stats[SPEC_ACCEPT_KEY]
+        accept = self.engine.avg_spec_accept_length
+        if accept is not None:  # with speculative decoding: SGLang's key
+            out[SPEC_ACCEPT_KEY] = accept
         return out
 
 

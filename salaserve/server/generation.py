@@ -54,6 +54,8 @@ class Sequence:
         self._since_emit = 0
         self.dirty = False
         self.in_engine = False  # accepted by the engine (so ours to cancel)
+        self.spec_verify_ct = 0  # speculative decoding counters, cumulative (from the engine)
+        self.spec_accepted = 0
 
     # ---- state ---------------------------------------------------------------------------------
     @property
@@ -103,6 +105,8 @@ class Sequence:
         if self.finished:
             return False
         delta = self.stream.process(out)
+        if out.spec_verify_ct:
+            self.spec_verify_ct, self.spec_accepted = out.spec_verify_ct, out.spec_accepted
         n = len(out.new_token_ids)
         if n:
             now = time.perf_counter()

@@ -35,6 +35,10 @@ def meta_info(seq: Sequence, return_logprob: bool = False, top_logprobs_num: int
         if top_logprobs_num > 0:
             m["input_top_logprobs"] = []
             m["output_top_logprobs"] = [[entry(lp, tid) for tid, lp in (top or [])] for _, top in seq.logprobs]
+    verify_ct = getattr(seq, "spec_verify_ct", 0)
+    if verify_ct:  # speculative decoding: verify steps and tokens emitted per verify
+        m["spec_verify_ct"] = verify_ct
+        m["spec_accept_length"] = (seq.spec_accepted + verify_ct) / verify_ct
     if seq.finished:
         m["e2e_latency"] = seq.e2e_latency
     return m
