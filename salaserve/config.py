@@ -424,7 +424,7 @@ class EngineArgs:
     context_length: int | None = None  # default: max_position_embeddings
     state_dtype: str = "float32"  # Lightning state slots
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = None  # "fp8" | "w4a16" | "gptq"; None: as the checkpoint says
     stage1_visibility: str = "causal"
     enable_cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
@@ -445,5 +445,7 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in [0.05, 0.99], got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.quantization not in (None, "fp8", "w4a16", "gptq"):
+            raise ValueError(f"quantization must be fp8, w4a16 or gptq (or unset), got {self.quantization!r}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
