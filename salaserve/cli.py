@@ -37,13 +37,15 @@ def _cmd_generate(argv: list[str]) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=["fp8", "w4a16", "gptq"], default=None,
+                   help="default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load")
     a = p.parse_args(argv)
     from salaserve.engine.llm import LLM
     from salaserve.engine.sampling_params import SamplingParams
 
     try:
         llm = LLM(a.model, device=a.device, backend=a.backend, load_format=a.load_format, dtype=a.dtype,
-                  max_running_requests=1)
+                  quantization=a.quantization, max_running_requests=1)
         prompt = a.prompt
         if a.chat:
             kwargs = {"enable_thinking": False} if a.no_thinking else {}
@@ -66,10 +68,17 @@ def _cmd_serve(argv: list[str]) -> int:
     return run(argv)
 
 
+def _cmd_prepare_model(argv: list[str]) -> int:
+    from salaserve.quant.prepare import main as prepare_main
+
+    return prepare_main(argv)
+
+
 COMMANDS = {
     "serve": _cmd_serve,
     "make-checkpoint": _cmd_make_checkpoint,
     "generate": _cmd_generate,
+    "prepare-model": _cmd_prepare_model,
 }
 
 

@@ -424,7 +424,7 @@ class EngineArgs:
     context_length: int | None = None  # default: max_position_embeddings
     state_dtype: str = "float32"  # Lightning state slots
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = None  # "fp8" | "w4a16" | "gptq"; None: as the checkpoint says
     stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
@@ -455,5 +455,7 @@ class EngineArgs:
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
                              f"{self.speculative_num_draft_tokens}")
+        if self.quantization not in (None, "fp8", "w4a16", "gptq"):
+            raise ValueError(f"quantization must be fp8, w4a16 or gptq (or unset), got {self.quantization!r}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")

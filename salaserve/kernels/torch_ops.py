@@ -17,6 +17,7 @@ from salaserve.cache.state import StatePool
 from salaserve.config import ModelConfig
 from salaserve.engine.batch import ForwardBatch
 from salaserve.model import reference as spec
+from salaserve.quant.fuse import SplitLinear
 
 
 class TorchBackend:
@@ -36,7 +37,13 @@ class TorchBackend:
         return F.silu(gate) * up
 
     def linear(self, x, weight):
-        return x @ weight.t()
+        if isinstance(weight, torch.Tensor):  # bf16 / fp32 weights: the plain matmul
+            return x @ weight.t()
+        if isinstance(weight, SplitLinear):  # fused parts that could not be concatenated
+            return torch.cat([self.linear(x, p) for p in weight.parts], dim=-1)
+        from salaserve.kernels.quant_gemm import quant_linear  # imports triton: only when quantized
+
+        return quant_linear(x, weight)
 
     def sigmoid_mul(self, x, gate):
         return x * torch.sigmoid(gate)

@@ -1,7 +1,8 @@
 """Loads HF-format MiniCPM-SALA weights: sharded safetensors (memory-mapped) or dummy weights.
 
 `load_state_dict` returns the checkpoint's own tensor names, validated against the spec's list;
-the serving model fuses them afterwards (`fuse_state_dict`).
+the serving model fuses them afterwards (`fuse_state_dict`). Quantized checkpoints (GPTQ int4,
+fp8) give QuantizedLinearWeights under the linears' `.weight` names (salaserve/quant/load.py).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def validate_names_and_shapes(found: dict[str, tuple[int, ...]], cfg: ModelConfig,
-                              ignore_unexpected: tuple[str, ...] = ()) -> None:
-    """One error that lists all missing, unexpected and mis-shaped tensors."""
-    want = expected_shapes(cfg)
+                              ignore_unexpected: tuple[str, ...] = (), want=None) -> None:
+    """One error that lists all missing, unexpected and mis-shaped tensors (against `want`,
+    default: the unquantized checkpoint's names)."""
+    want = expected_shapes(cfg) if want is None else want
     missing = [n for n in want if n not in found]
     unexpected = [n for n in found if n not in want and not any(n.endswith(s) for s in ignore_unexpected)]
     misshaped = [f"{n}: checkpoint {list(found[n])}, config expects {list(want[n])}"
@@ -59,10 +61,20 @@ def validate_names_and_shapes(found: dict[str, tuple[int, ...]], cfg: ModelConfi
 
 
 def load_state_dict(model_dir, cfg: ModelConfig, dtype=torch.bfloat16, device="cpu",
-                    load_format: str = "auto", seed: int = 0) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint in `dtype` on `device`, keyed by their HF names."""
+                    load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> dict:
+    """All tensors of the checkpoint in `dtype` on `device`, keyed by their HF names. Quantized
+    linears come as QuantizedLinearWeights: as the checkpoint stores them, or quantized on load
+    when `quantization` ("fp8" | "w4a16") is asked of an unquantized checkpoint."""
+    from salaserve.quant.load import load_quantized, quantize_on_load, stored_as_on_load
+    from salaserve.quant.scheme import QuantConfigError, resolve_scheme
+
+    try:
+        scheme = resolve_scheme(model_dir, cfg.extra, quantization)
+    except QuantConfigError as e:
+        raise WeightLoadError(str(e)) from None
     if load_format == "dummy":
-        return random_state_dict(cfg, seed=seed, dtype=dtype, device=device)
+        w = random_state_dict(cfg, seed=seed, dtype=dtype, device=device)
+        return w if scheme is None else quantize_on_load(w, cfg, stored_as_on_load(scheme))
     if load_format not in ("auto", "safetensors"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
     model_dir = os.fspath(model_dir)
@@ -73,7 +85,10 @@ def load_state_dict(model_dir, cfg: ModelConfig, dtype=torch.bfloat16, device="c
             for name in f.keys():
                 found[name] = tuple(f.get_slice(name).get_shape())
     # Rotary caches are non-persistent in HF; some re-saves still carry them.
-    validate_names_and_shapes(found, cfg, ignore_unexpected=("rotary_emb.inv_freq",))
+    ignore = ("rotary_emb.inv_freq",)
+    if scheme is not None and scheme.stored:
+        return load_quantized(files, found, cfg, scheme, dtype, device, ignore_unexpected=ignore)
+    validate_names_and_shapes(found, cfg, ignore_unexpected=ignore)
     want = expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     dev = str(torch.device(device))
@@ -82,4 +97,4 @@ def load_state_dict(model_dir, cfg: ModelConfig, dtype=torch.bfloat16, device="c
             for name in f.keys():
                 if name in want:
                     out[name] = f.get_tensor(name).to(dtype)
-    return out
+    return out if scheme is None else quantize_on_load(out, cfg, scheme)

@@ -16,6 +16,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import ModelConfig
 from salaserve.engine.batch import ForwardBatch
+from salaserve.quant.fuse import fuse_linear
 
 
 @dataclass
@@ -26,7 +27,8 @@ class Caches:
 
 
 def fuse_state_dict(cfg: ModelConfig, w: dict) -> dict:
-    """HF tensor names -> the serving model's fused parameters (the input dict is consumed)."""
+    """HF tensor names -> the serving model's fused parameters (the input dict is consumed).
+    Quantized linears fuse too, or stay split where their formats differ (quant/fuse.py)."""
     fused = {
         "embed": w.pop("model.embed_tokens.weight"),
         "final_norm": w.pop("model.norm.weight"),
@@ -39,7 +41,7 @@ def fuse_state_dict(cfg: ModelConfig, w: dict) -> dict:
         layer = {
             "input_norm": w.pop(p + "input_layernorm.weight"),
             "post_norm": w.pop(p + "post_attention_layernorm.weight"),
-            "gate_up": torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
+            "gate_up": fuse_linear([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
             "down": w.pop(p + "mlp.down_proj.weight"),
             "o_proj": w.pop(a + "o_proj.weight"),
         }
@@ -50,7 +52,7 @@ def fuse_state_dict(cfg: ModelConfig, w: dict) -> dict:
             layer["q_norm"] = w.pop(a + "q_norm.weight")
             layer["k_norm"] = w.pop(a + "k_norm.weight")
             layer["o_norm"] = w.pop(a + "o_norm.weight")
-        layer["qkvg"] = torch.cat([w.pop(a + n + ".weight") for n in names])
+        layer["qkvg"] = fuse_linear([w.pop(a + n + ".weight") for n in names])
         fused["layers"].append(layer)
     return fused
 
