@@ -10,7 +10,7 @@ import sys
 def _cmd_make_checkpoint(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="salaserve make-checkpoint",
                                 description="Write an HF-format MiniCPM-SALA checkpoint with random weights.")
-    p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "full"], default="tiny")
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-weights", action="store_true",

@@ -359,7 +359,8 @@ def _mixers(n_layers: int, sparse: tuple[int, ...]) -> list[str]:
 
 def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
     """`full`: the released MiniCPM-SALA config (9.48B). `tiny`: same structure, few MB, with a
-    scaled sparse_config so that every path (sparse included) runs on short CPU inputs."""
+    scaled sparse_config so that every path (sparse included) runs on short CPU inputs. `small`:
+    the shape of the built-in trained default model."""
     if name == "full":
         v = 73448 if vocab_size is None else vocab_size
         raw = dict(
@@ -384,8 +385,24 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
             max_position_embeddings=65536, dim_model_base=8, scale_depth=1.4,
             eos_token_id=[2, v - 8],
         )
+    elif name == "small":
+        v = 8192 if vocab_size is None else vocab_size
+        # The built-in trained model (salaserve/tools/train_small.py): 8 layers, sparse first and
+        # last (1:3), ~11.4M parameters so that bf16 weights stay under 25 MB. The sparse_config is
+        # scaled so InfLLM-v2 runs from 256 tokens and is truly sparse past 12 blocks (384 tokens);
+        # block 32 is a multiple of the C2 stride 4 x 8, as the page-aligned compressed-key pool requires.
+        raw = dict(
+            vocab_size=v, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            mixer_types=_mixers(8, (0, 7)),
+            sparse_config=dict(kernel_size=16, kernel_stride=8, block_size=32, topk=8,
+                               init_blocks=1, window_size=128, dense_len=256, use_nope=False),
+            lightning_nh=4, lightning_nkv=4, lightning_head_dim=64,
+            max_position_embeddings=4096, dim_model_base=64, scale_depth=1.4,
+            eos_token_id=[2, v - 8],
+        )
     else:
-        raise ConfigError(f"unknown preset {name!r} (expected 'tiny' or 'full')")
+        raise ConfigError(f"unknown preset {name!r} (expected 'tiny', 'small' or 'full')")
     base = dict(
         architectures=["MiniCPMSALAForCausalLM"], model_type="minicpm_sala",
         auto_map={
