@@ -49,12 +49,14 @@ def linear_params(cfg: ModelConfig, include_lm_head: bool = True) -> int:
 
 
 def decode_bytes(cfg: ModelConfig, batch: int, context: int, weight_bytes_per_param: float = 2.0,
-                 kv_bytes: int = 2, state_bytes: int = 4) -> float:
+                 kv_bytes: int = 2, state_bytes: int = 4, lm_head_bytes_per_param: float = 2.0) -> float:
     """Bytes one decode step must move: weights once, Lightning states read + written, the K/V the
     sparse layers attend to (all of it while dense, the selected blocks after) and, in the sparse
     regime, the compressed keys scored by stage 1."""
     sc = cfg.sparse
-    weights = linear_params(cfg) * weight_bytes_per_param
+    # the lm_head stays bf16 unless it is quantized explicitly
+    weights = (linear_params(cfg, include_lm_head=False) * weight_bytes_per_param
+               + cfg.vocab_size * cfg.hidden_size * lm_head_bytes_per_param)
     states = 2 * batch * len(cfg.lightning_layers) * cfg.lightning_nh * cfg.lightning_head_dim ** 2 * state_bytes
     per_token_kv = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_bytes * len(cfg.sparse_layers)
     if context < sc.dense_len:

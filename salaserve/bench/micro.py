@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="4096,32768,131072,524288")
     ap.add_argument("--prefill", default="8192,32768,131072")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"], help="quantize the weights on load")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--max-kv-gib", type=float, default=90.0, help="skip decode points needing more KV")
     ap.add_argument("--json", default=None)
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     kv_tokens = int(a.max_kv_gib * 2**30 / 8704)  # ~8.5 KiB per token incl. compressed keys
     args = EngineArgs(model=model_dir, backend=a.backend, load_format="dummy", dtype="bfloat16",
                       max_running_requests=max(batches), max_total_tokens=max(kv_tokens, cfg_tokens),
-                      enable_cuda_graph=not a.no_cuda_graph, context_length=max(contexts) + 1024)
+                      enable_cuda_graph=not a.no_cuda_graph, context_length=max(contexts) + 1024,
+                      quantization=a.quantization)
     t0 = time.perf_counter()
     runner = ModelRunner(args, model_dir)
     startup = time.perf_counter() - t0
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     cfg = runner.cfg
     gbps = ceil.copy_gbps * 1e9
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": runner.backend_name,
+              "quantization": a.quantization,
               "cuda_graphs": runner.graphs is not None, "startup_s": startup,
               "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else 0.0,
               "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops, "decode": [], "prefill": []}
@@ -159,7 +162,8 @@ def main(argv=None) -> int:
                 print(f"{'':>8} {b:>6} {ctx:>8}  skipped: KV for {b}x{ctx} tokens exceeds the pool")
                 continue
             t = time_decode(runner, b, ctx)
-            floor_ms = decode_bytes(cfg, b, ctx) / gbps * 1e3
+            wbytes = {None: 2.0, "fp8": 1.0, "w4a16": 0.5 + 2 / 128}[a.quantization]  # + group scales
+            floor_ms = decode_bytes(cfg, b, ctx, weight_bytes_per_param=wbytes) / gbps * 1e3
             row = {"batch": b, "context": ctx, **t, "floor_ms": floor_ms,
                    "achieved_over_floor": floor_ms / t["device_ms"], "tokens_per_s": b / t["step_ms"] * 1e3}
             result["decode"].append(row)
