@@ -73,12 +73,14 @@ def assert_rope_within_ulps(a, b, max_ulps: int = 2, max_frac: float = 0.0):
     assert frac <= max_frac, f"{frac:.2e} of the elements differ (allowed {max_frac:.1e})"
 
 
-def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int):
+def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_stages: int = 3,
+                 fp_fusion: bool = False):
     """Compile a @triton.jit kernel for sm_90 (H100/H200) ahead of time, on a machine without a GPU,
     with the specialisations the JIT would pick at the real shapes (pointers and strides divisible
     by 16). Catches what the interpreter lets through (types, constexpr branches, layouts) and
     reports register use. Arguments named *_ptr are pointers (`ptr_types` overrides the default
-    *fp32), scale/eps are fp32, other non-constexpr arguments i32."""
+    *fp32), scale/eps are fp32, other non-constexpr arguments i32. fp_fusion: as the kernel's
+    launches (False for the NO_FMA elementwise kernels)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
@@ -96,9 +98,8 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
-    # enable_fp_fusion=False: as the launches do (NO_FMA)
     return triton_compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+                          options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion})
 
 
 def cubin_resources(kernel) -> dict | None:

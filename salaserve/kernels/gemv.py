@@ -1,0 +1,638 @@
+"""Weight-streaming GEMV for decode: y = x @ W^T at small M (1..16), W [N, K] bf16 read once.
+
+    gemv(x, w)                                  x [M, K] -> [M, N]
+    gemv_residual(x, w, residual, scale)        residual + y * scale       (TorchBackend.add_rms_norm's add)
+    gemv_rmsnorm(x, norm_w, eps, w)             rms_norm(x, norm_w, eps) @ W^T
+    gemv_silu_mul(gate_up, w, residual=, scale=)  silu_mul(gate_up) @ W^T [then the residual epilogue]
+    linear(x, w)                                GEMV or cuBLAS, whichever `calibrate` measured faster
+    calibrate(shapes, device)                   times both per (M bucket, N, K) inside CUDA graphs
+
+Why not cuBLAS: at M <= 16 a linear layer is a pure weight stream (2*N*K bytes, ~1 FLOP/byte).
+The whole decode step is 18.35 GB of bf16 weights, 4.30 ms at 4.27 TB/s; cuBLAS M=1 GEMMs take
+4.99 ms in a graph, mostly lost on the 4096x4096 matrices (launch and tail bound) and in the gaps.
+
+Kernel shape. One program owns BLOCK_N output columns (rows of W) for ALL M rows of x, so W is
+read exactly once whatever M is, and one contiguous K range (split-K). The grid is sized for
+several programs per SM (Little's law: 4.27 TB/s x ~1 us loaded latency wants ~32 KB of loads in
+flight per SM); small N (4096) is split over K to get there. Two inner paths, chosen by the config:
+  - FMA (M <= FMA_MAX_M = 8): W tile [BN, BK] with BK = 256 * num_warps, so each thread holds exactly one
+    16-byte vector (8 bf16 along K) per W row, and x's [BM, BK] slice lands in the same thread
+    mapping (8 values per thread and row): no shuffles or shared memory inside the loop.
+    acc[BM, BN, BK] += w * x in fp32 registers, reduced over K once after the loop. The next W
+    tile is loaded before the current one is consumed (two tiles in flight per thread).
+  - DOT (any M <= 16): tensor cores, acc[BN, 16] += W_tile @ x_tile^T (x padded to 16 rows with
+    zeros; W is the MMA's 64/128-row side, so Hopper's wgmma applies). Triton pipelines the W
+    tiles into shared memory with 16-byte cp.async (num_stages deep): few registers, deep queues.
+fp32 accumulation everywhere (tensor cores accumulate in fp32 too).
+
+Split-K reduction: "last program reduces", inside the same launch. Every split stores its fp32
+partial [M, BN] in a workspace, bumps a per-column-tile counter (acq_rel atomic); the program
+that arrives last sums the partials in split order (deterministic), applies the epilogue, writes
+the output and re-arms the counter to 0. Chosen over the alternatives because inside a CUDA graph
+every extra kernel costs ~4 us: a second reduction kernel would add one per linear, fp32 atomics
+into a zeroed workspace would add a memset and a cast kernel (and be non-deterministic). The cost
+here is split * M * N * 4 bytes of partials (0.4% of W's bytes at N = 4096, split 4) and one
+small serial sum at the end of each column tile.
+
+Workspace and counters: one pair per device, shared by every launch (kernels on one stream run in
+order; with PDL every access happens after the grid-dependency wait, see below), allocated on the
+first call outside graph capture. Run every shape once (or call `calibrate`) before capturing.
+Graph capturable: no host syncs, no allocation except the output (or pass `out=`).
+
+Fusions (each removes a whole ~4 us kernel per use, 32 layers):
+  - residual epilogue: out = round(residual + round(round(y) * scale)) exactly as
+    `residual + linear(x, w) * scale` in torch (y rounded to the linear's dtype first);
+  - RMSNorm prologue: each program recomputes its rows' fp32 sum of squares over all of x (8 KB
+    per row from L2) and normalises the x slices it uses: round(round(x * rstd) * norm_w), as
+    reference.rms_norm; the statistics' summation order differs from torch's (as in fused.py);
+  - silu_mul prologue (the down projection): x[k] = round(round(silu(gate[k])) * up[k]) from
+    gate_up [M, 2K], computed only for the program's own K slice, as fused.silu_mul.
+With these, a decode layer's linears chain as gemv_rmsnorm(qkv) | attention | gemv_residual(o) ->
+gemv_rmsnorm(gate_up) -> gemv_silu_mul(down, residual): the add_rms_norm and silu_mul kernels
+disappear (3 of the 7 linear-side kernels per layer).
+
+PDL (programmatic dependent launch, sm_90, off by default; `set_pdl(True)` or
+SALASERVE_GEMV_PDL=1): the kernel is launched so that it may start while the previous kernel in
+the stream is still finishing. The FMA path loads its first W tile (weights never depend on the
+previous kernel) and then waits (griddepcontrol.wait) before touching x, the residual, the output
+or the workspace; the DOT path waits first. Each program also signals at its start that the next
+PDL kernel may launch, so back-to-back GEMVs overlap one's ramp-up with the other's tail. The
+benchmark compares with and without.
+
+Numerics: fp32 accumulation (FMA, or the tensor cores' fp32 accumulate), one rounding to bf16 at
+the end; the summation order differs from cuBLAS's, so results differ from `x @ w.t()` by about
+one bf16 ulp on some elements (tests/test_kernels_gemv.py writes the bound down). Deterministic:
+the same config gives the same bits on every run, split-K included.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import statistics
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from salaserve.kernels._triton_utils import promote, round_to, rsqrt_rn, tl_dtype
+
+GEMV_MAX_M = 16  # largest M the GEMV is ever used for (x rows are all held by one program)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_PDL = os.environ.get("SALASERVE_GEMV_PDL", "0") == "1"
+
+# prologue kinds (constexpr PROLOGUE)
+_NONE, _RMS, _SILU = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) per row [BLOCK_M], fp32 statistics over the whole row."""
+    ss = tl.zeros((BLOCK_M, BLOCK), dtype=tl.float32)
+    rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + tl.arange(0, BLOCK)
+        x = tl.load(rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+        ss += x * x
+    return rsqrt_rn(tl.math.div_rn(tl.sum(ss, axis=1), K.to(tl.float32)) + eps)
+
+
+@triton.jit
+def _x_tile(x_ptr, nw_ptr, rows, kk, row_mask, k_mask, rstd, stride_xm, K,
+            PROLOGUE: tl.constexpr, X_DT: tl.constexpr, XN_DT: tl.constexpr):
+    """GEMV input values (fp32) at rows x kk (broadcastable index tensors), after the prologue.
+    k_mask None: every kk is in range. rstd broadcasts like rows (RMSNorm prologue only)."""
+    base = x_ptr + rows.to(tl.int64) * stride_xm
+    if k_mask is None:
+        mask = row_mask
+    else:
+        mask = row_mask & k_mask
+    if PROLOGUE == 2:
+        # silu_mul: x = [gate | up] with K columns each; roundings as fused.silu_mul
+        gate = tl.load(base + kk, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(base + K + kk, mask=mask, other=0.0).to(tl.float32)
+        act = round_to(gate / (1.0 + tl.exp(-gate)), X_DT)
+        return round_to(act * up, X_DT)
+    x = tl.load(base + kk, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        # reference.rms_norm: normalised value rounded to x's dtype, times the weight
+        if k_mask is None:
+            nw = tl.load(nw_ptr + kk).to(tl.float32)
+        else:
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        x = round_to(round_to(x * rstd, X_DT) * nw, XN_DT)
+    return x
+
+
+@triton.jit
+def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale,
+           RESIDUAL: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    """Final fp32 sums [BM, BN] -> output, with the residual epilogue if asked."""
+    y = round_to(y, Y_DT)  # the linear's own output, as stored by x @ w.t()
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        # torch's `residual + y * scale`: the product rounded to y's dtype, the sum to the result's
+        y = round_to(r + round_to(y * scale, Y_DT), OUT_DT)
+    else:
+        y = round_to(y, OUT_DT)
+    # values are exactly representable in OUT_DT now, so the cast below cannot round (the
+    # interpreter's cast truncates; the GPU's rounds to nearest: both exact here)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K == SPLIT_K * (a multiple of BLOCK_K): no K masks at all
+    DOT: tl.constexpr,  # tensor-core path (BLOCK_M = 16) instead of FMAs
+    PROLOGUE: tl.constexpr,  # 0 none, 1 RMSNorm of x, 2 silu_mul of x = [gate | up]
+    RESIDUAL: tl.constexpr,
+    X_DT: tl.constexpr,  # x's dtype (prologue roundings)
+    XN_DT: tl.constexpr,  # GEMV input dtype after the prologue
+    Y_DT: tl.constexpr,  # the linear's output dtype
+    OUT_DT: tl.constexpr,  # stored dtype (promote(residual, y) with the epilogue)
+    PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr = False,  # interpreter runs only
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # whole BLOCK_K tiles per split; the product keeps k offsets provably 16-byte aligned
+    k_len = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_begin = pid_k * k_len
+    if EVEN_K:
+        k_end = k_begin + k_len  # provably a multiple of BLOCK_K: K masks stay uniform per tile
+    else:
+        k_end = tl.minimum(k_begin + k_len, K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    if PDL:
+        # let the next PDL kernel in the stream start launching while this grid runs its last wave
+        tl.extra.cuda.gdc_launch_dependents()
+
+    if DOT:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if PROLOGUE == 1:
+            rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, 2048 // BLOCK_M)[:, None]
+        else:
+            rstd = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+        kt = tl.arange(0, BLOCK_K)[None, :]
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + kt
+            k_mask = None if EVEN_K else kk < k_end
+            w = tl.load(w_rows + kk, mask=n_mask[:, None] if EVEN_K else n_mask[:, None] & k_mask, other=0.0)
+            xt = _x_tile(x_ptr, nw_ptr, offs_m[:, None], kk, m_mask[:, None], k_mask, rstd, stride_xm, K,
+                         PROLOGUE, X_DT, XN_DT)
+            if DOT_FP32:
+                # the interpreter's tl.dot misreads bf16 operands; fp32 gives the same exact products
+                acc = tl.dot(w.to(tl.float32), tl.trans(xt), acc, input_precision="ieee")
+            else:
+                # x values are exact in W's dtype (bf16 inputs, or bf16-rounded prologue output)
+                acc = tl.dot(w, tl.trans(xt.to(w.dtype)), acc, input_precision="ieee")
+        y = tl.trans(acc)  # [BM, BN]
+    else:
+        # x [BM, 1, BK] against W [1, BN, BK]: acc [BM, BN, BK] in registers, reduced over K once
+        # after the loop (BK = 256 * num_warps: one 16-byte W vector per thread and row, x's
+        # slice in the same thread mapping)
+        kt = tl.arange(0, BLOCK_K)[None, None, :]
+        w_rows = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn
+        nm = n_mask[None, :, None]
+        rows = offs_m[:, None, None]
+        row_mask = m_mask[:, None, None]
+        # first W tile before the dependency wait: weights never depend on the previous kernel
+        kk = k_begin + kt
+        w = tl.load(w_rows + kk, mask=nm if EVEN_K else nm & (kk < k_end), other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if PROLOGUE == 1:
+            rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, 2048 // BLOCK_M)[:, None, None]
+        else:
+            rstd = tl.zeros((BLOCK_M, 1, 1), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + kt
+            nk = kk + BLOCK_K
+            k_mask = None if EVEN_K else kk < k_end
+            x = _x_tile(x_ptr, nw_ptr, rows, kk, row_mask, k_mask, rstd, stride_xm, K, PROLOGUE, X_DT, XN_DT)
+            # the next tile is issued before this one is consumed: two tiles in flight per thread
+            w_next = tl.load(w_rows + nk, mask=nm & (nk < k_end), other=0.0)
+            acc += w.to(tl.float32) * x  # x broadcasts over W's rows, W over x's rows
+            w = w_next
+        y = tl.sum(acc, axis=2)  # [BM, BN]
+
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL, Y_DT, OUT_DT)
+    else:
+        # workspace [SPLIT_K, M, N] fp32; the last split of this column tile reduces
+        part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + pid_k * M * N, y, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(y)
+            for s in range(SPLIT_K):  # fixed order: deterministic whichever split came last
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _write(total, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL,
+                   Y_DT, OUT_DT)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch: no memset kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. split_k 0: chosen from the grid size (`_auto_split`)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 0
+    dot: bool = False
+
+    def __str__(self):
+        s = f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+        return s + (f" split{self.split_k}" if self.split_k else "")
+
+
+# Candidate configs, each checked by an sm_90 ahead-of-time compile (no spills, 16-byte W loads,
+# no shared-memory layout conversion in the FMA loop; tests/test_kernels_gemv.py). FMA tiles use
+# BLOCK_K = 256 * num_warps: every thread holds exactly one 16-byte vector per W row, and x's
+# [.., BLOCK_K] slice then gets the same thread mapping (8 values per thread), so x needs no
+# reshuffle through shared memory; per thread: BLOCK_N vectors of W (x2, prefetch) and
+# BLOCK_M * BLOCK_N * 8 fp32 accumulators.
+FMA_CONFIGS = {  # M bucket -> configs; sm_90 registers per thread in the comments
+    1: (GemvConfig(4, 1024, 4), GemvConfig(2, 1024, 4), GemvConfig(4, 2048, 8)),  # 64, 40, 80
+    2: (GemvConfig(2, 1024, 4),),  # 64
+    4: (GemvConfig(1, 1024, 4), GemvConfig(2, 1024, 4)),  # 56, 96
+    8: (GemvConfig(1, 1024, 4),),  # 102
+}
+FMA_MAX_M = 8  # above, the register accumulators get too many: tensor cores only
+DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
+    GemvConfig(64, 128, 4, 4, dot=True),  # 48 registers, 80 KB shared memory
+    GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB
+    GemvConfig(128, 128, 4, 3, dot=True),  # 90, 108 KB
+)
+
+# the grid aims at this many programs per SM (several waves of loads in flight per SM)...
+PROGRAMS_PER_SM = 8
+# ...but no split shorter than this many K elements (each split's partials cost M*BN*4 bytes)
+MIN_SPLIT_LEN = 512
+
+
+def _bucket(M: int) -> int:
+    """M bucket: the power of two >= M (the kernel's BLOCK_M on the FMA paths)."""
+    return 1 if M <= 1 else 1 << (M - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device: str) -> tuple[int, int]:
+    """(SM count, compute capability major); off-GPU (interpreter runs): an H200's."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)[0]
+    return 132, 9
+
+
+def _sm_count(device: torch.device) -> int:
+    return _device_info(str(device))[0]
+
+
+def _auto_split(N: int, K: int, cfg: GemvConfig, device: torch.device) -> int:
+    """Power-of-two split of K giving ~PROGRAMS_PER_SM programs per SM, splits >= MIN_SPLIT_LEN
+    long and whole BLOCK_K tiles."""
+    tiles = triton.cdiv(N, cfg.block_n)
+    want = max(1, PROGRAMS_PER_SM * _sm_count(device) // tiles)
+    split = 1
+    while split * 2 <= want and K // (split * 2) >= max(MIN_SPLIT_LEN, cfg.block_k):
+        split *= 2
+    return split
+
+
+def default_config(M: int, N: int, K: int) -> GemvConfig:
+    """Uncalibrated choice: FMA at M = 1, tensor cores above."""
+    return FMA_CONFIGS[1][0] if M <= 1 else DOT_CONFIGS[0]
+
+
+def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
+    """Configs `calibrate` times for an M bucket (each one Triton compile per shape)."""
+    b = _bucket(M)
+    if b == 1:
+        return FMA_CONFIGS[1] + DOT_CONFIGS[:1]
+    return FMA_CONFIGS.get(b, ()) + (DOT_CONFIGS if b > 8 else DOT_CONFIGS[:2])
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the GEMVs with programmatic dependent launch (sm_90+; off on other GPUs)."""
+    global _PDL
+    _PDL = bool(enabled)
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    return not _INTERPRET and device.type == "cuda" and _device_info(str(device))[1] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches with pdl=None use PDL on this device."""
+    return _PDL and _pdl_supported(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------
+
+_WORKSPACE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_WS_MIN_FLOATS = 1 << 20  # 4 MB: M 16 x N 4096 x split 16, the largest the model's shapes need
+_WS_MIN_COUNTERS = 1 << 14
+
+
+def _workspace(device: torch.device, n_floats: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials and per-tile counters (zeroed once, re-armed by the kernels), one pair per
+    device, grown outside graph capture only."""
+    key = str(device)
+    ws, cnt = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < n_floats or cnt.numel() < n_counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv workspace must grow during CUDA-graph capture: run this shape once "
+                               "(or calibrate) before capturing")
+        n_floats = max(n_floats, _WS_MIN_FLOATS, 0 if ws is None else ws.numel())
+        n_counters = max(n_counters, _WS_MIN_COUNTERS, 0 if cnt is None else cnt.numel())
+        ws = torch.empty(n_floats, dtype=torch.float32, device=device)
+        cnt = torch.zeros(n_counters, dtype=torch.int32, device=device)
+        _WORKSPACE[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, prologue=_NONE,
+            config: GemvConfig | None = None, pdl: bool | None = None):
+    w = _rows(w, "w")
+    N, K = w.shape
+    x = _rows(x, "x")
+    M = x.shape[0]
+    if x.shape[1] != (2 * K if prologue == _SILU else K):
+        raise ValueError(f"x {tuple(x.shape)} does not match w {tuple(w.shape)}")
+    if not 0 < M <= GEMV_MAX_M:
+        raise ValueError(f"gemv handles 1 <= M <= {GEMV_MAX_M}, got M = {M}")
+    xn_dt = promote(x.dtype, norm_w.dtype) if prologue == _RMS else x.dtype
+    if xn_dt != w.dtype:
+        raise TypeError(f"GEMV input dtype {xn_dt} must match the weight dtype {w.dtype}")
+    y_dt = w.dtype
+    out_dt = y_dt
+    if residual is not None:
+        residual = _rows(residual, "residual")
+        if residual.shape != (M, N):
+            raise ValueError(f"residual must be [{M}, {N}], got {tuple(residual.shape)}")
+        out_dt = promote(residual.dtype, y_dt)
+    if out is None:
+        out = torch.empty(M, N, dtype=out_dt, device=x.device)
+    elif out.shape != (M, N) or out.dtype != out_dt or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{M}, {N}] {out_dt} with a unit last stride")
+
+    cfg = config or choose_config(M, N, K, x.device)
+    if not cfg.dot and M > FMA_MAX_M:
+        raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
+    split = cfg.split_k or _auto_split(N, K, cfg, x.device)
+    block_m = 16 if cfg.dot else _bucket(M)
+    tiles = triton.cdiv(N, cfg.block_n)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    even_k = K % (split * cfg.block_k) == 0
+    use_pdl = (_PDL if pdl is None else bool(pdl)) and _pdl_supported(x.device)
+    kw = dict(launch_pdl=True) if use_pdl else {}
+    _gemv_kernel[(tiles, split)](
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w, ws, cnt,
+        M, N, K, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        float(scale), float(eps),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
+        PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
+        Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
+    return out
+
+
+def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None = None):
+    """x [M, K] @ w[N, K]^T -> [M, N] in w's dtype (x.dtype == w.dtype), fp32 accumulation,
+    1 <= M <= 16. config None: the calibrated (else default) config for this shape."""
+    return _launch(x, w, out=out, config=config, pdl=pdl)
+
+
+def gemv_residual(x, w, residual, scale, out=None, *, config=None, pdl=None):
+    """residual + (x @ w^T) * scale with torch's roundings: the product rounded to w's dtype, then
+    the sum to promote(residual, w). out may be `residual` itself (each element is read and then
+    written by the same program)."""
+    return _launch(x, w, out=out, residual=residual, scale=scale, config=config, pdl=pdl)
+
+
+def gemv_rmsnorm(x, norm_w, eps, w, out=None, *, config=None, pdl=None):
+    """reference.rms_norm(x, norm_w, eps) @ w^T: x [M, K], norm_w [K]; the normalised x never goes
+    to memory."""
+    if norm_w.dim() != 1 or norm_w.stride(0) != 1:
+        raise ValueError("norm_w must be a contiguous [K] vector")
+    return _launch(x, w, out=out, norm_w=norm_w, eps=eps, prologue=_RMS, config=config, pdl=pdl)
+
+
+def gemv_silu_mul(gate_up, w, out=None, *, residual=None, scale=1.0, config=None, pdl=None):
+    """silu_mul(gate_up) @ w^T for gate_up [M, 2K] (gate | up, as TorchBackend.silu_mul),
+    optionally with the residual epilogue (residual + y * scale)."""
+    return _launch(gate_up, w, out=out, residual=residual, scale=scale, prologue=_SILU, config=config, pdl=pdl)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch and calibration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Calibration of one (M bucket, N, K); times in us per call (CUDA graph, back to back).
+    gemv: the fastest GEMV config (used by the fused ops either way); use_gemv: whether `linear`
+    takes it (it beat cuBLAS)."""
+
+    gemv: GemvConfig
+    gemv_us: float
+    cublas_us: float
+
+    @property
+    def use_gemv(self) -> bool:
+        return self.gemv_us < self.cublas_us
+
+
+_TABLE: dict[tuple[str, int, int, int], Choice] = {}
+
+
+def _key(M, N, K, device) -> tuple[str, int, int, int]:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:  # "cuda" and x.device ("cuda:0") must meet
+        d = torch.device("cuda", torch.cuda.current_device())
+    return (str(d), _bucket(M), int(N), int(K))
+
+
+def choose_config(M: int, N: int, K: int, device: torch.device) -> GemvConfig:
+    """The calibrated GEMV config for this shape (kept even where cuBLAS won: the fused ops still
+    need one), else the default."""
+    c = _TABLE.get(_key(M, N, K, device))
+    return c.gemv if c is not None else default_config(M, N, K)
+
+
+def uses_gemv(M: int, N: int, K: int, device: torch.device) -> bool:
+    """Whether `linear` takes the GEMV for this shape: the calibrated winner, or (uncalibrated)
+    1 <= M <= 8 (the GEMV reads the weights once for any M; at M = 1 a plain Triton GEMV beat
+    cuBLAS on all four anchor shapes)."""
+    if not 1 <= M <= GEMV_MAX_M:
+        return False
+    c = _TABLE.get(_key(M, N, K, device))
+    if c is not None:
+        return c.use_gemv
+    return M <= 8
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w^T: the GEMV where it was measured faster for this (M bucket, N, K), else
+    cuBLAS (`x @ w.t()`); CPU tensors go to torch unless running under the Triton interpreter."""
+    K = w.shape[1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if (x.is_cuda or _INTERPRET) and x.dtype == w.dtype and uses_gemv(M, w.shape[0], K, x.device):
+        y = gemv(x2, w)
+    else:
+        y = x2 @ w.t()
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _graph_time_us(fn, calls: int, replays: int = 5) -> float:
+    """Median time of one call of fn, captured `calls` times back to back in one CUDA graph (the
+    way the engine runs it: inter-kernel gaps included)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):  # compile, workspace, cuBLAS handles outside the capture
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+L2_BUST_BYTES = 256 << 20  # H200 L2 is 50 MB: cycle through this many bytes of weight copies
+
+
+def weight_copies(N: int, K: int, dtype, device, seed: int = 0) -> list[torch.Tensor]:
+    """Enough distinct random [N, K] matrices that cycling through them never hits in L2."""
+    n = min(64, max(1, math.ceil(L2_BUST_BYTES / (N * K * torch.tensor([], dtype=dtype).element_size()))))
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [(torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(n)]
+
+
+def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig | None = None,
+                pdl: bool | None = None, weights=None, calls: int | None = None) -> float:
+    """us per call of cuBLAS ('cublas') or the GEMV ('gemv') at this shape, in a CUDA graph of
+    back-to-back calls cycling through L2-busting weight copies."""
+    ws = weights if weights is not None else weight_copies(N, K, torch.bfloat16, device)
+    x = torch.randn(M, K, device=device).to(ws[0].dtype)
+    out = torch.empty(M, N, device=device, dtype=ws[0].dtype)
+    n = calls or max(8, len(ws))
+    if fn_name == "cublas":
+        def fn(i):
+            torch.mm(x, ws[i % len(ws)].t(), out=out)
+    else:
+        def fn(i):
+            gemv(x, ws[i % len(ws)], out=out, config=config, pdl=pdl)
+    return _graph_time_us(fn, n)
+
+
+def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False) -> dict:
+    """Time cuBLAS and the GEMV candidates once per (M bucket, N, K) inside CUDA graphs (each a
+    graph of >= 8 back-to-back calls over L2-busting weight copies, median of 5 replays) and record
+    the results for `linear` / `choose_config`. shapes: iterable of (N, K) (bf16 weights); M is
+    timed at its bucket (3 -> 4). configs: a list for every M, or a callable M -> list; default
+    `candidate_configs`. Returns {(bucket, N, K): Choice}. Cost: a few ms per candidate plus one
+    Triton compile each (cached on disk across runs); already calibrated keys are skipped."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    result = {}
+    for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
+        ws = None
+        for M in m_values:
+            key = _key(M, N, K, device)
+            if key not in _TABLE:
+                ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
+                Mb = _bucket(M)
+                t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
+                cands = configs(Mb) if callable(configs) else (configs or candidate_configs(Mb))
+                best = None
+                for cfg in cands:
+                    if not cfg.split_k:  # pin the split the timing uses
+                        cfg = replace(cfg, split_k=_auto_split(N, K, cfg, device))
+                    t = time_linear("gemv", Mb, N, K, device, config=cfg, weights=ws)
+                    if verbose:
+                        print(f"  M={Mb} N={N} K={K} {cfg}: {t:.1f} us (cuBLAS {t_cublas:.1f})")
+                    if best is None or t < best[1]:
+                        best = (cfg, t)
+                _TABLE[key] = Choice(best[0], best[1], t_cublas)
+            result[key[1:]] = _TABLE[key]
+        del ws
+    return result
+
+
+def calibration_table() -> dict:
+    return dict(_TABLE)
+
+
+def clear_calibration() -> None:
+    _TABLE.clear()
+
+
+def model_linear_shapes(cfg) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, uses per decode step) of a ModelConfig's linear layers (fused projections as
+    the model holds them). `calibrate` wants the distinct (N, K) of these."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    n_sparse = len(cfg.sparse_layers)
+    n_light = cfg.num_hidden_layers - n_sparse
+    shapes = [
+        ("qkvg", 2 * cfg.q_size + 2 * cfg.kv_size, h, n_sparse),
+        ("qkvz", 4 * cfg.lightning_size, h, n_light),
+        ("o_proj", h, cfg.q_size, n_sparse),
+        ("o_proj_l", h, cfg.lightning_size, n_light),
+        ("gate_up", 2 * f, h, cfg.num_hidden_layers),
+        ("down", h, f, cfg.num_hidden_layers),
+        ("lm_head", cfg.vocab_size, h, 1),
+    ]
+    return [s for s in shapes if s[3] > 0]

@@ -1,0 +1,226 @@
+"""salaserve.kernels.gemv under the Triton interpreter, on CPU.
+
+TRITON_INTERPRET must be set before triton is first imported: tests/test_kernels_gemv.py runs this
+file in a subprocess with TRITON_INTERPRET=1 (the file name keeps it out of normal collection).
+By hand:
+
+    TRITON_INTERPRET=1 python -m pytest tests/gemv_interp_cases.py
+
+fp32 cases against fp64 torch at ~1e-5 over small shapes and every path (FMA at M = 1, FMA over
+several rows, tensor-core dot), with split-K 1..4 (including splits that come out empty). bf16
+cases check the roundings of the fused prologues and epilogue exactly: the kernels round on the
+bits (round_to), so the interpreter's truncating fp32->bf16 cast never decides a result.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 (run through test_kernels_gemv.py)", allow_module_level=True)
+
+from kernel_checks import assert_within_ulps  # noqa: E402
+
+from salaserve.kernels import gemv as G  # noqa: E402
+from salaserve.kernels.torch_ops import TorchBackend  # noqa: E402
+from salaserve.model import reference as spec  # noqa: E402
+
+EPS = 1e-6
+TB = TorchBackend()
+bf16 = torch.bfloat16
+
+# small tiles so that the small test shapes take several K tiles and several N tiles; split-K
+# 1, 2, 4 on every path (K = 64 with split 4 leaves splits empty)
+FMA_M1 = [G.GemvConfig(16, 64, 1), G.GemvConfig(8, 128, 1, split_k=2), G.GemvConfig(32, 32, 1, split_k=4)]
+FMA_MN = [G.GemvConfig(8, 64, 1), G.GemvConfig(16, 32, 1, split_k=2), G.GemvConfig(4, 128, 1, split_k=4)]
+DOT = [G.GemvConfig(32, 64, 4, dot=True), G.GemvConfig(16, 32, 4, dot=True, split_k=2),
+       G.GemvConfig(64, 16, 4, dot=True, split_k=4)]
+
+
+def _configs(M):
+    return (FMA_M1 if M == 1 else FMA_MN) + DOT
+
+
+def _some_configs(M):
+    """One split and one unsplit config per path (the fused-op tests)."""
+    fma = FMA_M1 if M == 1 else FMA_MN
+    return [fma[0], fma[1], DOT[0], DOT[1]]
+
+
+def _data(M, N, K, dtype, seed=0, x_cols=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, x_cols or K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    return x, w
+
+
+def _close(ours, ref, tol=2e-5):
+    err = float((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N,K", [(64, 64), (96, 128), (256, 512), (64, 96)])
+def test_gemv_fp32(M, N, K):
+    x, w = _data(M, N, K, torch.float32, seed=M * 1000 + N + K)
+    ref = x.double() @ w.double().t()
+    for cfg in _configs(M):
+        y = G.gemv(x, w, config=cfg)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        _close(y, ref)
+
+
+def test_gemv_strided_x_and_out():
+    """x rows strided (a view into a wider tensor); out a strided view."""
+    M, N, K = 3, 64, 128
+    big = torch.randn(M, 2 * K)
+    x = big[:, K:]
+    w = torch.randn(N, K) * K ** -0.5
+    out_big = torch.zeros(M, N + 8)
+    out = out_big[:, 8:]
+    for cfg in FMA_MN[:1] + DOT[:1]:
+        G.gemv(x, w, out=out, config=cfg)
+        _close(out, x.double() @ w.double().t())
+    assert torch.equal(out_big[:, :8], torch.zeros(M, 8))
+
+
+def test_split_k_counters_rearmed():
+    """Every split-K launch leaves its counters at zero (no memset between launches) and results
+    are deterministic."""
+    x, w = _data(2, 96, 512, torch.float32, seed=5)
+    cfg = G.GemvConfig(16, 32, 1, split_k=4)
+    a = G.gemv(x, w, config=cfg)
+    b = G.gemv(x, w, config=cfg)
+    assert torch.equal(a, b)
+    _, cnt = G._workspace(x.device, 0, 0)
+    assert int(cnt.abs().sum()) == 0
+
+
+def test_auto_split():
+    dev = torch.device("cpu")  # 132 SMs assumed off-GPU
+    assert G._auto_split(4096, 4096, G.GemvConfig(64, 128, dot=True), dev) == 8
+    assert G._auto_split(4096, 16384, G.GemvConfig(64, 128, dot=True), dev) == 16
+    assert G._auto_split(32768, 4096, G.GemvConfig(4, 1024), dev) == 1
+    assert G._auto_split(4096, 4096, G.GemvConfig(4, 1024), dev) == 1
+    assert G._auto_split(4096, 4096, G.GemvConfig(64, 1024, dot=True), dev) == 4  # whole K tiles
+    assert G._auto_split(8704, 4096, G.GemvConfig(64, 128, dot=True), dev) == 4
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_gemv_bf16_rounding(M):
+    """bf16 output = fp32 sum rounded to nearest even: at most one ulp from the fp64 result."""
+    x, w = _data(M, 64, 256, bf16, seed=11)
+    ref = (x.double() @ w.double().t()).to(bf16)
+    for cfg in _configs(M):
+        assert_within_ulps(G.gemv(x, w, config=cfg), ref, max_ulps=1, max_frac=0.05)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("res_dtype", [bf16, torch.float32])
+def test_residual_epilogue_exact(M, res_dtype):
+    """gemv_residual == residual + gemv(x, w) * scale with torch's two roundings, bit for bit."""
+    N, K = 96, 128
+    x, w = _data(M, N, K, bf16, seed=M)
+    r = torch.randn(M, N, generator=torch.Generator().manual_seed(7)).to(res_dtype)
+    scale = 1.4 / 32 ** 0.5
+    for cfg in _configs(M):
+        y = G.gemv(x, w, config=cfg)
+        ours = G.gemv_residual(x, w, r, scale, config=cfg)
+        assert ours.dtype == torch.promote_types(res_dtype, bf16)
+        assert torch.equal(ours, r + y * scale), cfg
+        r2 = r.clone()  # in place: out is the residual itself
+        G.gemv_residual(x, w, r2, scale, out=r2, config=cfg)
+        assert torch.equal(r2, ours)
+
+
+def _identity(n, dtype):
+    return torch.eye(n).to(dtype)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_rmsnorm_prologue_roundings(M):
+    """With W = I the GEMV returns its normalised input exactly: it must equal
+    reference.rms_norm (fp32 statistics in another summation order: at most one bf16 ulp on a
+    few elements)."""
+    K = 128
+    g = torch.Generator().manual_seed(M)
+    x = (torch.randn(M, K, generator=g) * 3).to(bf16)
+    nw = (1.0 + 0.3 * torch.randn(K, generator=g)).to(bf16)
+    ref = spec.rms_norm(x, nw, EPS)
+    for cfg in _some_configs(M):
+        assert_within_ulps(G.gemv_rmsnorm(x, nw, EPS, _identity(K, bf16), config=cfg), ref, max_ulps=1,
+                           max_frac=0.02)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_rmsnorm_prologue_fp32(M):
+    N, K = 96, 512
+    g = torch.Generator().manual_seed(M + 1)
+    x = torch.randn(M, K, generator=g) * 2
+    nw = 1.0 + 0.3 * torch.randn(K, generator=g)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    ref = spec.rms_norm(x.double(), nw.double(), EPS) @ w.double().t()
+    for cfg in _some_configs(M):
+        _close(G.gemv_rmsnorm(x, nw, EPS, w, config=cfg), ref)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_silu_mul_prologue_roundings(M):
+    """W = I returns silu_mul(gate_up) itself: equal to TorchBackend.silu_mul up to exp's last
+    fp32 bit (one bf16 ulp on a few elements); with the residual epilogue, bit-exact against
+    residual + y * scale."""
+    K = 128
+    g = torch.Generator().manual_seed(M + 2)
+    gu = (torch.randn(M, 2 * K, generator=g) * 2).to(bf16)
+    ref = TB.silu_mul(gu)
+    r = torch.randn(M, K, generator=g).to(bf16)
+    for cfg in _some_configs(M):
+        y = G.gemv_silu_mul(gu, _identity(K, bf16), config=cfg)
+        assert_within_ulps(y, ref, max_ulps=1, max_frac=0.02)
+        ours = G.gemv_silu_mul(gu, _identity(K, bf16), residual=r, scale=0.25, config=cfg)
+        assert torch.equal(ours, r + y * 0.25)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+def test_silu_mul_prologue_fp32(M):
+    N, K = 64, 256
+    g = torch.Generator().manual_seed(M + 3)
+    gu = torch.randn(M, 2 * K, generator=g)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    ref = TB.silu_mul(gu.double()) @ w.double().t()
+    for cfg in _some_configs(M):
+        _close(G.gemv_silu_mul(gu, w, config=cfg), ref)
+
+
+def test_linear_dispatch():
+    G.clear_calibration()
+    x, w = _data(4, 64, 128, torch.float32, seed=3)
+    ref = x.double() @ w.double().t()
+    assert G.uses_gemv(4, 64, 128, x.device)
+    _close(G.linear(x, w), ref)
+    _close(G.linear(x.view(2, 2, 128), w).view(4, 64), ref)
+    x20 = torch.randn(20, 128)
+    assert not G.uses_gemv(20, 64, 128, x.device)
+    assert torch.equal(G.linear(x20, w), x20 @ w.t())
+    # a calibrated cuBLAS win is honoured
+    cfg = G.GemvConfig(8, 64, 1)
+    G._TABLE[G._key(4, 64, 128, x.device)] = G.Choice(cfg, 2.0, 1.0)
+    assert not G.uses_gemv(3, 64, 128, x.device)
+    assert G.choose_config(3, 64, 128, x.device) == cfg  # the fused ops keep the measured config
+    assert torch.equal(G.linear(x, w), x @ w.t())
+    G.clear_calibration()
+
+
+def test_bad_arguments():
+    x, w = _data(17, 64, 128, torch.float32)
+    with pytest.raises(ValueError):
+        G.gemv(x, w)
+    with pytest.raises(ValueError):
+        G.gemv(x[:2, :64], w)
+    with pytest.raises(TypeError):
+        G.gemv(x[:2].to(bf16), w)
+    with pytest.raises(ValueError):  # FMA paths stop at M = 8
+        G.gemv(x[:9], w, config=G.GemvConfig(4, 64, 1))

@@ -1,0 +1,295 @@
+"""Decode GEMV kernels (salaserve.kernels.gemv).
+
+CPU (default run):
+- every path (FMA M = 1, FMA M > 1, tensor-core dot), split-K 1..4, the fused prologues and the
+  residual epilogue against torch under the Triton interpreter, in a subprocess
+  (tests/gemv_interp_cases.py: TRITON_INTERPRET must be set before triton is imported);
+- an sm_90 ahead-of-time compile of every candidate config (and the fused / PDL variants): no
+  register spills, W read with 16-byte loads (FMA) or 16-byte cp.async (dot), and no shared-memory
+  traffic or shuffles inside the FMA paths' main loops (x must come in W's thread mapping).
+GPU (`pytest -m gpu`): the model's real shapes at M in 1..16 against cuBLAS / fp32 references with
+a written bf16 tolerance, the fused ops, CUDA-graph capture with and without PDL, calibration.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_gemv_kernels_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), str(TESTS), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", str(TESTS / "gemv_interp_cases.py")],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# sm_90 ahead-of-time compiles
+# ---------------------------------------------------------------------------------------------
+
+
+def _aot_cases():
+    from salaserve.kernels import gemv as G
+
+    cases = {}
+    for bucket, cfgs in G.FMA_CONFIGS.items():
+        for cfg in cfgs:
+            cases[f"m{bucket}-{cfg}"] = (cfg, bucket, {})
+    for cfg in G.DOT_CONFIGS:
+        cases[f"m16-{cfg}"] = (cfg, 16, {})
+    fma1, fma4, dot = G.FMA_CONFIGS[1][0], G.FMA_CONFIGS[4][0], G.DOT_CONFIGS[0]
+    for name, cfg, bm in (("fma1", fma1, 1), ("fma4", fma4, 4), ("dot", dot, 16)):
+        cases[f"{name}-rmsnorm"] = (cfg, bm, dict(PROLOGUE=1))
+        cases[f"{name}-silu-residual-split4"] = (cfg, bm, dict(PROLOGUE=2, RESIDUAL=True, SPLIT_K=4))
+        cases[f"{name}-pdl-split2"] = (cfg, bm, dict(PDL=True, SPLIT_K=2))
+        cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
+    return cases
+
+
+def _loops(ptx: str) -> list[str]:
+    """Bodies of the PTX loops (from a 'Loop Header' label to the branch back to it)."""
+    bodies = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):[^\n]*\n[^\n]*Loop Header", ptx, re.M):
+        label = m.group(1)
+        end = re.search(rf"bra(\.uni)?\s+{re.escape(label)};", ptx[m.end():])
+        if end:
+            bodies.append(ptx[m.start(): m.end() + end.end()])
+    return bodies
+
+
+@pytest.mark.parametrize("name", sorted(_aot_cases()))
+def test_gemv_compiles_for_sm90(name):
+    import triton.language as tl
+
+    from kernel_checks import compile_sm90, cubin_resources
+    from salaserve.kernels import gemv as G
+
+    cfg, block_m, extra = _aot_cases()[name]
+    bf = "*bf16"
+    ptrs = dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, res_ptr=bf, nw_ptr=bf, ws_ptr="*fp32", cnt_ptr="*i32")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, EVEN_K=True,
+                      DOT=cfg.dot, PROLOGUE=0, RESIDUAL=False, X_DT=tl.bfloat16, XN_DT=tl.bfloat16,
+                      Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False)
+    constexprs.update(extra)
+    try:
+        kernel = compile_sm90(G._gemv_kernel, ptrs, constexprs, cfg.num_warps, num_stages=cfg.num_stages,
+                              fp_fusion=True)
+    except (ImportError, FileNotFoundError, TypeError, AttributeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    res = cubin_resources(kernel)
+    if res is not None:
+        assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res
+    ptx = kernel.asm["ptx"]
+    if extra.get("PDL"):
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    if extra.get("EVEN_K") is False:
+        return  # K masks with K's divisibility unknown here (the JIT knows K % 16 == 0): scalar loads
+    if cfg.dot:
+        # W streamed into shared memory by 16-byte async copies (Triton's pipeliner)
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte cp.async"
+        assert "wgmma" in ptx or "mma.sync" in ptx
+    else:
+        assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)) >= cfg.block_n, "W not read in 16-byte vectors"
+        main = [b for b in _loops(ptx) if "fma.rn.f32" in b and "ld.global" in b]
+        assert main, "no FMA main loop found"
+        for body in main:
+            for op in ("bar.sync", "ld.shared", "st.shared", "shfl.sync"):
+                assert op not in body, f"{op} inside an FMA main loop (x not in W's thread mapping)"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# MiniCPM-SALA (full preset): name -> (N, K)
+REAL = {"qkvg": (8704, 4096), "qkvz": (16384, 4096), "o_proj": (4096, 4096), "gate_up": (32768, 4096),
+        "down": (4096, 16384), "lm_head": (73448, 4096)}
+EPS = 1e-6
+R = 1.4 / 32 ** 0.5  # the model's residual scale
+
+
+def _inputs(M, N, K, seed=0, x_cols=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, x_cols or K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    return x, w
+
+
+def assert_bf16_linear_close(y, x, w, what=""):
+    """The written bf16 tolerance for y ~ x @ w^T computed with fp32 accumulation and one final
+    rounding to bf16: |y - ref32| <= 2^-8 |ref32| (the bf16 rounding, unit roundoff 2^-8) plus
+    1e-4 * sum_k |x_k w_nk| (any fp32 summation order: ~sqrt(K) * 2^-24 relative to that sum,
+    so 1e-4 leaves a >10x margin at K = 16384). cuBLAS's own bf16 output meets it too."""
+    ref = x.float() @ w.float().t()
+    mag = x.float().abs() @ w.float().abs().t()
+    bound = 2.0 ** -8 * ref.abs() + 1e-4 * mag
+    err = (y.float() - ref).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {y.numel()} outside the bf16 bound; "
+                           f"worst excess {float((err - bound).max())}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(REAL))
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
+def test_gemv_real_shapes(name, M):
+    from salaserve.kernels import gemv as G
+
+    N, K = REAL[name]
+    x, w = _inputs(M, N, K, seed=M)
+    assert_bf16_linear_close(x @ w.t(), x, w, "cuBLAS (tolerance sanity)")
+    configs = [G.default_config(M, N, K)]
+    if name in ("o_proj", "down") and M in (1, 8):  # split-K shapes: every candidate
+        configs = list(G.candidate_configs(M))
+    for cfg in configs:
+        y = G.gemv(x, w, config=cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert_bf16_linear_close(y, x, w, f"{name} M={M} {cfg}")
+        assert torch.equal(G.gemv(x, w, config=cfg), y), "not deterministic"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_fused_ops_gpu(M):
+    from salaserve.kernels import fused
+    from salaserve.kernels import gemv as G
+    from salaserve.model import reference as spec
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    h = torch.randn(M, 4096, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.3 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
+    for cfg in G.FMA_CONFIGS[G._bucket(M)][:1] + G.DOT_CONFIGS[:1]:
+        # residual epilogue: bit-exact against torch's expression on the same GEMV output
+        x, w = _inputs(M, 4096, 4096, seed=10 + M)
+        y = G.gemv(x, w, config=cfg)
+        assert torch.equal(G.gemv_residual(x, w, h, R, config=cfg), h + y * R)
+        # RMSNorm prologue: W = I returns the normalised input (one ulp on few elements: stats order)
+        eye = torch.eye(4096, device="cuda", dtype=torch.bfloat16)
+        ours = G.gemv_rmsnorm(h, nw, EPS, eye, config=cfg)
+        ref = spec.rms_norm(h, nw, EPS)
+        assert ((ours.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
+        assert (ours != ref).float().mean() <= 1e-3
+        wq = _inputs(M, 8704, 4096, seed=20 + M)[1]
+        assert_bf16_linear_close(G.gemv_rmsnorm(h, nw, EPS, wq, config=cfg), fused.rms_norm(h, nw, EPS), wq,
+                                 "gemv_rmsnorm")
+        # silu_mul prologue (+ residual): W = I returns silu_mul(gate_up)
+        gu = (2 * torch.randn(M, 8192, device="cuda", generator=g)).bfloat16()
+        act = G.gemv_silu_mul(gu, eye, config=cfg)
+        ref = fused.silu_mul(gu)
+        assert ((act.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
+        assert (act != ref).float().mean() <= 1e-3
+        assert torch.equal(G.gemv_silu_mul(gu, eye, residual=h, scale=R, config=cfg), h + act * R)
+
+
+def _layer_chain(M, seed=0):
+    """One decode layer's linears as the fused chain: qkv(rmsnorm) -> o(residual) ->
+    gate_up(rmsnorm) -> down(silu_mul + residual). Returns (inputs, run(pdl) -> outputs)."""
+    from salaserve.kernels import gemv as G
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, device="cuda", generator=g)).to(bf)
+
+    h = rnd(M, 4096)
+    o = rnd(M, 4096)
+    n1, n2 = (1 + 0.3 * torch.randn(4096, device="cuda", generator=g)).to(bf), rnd(4096, s=0.3) + 1
+    wqkv, wo = rnd(16384, 4096, s=1 / 64), rnd(4096, 4096, s=1 / 64)
+    wgu, wd = rnd(32768, 4096, s=1 / 64), rnd(4096, 16384, s=1 / 128)
+
+    def run(pdl):
+        qkv = G.gemv_rmsnorm(h, n1, EPS, wqkv, pdl=pdl)
+        h1 = G.gemv_residual(o, wo, h, R, pdl=pdl)
+        gu = G.gemv_rmsnorm(h1, n2, EPS, wgu, pdl=pdl)
+        h2 = G.gemv_silu_mul(gu, wd, residual=h1, scale=R, pdl=pdl)
+        return qkv, h1, gu, h2
+
+    return (h, o), run
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_graph_capture(M, pdl):
+    """The fused chain captured in a CUDA graph replays bit-identically to eager runs, also after
+    the inputs change, and PDL changes no bit."""
+    (h, o), run = _layer_chain(M)
+    eager = run(False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(pdl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run(pdl)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, eager):
+        assert torch.equal(a, b)
+    h.copy_(torch.randn_like(h, dtype=torch.float32).bfloat16())
+    o.mul_(-0.5)
+    eager = run(False)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, eager):
+        assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+def test_calibrate_and_linear():
+    from salaserve.kernels import gemv as G
+
+    G.clear_calibration()
+    table = G.calibrate([(4096, 4096)], "cuda", m_values=(1, 2))
+    assert set(table) == {(1, 4096, 4096), (2, 4096, 4096)}
+    for (m, n, k), choice in table.items():
+        assert choice.gemv_us > 0 and choice.cublas_us > 0
+        assert G.uses_gemv(m, n, k, torch.device("cuda")) == (choice.gemv_us < choice.cublas_us)
+        assert G.choose_config(m, n, k, torch.device("cuda")) == choice.gemv
+    x, w = _inputs(1, 4096, 4096)
+    y = G.linear(x, w)
+    assert_bf16_linear_close(y, x, w, "linear")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = G.linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    if G.uses_gemv(1, 4096, 4096, x.device):
+        assert torch.equal(yg, y)
+    else:  # cuBLAS may pick another algorithm under capture
+        assert_bf16_linear_close(yg, x, w, "linear (cuBLAS) in a graph")
+    G.clear_calibration()
+
+
+def test_model_linear_shapes():
+    from salaserve.config import preset_config
+    from salaserve.kernels import gemv as G
+
+    shapes = G.model_linear_shapes(preset_config("full"))
+    assert {(n, N, K, c) for n, N, K, c in shapes} == {
+        ("qkvg", 8704, 4096, 8), ("qkvz", 16384, 4096, 24), ("o_proj", 4096, 4096, 8), ("o_proj_l", 4096, 4096, 24),
+        ("gate_up", 32768, 4096, 32), ("down", 4096, 16384, 32), ("lm_head", 73448, 4096, 1)}
+    assert abs(sum(N * K * 2 * c for _, N, K, c in shapes) / 1e9 - 18.35) < 0.01  # anchors.md
