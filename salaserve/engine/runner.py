@@ -71,6 +71,8 @@ class ModelRunner:
                  self.plan.describe(sc.block_size))
         self.context_length = args.context_length or cfg.max_position_embeddings
         self.graphs = None
+        if hasattr(backend, "prepare"):
+            backend.prepare(cfg, self.device)
         if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
             self._capture_graphs()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from salaserve.kernels import attention as attn
+from salaserve.kernels import gemv as gemv_ops
 from salaserve.kernels import sparse as sparse_ops
 from salaserve.kernels.fused import TritonFusedOps
 from salaserve.kernels.lightning import TritonLightningOps
@@ -26,6 +27,17 @@ def _has_verify(batch) -> bool:
 
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
+
+    # ---- linear layers -----------------------------------------------------------------------
+    def prepare(self, cfg, device) -> None:
+        """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
+        sizes, so `linear` takes the faster one (a few seconds, before graph capture)."""
+        gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device)
+
+    def linear(self, x, weight):
+        if isinstance(weight, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 16:
+            return gemv_ops.linear(x, weight)
+        return TorchBackend.linear(self, x, weight)
 
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
