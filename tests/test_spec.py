@@ -143,3 +143,24 @@ def test_seeded_sampling_with_speculation_runs(tiny_model_dir, prompts):
                                                    ignore_eos=True))
     assert all(len(v) == 10 for v in out.values())
     assert eng.stats["spec_verify_steps"] > 0
+
+
+def test_ngram_drafts_accepted_on_the_trained_model():
+    """With the shipped trained model, a repetitive prompt is continued the way it repeats, so
+    n-gram drafts are accepted (accept length > 1), and greedy output stays identical."""
+    import os
+
+    from salaserve.model.default import PACKAGED
+    from salaserve.engine.llm import LLM
+
+    if not os.path.isfile(os.path.join(PACKAGED, "config.json")):
+        pytest.skip("no trained default model shipped")
+    prompt = "".join(f"    self.value_{i} = value_{i}\n" for i in range(12)) + "    self.value_12"
+    outs = {}
+    for spec in (False, True):
+        kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4) if spec else {}
+        llm = LLM(PACKAGED, device="cpu", dtype="float32", backend="torch", **kw)
+        outs[spec] = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))[0]
+        if spec:
+            assert llm.engine.avg_spec_accept_length > 1.0
+    assert outs[True].token_ids == outs[False].token_ids
