@@ -71,7 +71,12 @@ def default_server(tmp_path_factory):
 def test_readme_first_command_serves_the_default_model(default_server):
     server, cache = default_server
     model_id = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    assert model_id.startswith(os.path.join(cache, "salaserve"))  # written to the user's cache
+    from salaserve.model.default import PACKAGED
+
+    if os.path.isfile(os.path.join(PACKAGED, "config.json")):
+        assert os.path.samefile(model_id, PACKAGED)  # the trained model shipped in the package
+    else:
+        assert model_id.startswith(os.path.join(cache, "salaserve"))  # written to the user's cache
     body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8}})
     if shutil.which("curl"):
         out = subprocess.run(["curl", "-s", server.url + "/generate", "-H", "Content-Type: application/json",
@@ -89,7 +94,7 @@ def test_engine_death_stops_the_server(default_server):
     assert len(engine) == 1
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/generate", json={"text": "x", "stream": True,
-                                                 "sampling_params": {"max_new_tokens": 60000, "ignore_eos": True}}) as r:
+                                                 "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             os.kill(engine[0], signal.SIGKILL)
