@@ -73,8 +73,40 @@ class ModelRunner:
         self.graphs = None
         if hasattr(backend, "prepare"):
             backend.prepare(cfg, self.device)
+        if self.device.type == "cuda":
+            self.warmup()
         if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
             self._capture_graphs()
+
+    @torch.no_grad()
+    def warmup(self) -> float:
+        """One dense and one sparse prefill chunk on scratch pages and a scratch slot, so that
+        kernel compilation and fla's autotuning (tens of seconds on a first call) happen at
+        start-up instead of in the first request. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        sc = self.cfg.sparse
+        length = min(sc.dense_len + sc.block_size, self.capacity_tokens - sc.block_size)
+        chunk = max(1, min(self.args.chunked_prefill_size, length))
+        kv, states = self.caches.kv, self.caches.states
+        pages = kv.allocator.alloc(-(-length // sc.block_size))
+        slot = states.alloc()
+        try:
+            ids = [3 + (i * 7919) % max(1, self.cfg.vocab_size - 16) for i in range(length)]
+            done = 0
+            while done < length:  # chunks: dense while below dense_len, then a sparse one
+                n = min(chunk, length - done)
+                work = [SeqWork(state_slot=slot, pages=pages, cache_len=done, token_ids=ids[done:done + n],
+                                need_logits=done + n == length)]
+                self.model.forward(ForwardBatch.build(work, sc.block_size, sc.dense_len, self.device), self.caches)
+                done += n
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            kv.allocator.free(pages)
+            states.free(slot)
+        seconds = time.perf_counter() - t0
+        log.info("warm-up prefill of %d tokens (kernel compilation, autotuning) took %.1f s", length, seconds)
+        return seconds
 
     def _capture_graphs(self) -> None:
         from salaserve.engine.cuda_graph import DecodeGraphs
