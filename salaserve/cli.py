@@ -74,11 +74,18 @@ def _cmd_prepare_model(argv: list[str]) -> int:
     return prepare_main(argv)
 
 
+def _cmd_bench(argv: list[str]) -> int:
+    from salaserve.bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
 COMMANDS = {
     "serve": _cmd_serve,
     "make-checkpoint": _cmd_make_checkpoint,
     "generate": _cmd_generate,
     "prepare-model": _cmd_prepare_model,
+    "bench": _cmd_bench,
 }
 
 
