@@ -80,12 +80,19 @@ def _cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _cmd_eval(argv: list[str]) -> int:
+    from salaserve.evaluation.cli import main as eval_main
+
+    return eval_main(argv)
+
+
 COMMANDS = {
     "serve": _cmd_serve,
     "make-checkpoint": _cmd_make_checkpoint,
     "generate": _cmd_generate,
     "prepare-model": _cmd_prepare_model,
     "bench": _cmd_bench,
+    "eval": _cmd_eval,
 }
 
 
