@@ -82,13 +82,15 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def abort(self, rid: str) -> bool:
-        """Cancel a request at any point; its pages and slot are freed now. False if unknown."""
+    def abort(self, rid: str, reason: dict | None = None) -> bool:
+        """Cancel a request at any point; its pages and slot are freed now. False if unknown.
+        `reason` records why when it is not a cancellation (e.g. a stop string found outside)."""
         req = self.requests.get(rid)
         if req is None or req.status == Status.FINISHED:
             return False
-        self._finish(req, ABORT_REASON)
-        self.stats["aborted"] += 1
+        self._finish(req, reason or ABORT_REASON)
+        if reason is None:
+            self.stats["aborted"] += 1
         return True
 
     def has_unfinished(self) -> bool:

@@ -69,5 +69,5 @@ class LLM:
                 delta = stream.process(out)
                 if delta.finished:
                     if not out.finished:  # a stop string ended it: free its resources now
-                        self.engine.abort(out.rid)
+                        self.engine.abort(out.rid, reason=stream.finish_reason)
                     pending.discard(out.rid)
