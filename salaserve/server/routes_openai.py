@@ -157,10 +157,11 @@ async def completions(request: Request):
                          "metadata": {"weight_version": "default"}})
 
 
-async def _completion_stream(state, group, req, head, echo, logprobs_of):
+def _completion_stream(state, group, req, head, echo, logprobs_of):
     sent = [0] * len(group.seqs)  # text characters sent per choice (logprob offsets)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    try:
+
+    async def chunks():
         async for updates in group.updates(state.args.stream_interval):
             for u in updates:
                 seq = group.seqs[u.index]
@@ -177,11 +178,21 @@ async def _completion_stream(state, group, req, head, echo, logprobs_of):
                           "finish_reason": openai_finish_reason(seq), "matched_stop": matched_stop(seq)}
                 sent[u.index] += len(text)
                 yield event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
+
+    return _openai_stream("/v1/completions", chunks(), group, req, head)
+
+
+async def _openai_stream(route, chunks, group, req, head):
+    """What every OpenAI stream shares around its chunks: the optional usage chunk, `[DONE]`, an
+    error event if something breaks, and the engine requests freed however the stream ends."""
+    try:
+        async for e in chunks:
+            yield e
         if req.stream_options and req.stream_options.include_usage:
             yield event({**head, "choices": [], "usage": group_usage(group.seqs)})
         yield DONE
     except Exception as e:
-        log.exception("/v1/completions stream failed")
+        log.exception("%s stream failed", route)
         yield event({"error": openai_error_body(500, f"internal error: {e}")})
         yield DONE
     finally:
@@ -255,14 +266,14 @@ async def chat_completions(request: Request):
                          "metadata": {"weight_version": "default"}})
 
 
-async def _chat_stream(state, group, req, head, token_text):
+def _chat_stream(state, group, req, head, token_text):
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     def chunk(index, delta, finish_reason=None, logprobs=None, **extra):
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
         return event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
 
-    try:
+    async def chunks():
         for seq in group.seqs:
             yield chunk(seq.index, {"role": "assistant", "content": ""})
         async for updates in group.updates(state.args.stream_interval):
@@ -276,15 +287,8 @@ async def _chat_stream(state, group, req, head, token_text):
                     yield chunk(u.index, {"content": u.text}, logprobs=lp)
                 if u.finished:
                     yield chunk(u.index, {}, openai_finish_reason(seq), matched_stop=matched_stop(seq))
-        if req.stream_options and req.stream_options.include_usage:
-            yield event({**head, "choices": [], "usage": group_usage(group.seqs)})
-        yield DONE
-    except Exception as e:
-        log.exception("/v1/chat/completions stream failed")
-        yield event({"error": openai_error_body(500, f"internal error: {e}")})
-        yield DONE
-    finally:
-        group.cancel()
+
+    return _openai_stream("/v1/chat/completions", chunks(), group, req, head)
 
 
 # ---- tokenize / detokenize ----------------------------------------------------------------------------------------
