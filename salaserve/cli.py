@@ -96,17 +96,22 @@ COMMANDS = {
 }
 
 
+def run_subcommand(prog: str, commands: dict, argv: list[str], usage: str) -> int:
+    """Dispatch `prog CMD ...` to commands[CMD]; help with no or -h/--help, exit 2 on unknown."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    cmd = commands.get(argv[0])
+    if cmd is None:
+        print(f"{prog}: unknown command {argv[0]!r}; choose from {', '.join(commands)}", file=sys.stderr)
+        return 2
+    return cmd(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: salaserve {" + ",".join(COMMANDS) + "} ...")
-        return 0 if argv else 2
-    cmd = COMMANDS.get(argv[0])
-    if cmd is None:
-        print(f"salaserve: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
-    return cmd(argv[1:])
+    return run_subcommand("salaserve", COMMANDS, argv, "usage: salaserve {" + ",".join(COMMANDS) + "} ...")
 
 
 if __name__ == "__main__":

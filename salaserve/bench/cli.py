@@ -145,14 +145,9 @@ COMMANDS = {"run": run_main, "compare": compare_main, "plot-micro": plot_micro_m
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv else 2
-    cmd = COMMANDS.get(argv[0])
-    if cmd is None:
-        print(f"salaserve bench: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
-    return cmd(argv[1:])
+    from salaserve.cli import run_subcommand
+
+    return run_subcommand("salaserve bench", COMMANDS, argv, __doc__)
 
 
 if __name__ == "__main__":
