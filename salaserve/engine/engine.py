@@ -177,14 +177,10 @@ class Engine:
                 row += 1 + len(w.draft)
                 n_commit = len(new)  # the pending token + the accepted drafts
                 self.runner.commit_verified(i, req.state_slot, n_commit)
-                old = req.num_computed
-                req.num_computed += n_commit
-                self.scheduler.compressed.on_extend(old, req.num_computed)
+                self._advance(req, n_commit)
                 outputs.append(self._emit(req, new, None))
                 continue
-            old = req.num_computed
-            req.num_computed += w.num_tokens
-            self.scheduler.compressed.on_extend(old, req.num_computed)
+            self._advance(req, w.num_tokens)
             if req.num_computed == len(req.tokens):
                 sampled.append(req)
                 rows.append(row)
@@ -200,6 +196,12 @@ class Engine:
                 lp = [(result.logprobs[i], top)]
             outputs.append(self._emit(req, [tok], lp, sampled_already=True))
         return outputs
+
+    def _advance(self, req: Request, n: int) -> None:
+        """n more of req's tokens are now in the caches (their compressed keys included)."""
+        old = req.num_computed
+        req.num_computed += n
+        self.scheduler.compressed.on_extend(old, req.num_computed)
 
     def _emit(self, req: Request, new: list[int], lp, sampled_already: bool = False) -> StepOutput:
         """Append new tokens (stopping at the first that ends the request) and report them."""
