@@ -139,3 +139,18 @@ def test_fit_units_search():
     n, _, c = fit_units(lambda k: "ab" * min(k, 10), len, 101, n_hint=3, n_max=10)
     assert (n, c) == (10, 20)  # out of material: everything there is
     assert fit_units(lambda k: "x" * (k + 5), len, 3)[0] == 0  # even n = 0 is too long
+
+
+def test_make_workload_command(tok, tmp_path):
+    """`salaserve bench make-workload` writes the same files as write_workload, deterministically."""
+    from salaserve.cli import main
+
+    model_dir = tok.name_or_path
+    for name in ("a", "b"):
+        assert main(["bench", "make-workload", "--workload", "toy", "--model", model_dir,
+                     "--out", str(tmp_path / name), "--seed", "3"]) == 0
+    expected = write_workload(tmp_path / "direct", "toy", tok, seed=3)
+    for tier in TIERS:
+        fa, fb, fd = ((tmp_path / d / f"{tier}.jsonl").read_bytes() for d in ("a", "b", "direct"))
+        assert fa == fb == fd
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == expected

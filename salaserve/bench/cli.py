@@ -4,6 +4,7 @@
                         (--url URL | --model DIR [--server-args "..."])
                         [--workload-dir DIR] [--counts S1=2,S8=8,Smax=16] [--seed N]
                         [--out DIR] [--client ours|sglang] [--tokenizer DIR] [--no-progress]
+    salaserve bench make-workload --workload NAME --model DIR --out DIR [--seed N]
     salaserve bench compare A.json B.json [--coefficient C | --eval EVAL.json]
     salaserve bench plot-micro micro.json [--out DIR]
     salaserve bench report result.json [--out DIR]      (re-render report.md and the PNGs)
@@ -141,7 +142,13 @@ def report_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": run_main, "compare": compare_main, "plot-micro": plot_micro_main, "report": report_main}
+def make_workload_main(argv: list[str]) -> int:
+    from salaserve.bench.workload import main as workload_main
+
+    return workload_main(argv)
+
+
+COMMANDS = {"run": run_main, "make-workload": make_workload_main, "compare": compare_main, "plot-micro": plot_micro_main, "report": report_main}
 
 
 def main(argv: list[str]) -> int:

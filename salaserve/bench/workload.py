@@ -158,9 +158,9 @@ def write_workload(out_dir: str | Path, name: str, tokenizer, seed: int = 0,
 
 
 def main(argv: list[str]) -> int:
-    """`python -m salaserve.bench.workload NAME --model DIR --out DIR [--seed S]`."""
-    ap = argparse.ArgumentParser(prog="salaserve.bench.workload", description=__doc__.split("\n")[0])
-    ap.add_argument("name", choices=WORKLOADS)
+    """`salaserve bench make-workload --workload NAME --model DIR --out DIR [--seed S]`."""
+    ap = argparse.ArgumentParser(prog="salaserve bench make-workload", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", dest="name", required=True, choices=WORKLOADS)
     ap.add_argument("--model", required=True, help="model directory (its tokenizer sizes the texts)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)

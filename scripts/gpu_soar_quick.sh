@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: the soar-quick S1/S8/Smax run against a server on the full-size dummy model.
+#   scripts/gpu_soar_quick.sh ["extra serve flags"]
+# Copies result.json, report.md, the latency plots and the server log tail into $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/fla_core*.whl .whl/fastapi*.whl .whl/starlette*.whl .whl/uvicorn*.whl .whl/pydantic*.whl \
+  .whl/annotated*.whl .whl/typing_inspection*.whl .whl/einops*.whl .whl/sse_starlette*.whl \
+  .whl/h11*.whl .whl/anyio*.whl .whl/idna*.whl .whl/click*.whl .whl/typing_extensions*.whl \
+  .whl/orjson*.whl .whl/pyzmq*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m salaserve.cli make-checkpoint --preset full --out /tmp/full --no-weights
+RUN=/tmp/soar-quick
+python3 -m salaserve.cli bench run --workload soar-quick --model /tmp/full --seed 0 \
+  --server-args "--load-format dummy ${1:-}" --out "$RUN" --no-progress --start-timeout 900
+rc=$?
+cp "$RUN"/result.json "$RUN"/report.md "$RUN"/latency_*.png "$OUT"/ 2>/dev/null
+tail -200 "$RUN"/server.log > "$OUT"/server_tail.log 2>/dev/null
+cat "$RUN"/report.md 2>/dev/null
+exit $rc
