@@ -5,11 +5,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/fla_core*.whl .whl/fastapi*.whl .whl/starlette*.whl .whl/uvicorn*.whl .whl/pydantic*.whl \
-  .whl/annotated*.whl .whl/typing_inspection*.whl .whl/einops*.whl .whl/sse_starlette*.whl \
-  .whl/h11*.whl .whl/anyio*.whl .whl/idna*.whl .whl/click*.whl .whl/typing_extensions*.whl \
-  .whl/orjson*.whl .whl/pyzmq*.whl 2>&1 | tail -2
+  .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import fastapi, uvicorn, fla" || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m salaserve.cli make-checkpoint --preset full --out /tmp/full --no-weights
 RUN=/tmp/soar-quick
