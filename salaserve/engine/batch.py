@@ -51,7 +51,13 @@ class ForwardBatch:
     # state (their k/v go to spec_kv for the replay of the accepted prefix), and each query token
     # chooses dense or sparse attention by its own position, as plain decoding would.
     verify_host: list[bool] = None
-    spec_kv: dict = None  # (lightning layer idx, seq idx) -> (k, v) fp32 [n, H, d]
+    # what a verify step keeps for the commit of the accepted tokens (backend-specific: the torch
+    # backend keys (lightning layer idx, seq idx) -> (k, v); the triton one stacks all layers)
+    spec_kv: dict = None
+    # Set when any sequence verifies: the sequence of each token row [N] int64, and per sequence
+    # [B] int32 how the recurrent kernels treat it (lightning_verify's SKIP / VERIFY / DECODE).
+    token_seq: torch.Tensor | None = None
+    seq_modes: torch.Tensor | None = None
     derived: dict = None  # per-step tensors kernels derive once and share across layers
     # Set only for CUDA-graph decode batches, whose host mirrors are placeholders: kernels must then
     # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
@@ -87,6 +93,12 @@ class ForwardBatch:
         def t(x, dtype):
             return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
+        token_seq = seq_modes = None
+        if any(w.verify for w in work):
+            token_seq = t([i for i, w in enumerate(work) for _ in w.token_ids], torch.int64)
+            # 1 = verify (state read only), 2 = one plain decode token (state written), 0 = a chunk
+            seq_modes = t([1 if w.verify else 2 if len(w.token_ids) == 1 else 0 for w in work], torch.int32)
+
         return cls(
             input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), cu_seqlens_q=t(cu, torch.int32),
             seq_lens=t(seq_lens, torch.int32), cache_lens=t([w.cache_len for w in work], torch.int32),
@@ -96,7 +108,8 @@ class ForwardBatch:
             q_lens_host=[len(w.token_ids) for w in work], seq_lens_host=seq_lens,
             cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
             is_decode=all(len(w.token_ids) == 1 for w in work),
-            verify_host=[w.verify for w in work], spec_kv={}, derived={},
+            verify_host=[w.verify for w in work], spec_kv={}, derived={}, token_seq=token_seq,
+            seq_modes=seq_modes,
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:

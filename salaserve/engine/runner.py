@@ -149,10 +149,8 @@ class ModelRunner:
             return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)
 
-    def commit_verified(self, seq_index: int, slot: int, num_tokens: int) -> None:
-        """After a verify step: advance the sequence's Lightning states by its accepted tokens."""
-        batch = self.last_batch
-        ops = self.model.ops
-        for layer in range(len(self.cfg.lightning_layers)):
-            k, v = batch.spec_kv.pop((layer, seq_index))
-            ops.gla_commit(self.caches.states, layer, slot, k, v, self.model.log_decay, num_tokens)
+    def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
+        """After a verify step (before the next forward): advance the Lightning states of the
+        verified sequences by their accepted tokens. commits: (index in the step's work, state
+        slot, number of tokens)."""
+        self.model.ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
