@@ -118,7 +118,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model, self.caches, max_bs=self.args.cuda_graph_max_bs or self.args.max_running_requests,
             max_pages=-(-self.context_length // sc.block_size), dense_pages=-(-sc.dense_len // sc.block_size),
-            scratch_page=scratch_page, scratch_slot=scratch_slot, device=self.device)
+            scratch_page=scratch_page, scratch_slot=scratch_slot, device=self.device,
+            max_verify_tokens=1 + self.args.speculative_num_draft_tokens if self.args.speculative_algorithm else 1,
+            verify_max_bs=self.args.speculative_max_batch if self.args.speculative_algorithm else 0)
         self.graphs.capture()
 
     @property
