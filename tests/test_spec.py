@@ -185,3 +185,29 @@ def test_triton_verify_path_under_interpreter():
     )
     assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_padded_verify_steps_equal_plain(tiny_model_dir, prompts):
+    """Verify steps padded with filler tokens (as the verify CUDA graphs need) change nothing: the
+    filler's k/v go to the scratch page, its rows are dropped, resources come back."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    plain = run_all(make_engine(tiny_model_dir, False), prompts[:12], params)
+    eng = make_engine(tiny_model_dir, True)
+    eng.runner.enable_verify_padding([2, 3, 5, 7])
+    initial = eng.resource_counters()
+    conts = {f"r{i}": plain[f"r{i}"] for i in range(12)}
+    eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, conts[req.rid], error_every=2,
+                                                 vocab_size=eng.cfg.vocab_size)
+    padded_steps = []
+    build = eng.runner.build_batch
+
+    def spy(work):
+        batch = build(work)
+        padded_steps.append(eng.runner.real_rows is not None)
+        return batch
+
+    eng.runner.build_batch = spy
+    assert run_all(eng, prompts[:12], params) == plain
+    assert any(padded_steps)  # not vacuous
+    assert eng.stats["spec_accepted_tokens"] > 0
+    assert eng.resource_counters() == initial

@@ -23,10 +23,14 @@ class SeqWork:
     need_logits: bool  # sample after this step (last chunk of a prefill, or decode)
     num_logits: int = 1  # rows at the end of token_ids whose logits are needed (k+1 when verifying)
     verify: bool = False  # speculative verify: the last sampled token followed by draft tokens
+    # verify only: the last pad_tokens of token_ids are filler that makes every sequence of the step
+    # verify the same number of tokens (one CUDA graph); they repeat the last real position, store
+    # their k/v on the batch's pad slot, and are not part of the sequence
+    pad_tokens: int = 0
 
     @property
     def seq_len(self) -> int:
-        return self.cache_len + len(self.token_ids)
+        return self.cache_len + len(self.token_ids) - self.pad_tokens
 
 
 @dataclass
@@ -73,15 +77,22 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device) -> "ForwardBatch":
+    def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device,
+              pad_slot: int | None = None) -> "ForwardBatch":
+        """pad_slot: the KV slot (page * block_size + offset) that filler tokens write."""
         ids, pos, slot_map, logit_rows = [], [], [], []
         cu = [0]
         for w in work:
             n = len(w.token_ids)
             ids.extend(w.token_ids)
-            for p in range(w.cache_len, w.cache_len + n):
+            for p in range(w.cache_len, w.seq_len):
                 pos.append(p)
                 slot_map.append(w.pages[p // block_size] * block_size + p % block_size)
+            if w.pad_tokens:
+                if pad_slot is None:
+                    raise ValueError("filler tokens need a pad_slot")
+                pos.extend([w.seq_len - 1] * w.pad_tokens)
+                slot_map.extend([pad_slot] * w.pad_tokens)
             cu.append(cu[-1] + n)
             if w.need_logits:
                 logit_rows.extend(range(cu[-1] - w.num_logits, cu[-1]))

@@ -5,14 +5,14 @@ A decode step is ~32 layers x ~10 kernels; launched one by one from Python that 
 the kernels themselves at batch 1. Graphs are captured at start-up:
   - decode (1 token per sequence) for batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to the running
     limit;
-  - verify (n = 1 + draft tokens per sequence, the same n for every sequence of the step) for
-    every n up to 1 + speculative_num_draft_tokens and the batch sizes up to
-    speculative_max_batch, when speculation is on;
+  - verify (n = 1 + draft tokens per sequence) for n = 2, 3, 5, 9, ... and 1 +
+    speculative_num_draft_tokens, batch sizes up to speculative_max_batch, when speculation is on;
+    the runner pads a verify step's sequences to the next captured n with filler tokens;
 each in two modes: "dense" (every sequence below dense_len; a narrow page table and no block
 selection) and "sparse" (any mix). A step of B sequences runs the smallest captured size >= B;
 padding sequences read and write a scratch page and a scratch state slot reserved for them, and
-their logits are dropped. Verify steps whose sequences draft different numbers of tokens run
-eagerly (same kernels, launched one by one).
+their logits are dropped. Steps that mix verify with plain decode or prefill run eagerly (same
+kernels, launched one by one).
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return out
 
 
+def verify_lengths(max_tokens: int) -> list[int]:
+    """Tokens per sequence with a verify graph: 1 + 1, 2, 4, 8, ... drafts, and the longest."""
+    out = {n for n in (2, 3, 5, 9, 17, 33, 65) if n <= max_tokens}
+    return sorted(out | {max_tokens}) if max_tokens >= 2 else []
+
+
 class DecodeGraphs:
     def __init__(self, model, caches, max_bs: int, max_pages: int, dense_pages: int, scratch_page: int,
                  scratch_slot: int, device, max_verify_tokens: int = 1, verify_max_bs: int = 0):
@@ -45,8 +51,9 @@ class DecodeGraphs:
         self.device = device
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        # verify graphs: n tokens per sequence, n in 2..max_verify_tokens, batch sizes <= verify_max_bs
-        self.verify_ns = list(range(2, max_verify_tokens + 1)) if verify_max_bs > 0 else []
+        # verify graphs: n tokens per sequence (steps are padded up to the next n), batch sizes
+        # <= verify_max_bs
+        self.verify_ns = verify_lengths(max_verify_tokens) if verify_max_bs > 0 else []
         self.verify_sizes = [s for s in graph_batch_sizes(max(1, min(verify_max_bs, self.max_bs)))
                              if s <= verify_max_bs] if self.verify_ns else []
         self.widths = {"dense": dense_pages, "sparse": max_pages}
