@@ -174,3 +174,97 @@ def test_silu_mul_and_sigmoid_mul(dtype):
     big = (3 * torch.randn(N, 3 * F, generator=gen)).to(dtype)
     x, g = big[:, :F], big[:, 2 * F:]
     _check(fused.sigmoid_mul(x, g, block=16), x * torch.sigmoid(g), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative verify: lightning_verify / lightning_commit
+# ---------------------------------------------------------------------------------------------
+
+
+def _verify_setup(dtype, gen, lens, num_slots=7, n_layers=2):
+    from kernel_checks import prefill_batch
+
+    pool = StatePool(num_slots, n_layers, H, D, torch.float32, "cpu")
+    pool.state.copy_(0.3 * torch.randn(pool.state.shape, generator=gen))
+    slots = torch.randperm(num_slots, generator=gen)[: len(lens)].tolist()
+    caches = torch.randint(0, 600000, (len(lens),), generator=gen).tolist()
+    batch = prefill_batch(lens, caches, slots)
+    N = sum(lens)
+    q, k, v, _ = fused_qkvz(N, H, D, dtype, gen=gen)
+    qw, kw = _norm_weight(D, dtype, gen), _norm_weight(D, dtype, gen)
+    return pool, batch, q, k, v, qw, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_outputs_keep_state_and_commit_replays(dtype):
+    """Verify sequences: outputs of every token from the live state, state untouched, k/v kept;
+    decode sequences: state written; skipped ones untouched. The commit of n tokens then equals n
+    plain decode steps (same kernel arithmetic: bit-identical in fp32 on the interpreter)."""
+    from salaserve.kernels.lightning_verify import DECODE, SKIP, VERIFY, lightning_commit, lightning_verify
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [5, 1, 3, 4]
+    modes = [VERIFY, DECODE, SKIP, VERIFY]
+    pool, batch, q, k, v, qw, kw = _verify_setup(dtype, gen, lens)
+    before = pool.state.clone()
+    scale, layer, log_decay = D ** -0.5, 1, _log_decay()
+    N = q.shape[0]
+    kn_dt = torch.promote_types(dtype, kw.dtype)
+    k_keep = torch.zeros(2, N, H, D, dtype=kn_dt)
+    v_keep = torch.zeros(2, N, H, D, dtype=dtype)
+    o = lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q,
+                         torch.tensor(modes, dtype=torch.int32), pool.state, batch.state_slots, layer,
+                         log_decay, scale, EPS, THETA, k_keep[layer], v_keep[layer], block_v=8)
+    qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, batch.positions, EPS, THETA)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    start = 0
+    for i, (n, mode) in enumerate(zip(lens, modes)):
+        sl = slice(start, start + n)
+        slot = int(batch.state_slots[i])
+        start += n
+        if mode == SKIP:
+            assert torch.equal(pool.state[slot], before[slot])
+            continue
+        o_ref, s_ref = spec.gla_recurrent(qr[sl].float(), kr[sl].float(), v[sl].float(), log_decay,
+                                          before[slot, layer], scale)
+        assert rel_err(o[sl], o_ref) < tol, (i, rel_err(o[sl], o_ref))
+        if mode == VERIFY:
+            assert torch.equal(pool.state[slot], before[slot])
+            # the kernel's normed k: exact in bf16 (integer roundings), fp32 up to summation order
+            assert rel_err(k_keep[layer, sl], kr[sl]) < (1e-6 if dtype == torch.float32 else 1e-3)
+            assert torch.equal(v_keep[layer, sl], v[sl])
+        else:
+            assert rel_err(pool.state[slot, layer], s_ref) < tol
+    # commit: sequence 0 keeps 3 of its 5 tokens, sequence 3 all 4; layer 0 replays the same k/v
+    k_keep[0], v_keep[0] = k_keep[layer], v_keep[layer]
+    counts = torch.tensor([3, 0, 0, 4], dtype=torch.int32)
+    mid = pool.state.clone()
+    lightning_commit(pool.state, batch.state_slots, batch.cu_seqlens_q, counts, k_keep, v_keep, log_decay, block_v=8)
+    for i, n in enumerate(counts.tolist()):
+        slot = int(batch.state_slots[i])
+        if n == 0:
+            assert torch.equal(pool.state[slot], mid[slot])
+            continue
+        rows = [int(batch.cu_seqlens_q[i]) + t for t in range(n)]
+        for lay in (0, 1):
+            ref = StatePool(1, 1, H, D, torch.float32, "cpu")
+            ref.state[0, 0] = before[slot, lay]
+            for r in rows:  # n plain decode steps with the decode kernel
+                lightning.lightning_decode_step(q[r:r + 1], k[r:r + 1], v[r:r + 1], qw, kw, batch.positions[r:r + 1],
+                                                ref.state, torch.tensor([0]), 0, log_decay, scale, EPS, THETA,
+                                                block_v=8)
+            if dtype == torch.float32:
+                assert torch.equal(pool.state[slot, lay], ref.state[0, 0]), (i, lay)
+            else:
+                assert rel_err(pool.state[slot, lay], ref.state[0, 0]) < tol
+
+
+def test_verify_rejects_bad_keep_buffers():
+    from salaserve.kernels.lightning_verify import lightning_verify
+
+    gen = torch.Generator().manual_seed(12)
+    pool, batch, q, k, v, qw, kw = _verify_setup(torch.bfloat16, gen, [2])
+    bad = torch.zeros(q.shape, dtype=torch.float16)
+    with pytest.raises(TypeError, match="k_keep"):
+        lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q, torch.ones(1, dtype=torch.int32),
+                         pool.state, batch.state_slots, 0, _log_decay(), 0.25, EPS, THETA, bad, bad)

@@ -373,3 +373,52 @@ def test_gpu_gla_prefill_fla(lens, input_dtype):
     untouched = [s for s in range(num_slots) if s not in slots]
     assert torch.equal(ours.state[untouched], initial[untouched])
     assert torch.equal(ours.state[:, 0], initial[:, 0])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("lens", [[9], [5, 1, 9, 3]])
+def test_gpu_verify_and_commit(lens):
+    """lightning_verify at the real shapes (bf16 projections, fp32 state): outputs of every draft
+    token against the torch recurrence, states untouched; the commit of a prefix then equals the
+    decode kernel run token by token (same arithmetic: bitwise)."""
+    from salaserve.kernels.lightning import lightning_decode_step
+    from salaserve.kernels.lightning_verify import VERIFY, lightning_commit, lightning_verify
+
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(len(lens))
+    qw, kw, log_decay = _real_weights(dtype, gen, dev)
+    B, N, n_layers = len(lens), sum(lens), 2
+    pool = StatePool(B + 3, n_layers, H_REAL, D_REAL, torch.float32, dev)
+    pool.state.copy_(0.05 * torch.randn(pool.state.shape, generator=gen))
+    before = pool.state.clone()
+    slots = torch.randperm(B + 3, generator=gen)[:B].tolist()
+    caches = torch.randint(0, 600000, (B,), generator=gen).tolist()
+    batch = prefill_batch(lens, caches, slots, dev)
+    q, k, v, _ = fused_qkvz(N, H_REAL, D_REAL, dtype, dev, gen)
+    scale = D_REAL ** -0.5
+    k_keep = torch.empty(n_layers, N, H_REAL, D_REAL, dtype=dtype, device=dev)
+    v_keep = torch.empty_like(k_keep)
+    modes = torch.full((B,), VERIFY, dtype=torch.int32, device=dev)
+    o = lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q, modes, pool.state,
+                         batch.state_slots, 1, log_decay, scale, EPS, THETA, k_keep[1], v_keep[1])
+    assert torch.equal(pool.state, before)
+    qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, batch.positions, EPS, THETA)
+    start = 0
+    for i, n in enumerate(lens):
+        sl = slice(start, start + n)
+        o_ref, _ = spec.gla_recurrent(qr[sl].float(), kr[sl].float(), v[sl].float(), log_decay,
+                                      before[slots[i], 1], scale)
+        assert rel_err(o[sl], o_ref) < 2e-3, (i, rel_err(o[sl], o_ref))  # bf16 q/k ulp flips, as decode
+        start += n
+    counts = torch.tensor([max(1, n - 2) for n in lens], dtype=torch.int32, device=dev)
+    k_keep[0], v_keep[0] = k_keep[1], v_keep[1]
+    lightning_commit(pool.state, batch.state_slots, batch.cu_seqlens_q, counts, k_keep, v_keep, log_decay)
+    for i, n in enumerate(counts.tolist()):
+        ref = before[slots[i]].clone()[None]
+        r0 = int(batch.cu_seqlens_q[i])
+        for lay in range(n_layers):
+            for r in range(r0, r0 + n):
+                lightning_decode_step(q[r:r + 1], k[r:r + 1], v[r:r + 1], qw, kw, batch.positions[r:r + 1], ref,
+                                      torch.zeros(1, dtype=torch.int64, device=dev), lay, log_decay, scale, EPS, THETA)
+        assert torch.equal(pool.state[slots[i]], ref[0]), i

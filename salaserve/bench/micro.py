@@ -32,14 +32,15 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def fake_decoding_requests(runner: ModelRunner, batch: int, context: int) -> list[Request]:
-    """Requests that look prefilled to `context` tokens: pages and slots taken, caches random."""
+def fake_decoding_requests(runner: ModelRunner, batch: int, context: int, extra_tokens: int = 0) -> list[Request]:
+    """Requests that look prefilled to `context` tokens: pages and slots taken, caches random.
+    Pages cover `extra_tokens` more (speculative verify writes past the pending token)."""
     caches = runner.caches
     block = caches.kv.block_size
     reqs = []
     g = torch.Generator(device=runner.device).manual_seed(batch * 7 + context)
     for i in range(batch):
-        pages = caches.kv.allocator.alloc(-(-(context + 1) // block))
+        pages = caches.kv.allocator.alloc(-(-(context + 1 + extra_tokens) // block))
         slot = caches.states.alloc()
         r = Request(rid=f"b{i}", prompt_ids=[5] * context, params=SamplingParams(max_new_tokens=1 << 30))
         r.tokens.append(7)  # one sampled token pending: the request is decoding

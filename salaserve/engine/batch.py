@@ -23,10 +23,14 @@ class SeqWork:
     need_logits: bool  # sample after this step (last chunk of a prefill, or decode)
     num_logits: int = 1  # rows at the end of token_ids whose logits are needed (k+1 when verifying)
     verify: bool = False  # speculative verify: the last sampled token followed by draft tokens
+    # verify only: the last pad_tokens of token_ids are filler that makes every sequence of the step
+    # verify the same number of tokens (one CUDA graph); they repeat the last real position, store
+    # their k/v on the batch's pad slot, and are not part of the sequence
+    pad_tokens: int = 0
 
     @property
     def seq_len(self) -> int:
-        return self.cache_len + len(self.token_ids)
+        return self.cache_len + len(self.token_ids) - self.pad_tokens
 
 
 @dataclass
@@ -51,7 +55,13 @@ class ForwardBatch:
     # state (their k/v go to spec_kv for the replay of the accepted prefix), and each query token
     # chooses dense or sparse attention by its own position, as plain decoding would.
     verify_host: list[bool] = None
-    spec_kv: dict = None  # (lightning layer idx, seq idx) -> (k, v) fp32 [n, H, d]
+    # what a verify step keeps for the commit of the accepted tokens (backend-specific: the torch
+    # backend keys (lightning layer idx, seq idx) -> (k, v); the triton one stacks all layers)
+    spec_kv: dict = None
+    # Set when any sequence verifies: the sequence of each token row [N] int64, and per sequence
+    # [B] int32 how the recurrent kernels treat it (lightning_verify's SKIP / VERIFY / DECODE).
+    token_seq: torch.Tensor | None = None
+    seq_modes: torch.Tensor | None = None
     derived: dict = None  # per-step tensors kernels derive once and share across layers
     # Set only for CUDA-graph decode batches, whose host mirrors are placeholders: kernels must then
     # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
@@ -67,15 +77,22 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device) -> "ForwardBatch":
+    def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device,
+              pad_slot: int | None = None) -> "ForwardBatch":
+        """pad_slot: the KV slot (page * block_size + offset) that filler tokens write."""
         ids, pos, slot_map, logit_rows = [], [], [], []
         cu = [0]
         for w in work:
             n = len(w.token_ids)
             ids.extend(w.token_ids)
-            for p in range(w.cache_len, w.cache_len + n):
+            for p in range(w.cache_len, w.seq_len):
                 pos.append(p)
                 slot_map.append(w.pages[p // block_size] * block_size + p % block_size)
+            if w.pad_tokens:
+                if pad_slot is None:
+                    raise ValueError("filler tokens need a pad_slot")
+                pos.extend([w.seq_len - 1] * w.pad_tokens)
+                slot_map.extend([pad_slot] * w.pad_tokens)
             cu.append(cu[-1] + n)
             if w.need_logits:
                 logit_rows.extend(range(cu[-1] - w.num_logits, cu[-1]))
@@ -87,6 +104,12 @@ class ForwardBatch:
         def t(x, dtype):
             return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
+        token_seq = seq_modes = None
+        if any(w.verify for w in work):
+            token_seq = t([i for i, w in enumerate(work) for _ in w.token_ids], torch.int64)
+            # 1 = verify (state read only), 2 = one plain decode token (state written), 0 = a chunk
+            seq_modes = t([1 if w.verify else 2 if len(w.token_ids) == 1 else 0 for w in work], torch.int32)
+
         return cls(
             input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), cu_seqlens_q=t(cu, torch.int32),
             seq_lens=t(seq_lens, torch.int32), cache_lens=t([w.cache_len for w in work], torch.int32),
@@ -96,7 +119,8 @@ class ForwardBatch:
             q_lens_host=[len(w.token_ids) for w in work], seq_lens_host=seq_lens,
             cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
             is_decode=all(len(w.token_ids) == 1 for w in work),
-            verify_host=[w.verify for w in work], spec_kv={}, derived={},
+            verify_host=[w.verify for w in work], spec_kv={}, derived={}, token_seq=token_seq,
+            seq_modes=seq_modes,
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:

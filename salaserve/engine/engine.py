@@ -169,22 +169,26 @@ class Engine:
         self.stats["steps"] += 1
 
         sampled, rows = [], []
+        verified, commits = [], []
         row = 0
         for i, w in enumerate(work):
             req = w.req
-            if w.draft:  # verify: accept a prefix, commit the Lightning state for it
+            if w.draft:  # verify: accept a prefix (the pending token + the accepted drafts)
                 new = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft)
                 row += 1 + len(w.draft)
-                n_commit = len(new)  # the pending token + the accepted drafts
-                self.runner.commit_verified(i, req.state_slot, n_commit)
-                self._advance(req, n_commit)
-                outputs.append(self._emit(req, new, None))
+                verified.append((req, new))
+                commits.append((i, req.state_slot, len(new)))
                 continue
             self._advance(req, w.num_tokens)
             if req.num_computed == len(req.tokens):
                 sampled.append(req)
                 rows.append(row)
                 row += 1
+        if commits:  # the Lightning states advance by the accepted tokens, in one call for all
+            self.runner.commit_verified(commits)
+        for req, new in verified:
+            self._advance(req, len(new))
+            outputs.append(self._emit(req, new, None))
         if not sampled:
             return outputs
         result = self.sampler.sample(logits[rows] if len(rows) != logits.shape[0] else logits,

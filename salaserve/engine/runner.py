@@ -71,6 +71,11 @@ class ModelRunner:
                  self.plan.describe(sc.block_size))
         self.context_length = args.context_length or cfg.max_position_embeddings
         self.graphs = None
+        self.scratch = None
+        # Tokens per sequence that verify steps are padded up to (the captured verify graphs);
+        # None: no padding. real_rows: the logit rows of real tokens in the last padded step.
+        self.verify_buckets: list[int] | None = None
+        self.real_rows: torch.Tensor | None = None
         if hasattr(backend, "prepare"):
             backend.prepare(cfg, self.device)
         if self.device.type == "cuda":
@@ -108,51 +113,83 @@ class ModelRunner:
         log.info("warm-up prefill of %d tokens (kernel compilation, autotuning) took %.1f s", length, seconds)
         return seconds
 
+    def _scratch(self) -> tuple[int, int]:
+        """One page and one state slot that padding rows and filler tokens may scribble on."""
+        if self.scratch is None:
+            self.scratch = (self.caches.kv.allocator.alloc(1)[0], self.caches.states.alloc())
+        return self.scratch
+
     def _capture_graphs(self) -> None:
         from salaserve.engine.cuda_graph import DecodeGraphs
 
         cfg, sc = self.cfg, self.cfg.sparse
-        # one page and one state slot that padding rows of a graph batch may scribble on
-        scratch_page = self.caches.kv.allocator.alloc(1)[0]
-        scratch_slot = self.caches.states.alloc()
+        scratch_page, scratch_slot = self._scratch()
         self.graphs = DecodeGraphs(
             self.model, self.caches, max_bs=self.args.cuda_graph_max_bs or self.args.max_running_requests,
             max_pages=-(-self.context_length // sc.block_size), dense_pages=-(-sc.dense_len // sc.block_size),
-            scratch_page=scratch_page, scratch_slot=scratch_slot, device=self.device)
+            scratch_page=scratch_page, scratch_slot=scratch_slot, device=self.device,
+            max_verify_tokens=1 + self.args.speculative_num_draft_tokens if self.args.speculative_algorithm else 1,
+            verify_max_bs=self.args.speculative_max_batch if self.args.speculative_algorithm else 0)
         self.graphs.capture()
+        if self.graphs.verify_ns:
+            self.enable_verify_padding(self.graphs.verify_ns)
+
+    def enable_verify_padding(self, buckets: list[int]) -> None:
+        """Pad all-verify steps to the next of these tokens-per-sequence counts (filler tokens on
+        the scratch page), so that they run as one captured graph."""
+        self._scratch()
+        self.verify_buckets = sorted(buckets)
 
     @property
     def capacity_tokens(self) -> int:
         return self.plan.num_pages * self.cfg.sparse.block_size
 
+    def _verify_length(self, work: list[ScheduledWork]) -> int | None:
+        """Tokens per sequence to pad an all-verify step to: the smallest bucket that holds its
+        longest draft (None: no padding)."""
+        if not self.verify_buckets or not all(w.draft for w in work):
+            return None
+        longest = max(1 + len(w.draft) for w in work)
+        return next((n for n in self.verify_buckets if n >= longest), None)
+
     def build_batch(self, work: list[ScheduledWork]) -> ForwardBatch:
         seqs = []
+        pad_to = self._verify_length(work)
+        real_rows = []
         for w in work:
             r = w.req
             start = r.num_computed
             if w.draft:  # verify: the pending token, then the drafts; logits at every position
+                ids = r.tokens[start:start + 1] + w.draft
+                pad = (pad_to - len(ids)) if pad_to else 0
+                base = len(seqs) * pad_to if pad_to else 0
+                real_rows.extend(range(base, base + len(ids)))
                 seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
-                                    token_ids=r.tokens[start:start + 1] + w.draft, need_logits=True,
-                                    num_logits=1 + len(w.draft), verify=True))
+                                    token_ids=ids + [ids[-1]] * pad, need_logits=True,
+                                    num_logits=len(ids) + pad, verify=True, pad_tokens=pad))
                 continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
                                 need_logits=start + w.num_tokens == len(r.tokens)))
         sc = self.cfg.sparse
-        return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device)
+        padded = any(s.pad_tokens for s in seqs)
+        pad_slot = self._scratch()[0] * sc.block_size if padded else None
+        self.real_rows = torch.tensor(real_rows, device=self.device) if padded else None
+        return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot)
 
     def forward(self, work: list[ScheduledWork]) -> torch.Tensor:
-        """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order."""
+        """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order
+        (filler rows of a padded verify step dropped)."""
         batch = self.build_batch(work)
         self.last_batch = batch
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
-        return self.model.forward(batch, self.caches)
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model.forward(batch, self.caches)
+        return logits if self.real_rows is None else logits[self.real_rows]
 
-    def commit_verified(self, seq_index: int, slot: int, num_tokens: int) -> None:
-        """After a verify step: advance the sequence's Lightning states by its accepted tokens."""
-        batch = self.last_batch
-        ops = self.model.ops
-        for layer in range(len(self.cfg.lightning_layers)):
-            k, v = batch.spec_kv.pop((layer, seq_index))
-            ops.gla_commit(self.caches.states, layer, slot, k, v, self.model.log_decay, num_tokens)
+    def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
+        """After a verify step (before the next forward): advance the Lightning states of the
+        verified sequences by their accepted tokens. commits: (index in the step's work, state
+        slot, number of tokens)."""
+        self.model.ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)

@@ -93,6 +93,14 @@ class TorchBackend:
             s = gamma * s + k[t, :, :, None] * v[t, :, None, :]
         states.state[slot, layer] = s.to(states.state.dtype)
 
+    def commit_verified(self, states: StatePool, batch: ForwardBatch, commits, log_decay) -> None:
+        """After a verify step: every Lightning layer of each (seq index, slot, n) in commits
+        advances by the sequence's first n tokens, from the k/v the step kept."""
+        for layer in range(states.state.shape[1]):
+            for i, slot, n in commits:
+                k, v = batch.spec_kv.pop((layer, i))
+                self.gla_commit(states, layer, slot, k, v, log_decay, n)
+
     def lightning_output(self, o, o_norm, z, eps, dtype):
         """bf16(o) -> RMSNorm over the full H*d vector -> times sigmoid(z)."""
         o = o.to(dtype).flatten(1)

@@ -1,8 +1,13 @@
 """The `triton` kernel backend: fused GPU kernels behind TorchBackend's interface.
 
-Decode batches (CUDA-graph mode included) only touch device tensors; eager prefill and verify
-steps may use the batch's host mirrors. Ops without a Triton version yet fall through to the
-torch implementation (correct, slow): speculative verify.
+Decode and verify batches captured in CUDA graphs (batch.decode_mode set) only touch device
+tensors; eager steps may use the batch's host mirrors.
+
+Speculative verify: Lightning layers run `lightning_verify` (outputs from the live state, k/v kept
+for `commit_verified`); sparse layers treat every verify token as a decode query of its own at its
+position (its own length, the sequence's page table), so block selection and the dense/sparse
+switch happen per token exactly as plain decoding would. Prefill chunks sharing the step take the
+prefill kernels.
 
 Note for comparisons: with random full-size weights, 32 bf16 layers amplify any rounding
 difference (another split count, another GEMM tile for a padded M) to ~2% of the logits, so
@@ -13,16 +18,23 @@ from __future__ import annotations
 
 import torch
 
+from salaserve.kernels._triton_utils import promote
 from salaserve.kernels import attention as attn
 from salaserve.kernels import gemv as gemv_ops
 from salaserve.kernels import sparse as sparse_ops
 from salaserve.kernels.fused import TritonFusedOps
 from salaserve.kernels.lightning import TritonLightningOps
+from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.torch_ops import TorchBackend
 
 
 def _has_verify(batch) -> bool:
     return bool(batch.verify_host) and any(batch.verify_host)
+
+
+def _chunk_seqs(batch) -> list[int]:
+    """Sequences of an eager verify step that are prefill chunks (neither verify nor one token)."""
+    return [i for i, (n, ver) in enumerate(zip(batch.q_lens_host, batch.verify_host)) if n > 1 and not ver]
 
 
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
@@ -41,25 +53,57 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
-        if batch.is_decode and not _has_verify(batch):
+        if _has_verify(batch):
+            return self._lightning_verify(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
+        if batch.is_decode:
             return self.lightning_decode(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
         q, k = self.lightning_qk_norm_rope(q, k, q_norm, k_norm, batch.positions, eps, theta)
-        if _has_verify(batch):
-            return TorchBackend.gla(self, q, k, v, batch, states, layer, log_decay, scale)
         return self.gla(q, k, v, batch, states, layer, log_decay, scale)
+
+    def _lightning_verify(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
+        """Verify and plain-decode sequences through the recurrent kernel (verify ones keep their
+        k/v in batch.spec_kv for the commit); prefill chunks of the same step through fla."""
+        spec = batch.spec_kv
+        if "k" not in spec:  # first Lightning layer of the step: room for every layer's k/v
+            n_layers = states.state.shape[1]
+            spec["k"] = torch.empty((n_layers, *k.shape), dtype=promote(k.dtype, k_norm.dtype), device=k.device)
+            spec["v"] = torch.empty((n_layers, *v.shape), dtype=v.dtype, device=v.device)
+            spec["cu"], spec["slots"] = batch.cu_seqlens_q, batch.state_slots
+        o = lightning_verify(q, k, v, q_norm, k_norm, batch.positions, batch.cu_seqlens_q, batch.seq_modes,
+                             states.state, batch.state_slots, layer, log_decay, scale, eps, theta,
+                             spec["k"][layer], spec["v"][layer])
+        chunks = [] if batch.decode_mode is not None else _chunk_seqs(batch)
+        if chunks:
+            sub, rows = batch.subset(chunks)
+            qc, kc = self.lightning_qk_norm_rope(q[rows], k[rows], q_norm, k_norm, sub.positions, eps, theta)
+            o[rows] = self.gla(qc, kc, v[rows], sub, states, layer, log_decay, scale)
+        return o
+
+    def commit_verified(self, states, batch, commits, log_decay) -> None:
+        """Advance the Lightning states of verified sequences by their accepted tokens: one launch
+        for every layer and sequence. commits: (seq index in the batch, state slot, tokens)."""
+        spec = batch.spec_kv
+        if "k" not in spec:
+            return TorchBackend.commit_verified(self, states, batch, commits, log_decay)
+        counts = [0] * spec["slots"].shape[0]
+        for i, _, n in commits:
+            counts[i] = n
+        counts_t = torch.tensor(counts, dtype=torch.int32).to(spec["k"].device, non_blocking=True)
+        lightning_commit(states.state, spec["slots"], spec["cu"], counts_t, spec["k"], spec["v"], log_decay)
 
     # ---- sparse layers -----------------------------------------------------------------------
     def store_kv(self, kv, layer, k, v, batch):
         attn.store_kv(kv, layer, k, v, batch)
 
     def update_compressed(self, kv, comp, layer, batch):
-        attn.update_compressed(kv, comp, layer, batch)
+        # graph batches: a fixed grid (the kernel loops over however many entries were born)
+        attn.update_compressed(kv, comp, layer, batch, max_new_entries=1 if batch.decode_mode else None)
 
     def sparse_attention(self, q, kv, comp, layer, batch, cfg):
-        if batch.is_decode and not _has_verify(batch):
-            return self._decode_attention(q, kv, comp, layer, batch, cfg)
         if _has_verify(batch):
-            return TorchBackend.sparse_attention(self, q, kv, comp, layer, batch, cfg)
+            return self._verify_attention(q, kv, comp, layer, batch, cfg)
+        if batch.is_decode:
+            return self._decode_attention(q, kv, comp, layer, batch, cfg)
         return self._prefill_attention(q, kv, comp, layer, batch, cfg)
 
     @staticmethod
@@ -79,19 +123,56 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def _decode_attention(self, q, kv, comp, layer, batch, cfg):
         """One token per sequence over a page list: all pages for dense sequences, the InfLLM-v2
         selection for sparse ones. Graph-safe."""
+        sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
+        return self._query_attention(q, kv, comp, layer, batch.page_table, batch.seq_lens, sparse, batch.derived,
+                                     "dense_table", cfg)
+
+    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg):
+        """Each row of q is a decode query: the last token of a sequence of length lens[row] with
+        page_table[row]. `sparse` says whether any row is at or past dense_len (then the InfLLM-v2
+        selection runs, which lists every block for the rows below it)."""
         sc, hkv = cfg.sparse, cfg.num_key_value_heads
         scale = cfg.head_dim ** -0.5
-        sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
         if sparse:
-            table, count = self.select_blocks_decode(q, kv, comp, layer, batch, cfg)
+            table, count = sparse_ops.select_blocks_decode(q, comp, layer, page_table, lens, sc, scale,
+                                                           self.max_decode_blocks(cfg))
         else:
-            if "dense_table" not in batch.derived:  # once per step, shared by the sparse layers
-                batch.derived["dense_table"] = attn.dense_block_table(batch.page_table, batch.seq_lens, hkv,
-                                                                      sc.block_size)
-            table, count = batch.derived["dense_table"]
+            if table_key not in derived:  # once per step, shared by the sparse layers
+                derived[table_key] = attn.dense_block_table(page_table, lens, hkv, sc.block_size)
+            table, count = derived[table_key]
         # the split count depends only on static sizes, so eager and graph runs use the same kernels
         splits = attn.choose_num_splits(q.shape[0], hkv, self.max_decode_blocks(cfg))
-        return attn.paged_decode_attention(q, kv, layer, table, count, batch.seq_lens, scale, splits)
+        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits)
+
+    def _verify_attention(self, q, kv, comp, layer, batch, cfg):
+        """Verify and plain-decode tokens as decode queries of their own (length position + 1);
+        prefill chunks of the same step through the prefill kernels."""
+        chunks = [] if batch.decode_mode is not None else _chunk_seqs(batch)
+        if "verify_rows" not in batch.derived:  # once per step, shared by the sparse layers
+            if chunks:
+                keep = [i for i in range(batch.num_seqs) if i not in set(chunks)]
+                _, rows = batch.subset(keep)
+            else:
+                rows = None
+            positions = batch.positions if rows is None else batch.positions[rows]
+            token_seq = batch.token_seq if rows is None else batch.token_seq[rows]
+            if batch.decode_mode is not None:
+                sparse = batch.decode_mode == "sparse"
+            else:
+                sparse = any(L >= cfg.sparse.dense_len for i, L in enumerate(batch.seq_lens_host)
+                             if i not in set(chunks))
+            batch.derived["verify_rows"] = (rows, batch.page_table[token_seq], (positions + 1).to(torch.int32),
+                                            sparse)
+        rows, table, lens, sparse = batch.derived["verify_rows"]
+        qr = q if rows is None else q[rows]
+        o = self._query_attention(qr, kv, comp, layer, table, lens, sparse, batch.derived, "verify_dense_table", cfg)
+        if not chunks:
+            return o
+        out = torch.empty_like(q)
+        out[rows] = o
+        sub, crows = batch.subset(chunks)
+        out[crows] = self._prefill_attention(q[crows], kv, comp, layer, sub, cfg)
+        return out
 
     def _prefill_attention(self, q, kv, comp, layer, batch, cfg):
         """Eager steps: dense sequences through the flash kernel, sparse ones through InfLLM-v2."""

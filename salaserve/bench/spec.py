@@ -1,0 +1,160 @@
+"""Speculative decoding on the full-size model (issue 8): what a verify step costs, and what it
+buys end to end at batch 1 with an oracle drafter.
+
+    python -m salaserve.bench.spec [--context 4096] [--ks 1,2,4,8] [--batches 1,2,4,8]
+                                   [--new-tokens 256] [--json OUT.json]
+
+1. Verify cost: requests set up as prefilled to the context (random caches), then the device time
+   of one plain decode step and of one verify step with k drafts (CUDA-graph replays, as the
+   engine runs them), per batch size. verify/decode is the accept length at which speculation
+   breaks even; where it exceeds what drafts deliver, speculation should be off (the crossover).
+2. End to end at batch 1: greedy generation of --new-tokens after a --context prompt, plain and
+   with an OracleDrafter that proposes the plain run's output (random weights make real drafts
+   useless), with every n-th draft corrupted to sweep the accept length. Tokens/s counts the
+   decode phase only (first token to last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from salaserve.bench.micro import _ints, fake_decoding_requests, release
+from salaserve.engine.engine import Engine
+from salaserve.engine.sampling_params import SamplingParams
+from salaserve.engine.scheduler import ScheduledWork
+from salaserve.spec.oracle import OracleDrafter
+
+
+def _device_ms(fn, iters: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev)
+
+
+def time_step(runner, batch: int, context: int, k: int) -> dict:
+    """Device ms of a step of `batch` sequences at `context`, each feeding 1 + k tokens (k = 0:
+    plain decode), the way runner.forward runs it (graph when one fits)."""
+    reqs = fake_decoding_requests(runner, batch, context, extra_tokens=k)
+    work = [ScheduledWork(r, 1 + k, [11 + j for j in range(k)]) for r in reqs]
+    b = runner.build_batch(work)
+    graph = runner.graphs is not None and runner.graphs.can_run(b)
+    ms = _device_ms(lambda: runner.graphs.run(b) if graph else runner.model.forward(b, runner.caches))
+    release(runner, reqs)
+    return {"batch": batch, "context": context, "k": k, "device_ms": ms, "graph": graph}
+
+
+def generate(engine: Engine, rid: str, prompt: list[int], new_tokens: int, drafter) -> tuple[list[int], float]:
+    """Greedy generation; returns (tokens, decode-phase seconds from the first token to the last)."""
+    engine.make_drafter = lambda req: drafter
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    toks, t_first = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks.extend(o.new_token_ids)
+        if toks and t_first is None:
+            torch.cuda.synchronize()
+            t_first = time.perf_counter()
+    torch.cuda.synchronize()
+    return toks, time.perf_counter() - t_first
+
+
+class NoDrafts:
+    def propose(self, tokens, k):
+        return []
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model dir (default: a full-size config with dummy weights)")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--ks", default="1,2,4,8", help="draft lengths for the verify-cost table")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--error-every", default="0,8,4,2", help="oracle corruption periods (0: never)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    ks, batches = _ints(a.ks), _ints(a.batches)
+    k_max = max(ks)
+
+    model_dir = a.model
+    if model_dir is None:
+        import tempfile
+
+        from salaserve.model.checkpoint import write_checkpoint
+
+        model_dir = tempfile.mkdtemp(prefix="sala-full-")
+        write_checkpoint(model_dir, "full", weights=False)
+    t0 = time.perf_counter()
+    engine = Engine(model=model_dir, load_format="dummy", dtype="bfloat16", max_running_requests=max(batches),
+                    max_total_tokens=max(batches) * (a.context + 2 * k_max + 256) + a.context + a.new_tokens + 4096,
+                    context_length=a.context + a.new_tokens + 1024, speculative_algorithm="NGRAM",
+                    speculative_num_draft_tokens=k_max, speculative_max_batch=max(batches))
+    runner = engine.runner
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "startup_s": time.perf_counter() - t0,
+              "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else 0.0,
+              "graphs": len(runner.graphs.graphs) if runner.graphs else 0, "context": a.context,
+              "verify": [], "end_to_end": []}
+    print(f"GPU {result['gpu']}: start-up {result['startup_s']:.1f} s, {result['graphs']} graphs captured in "
+          f"{result['graph_capture_s']:.1f} s")
+
+    print(f"{'batch':>6} {'k':>3} {'device ms':>10} {'x decode':>9} {'graph':>6}")
+    for bsz in batches:
+        base = time_step(runner, bsz, a.context, 0)
+        result["verify"].append({**base, "ratio": 1.0})
+        print(f"{bsz:>6} {0:>3} {base['device_ms']:>10.3f} {1.0:>9.3f} {str(base['graph']):>6}")
+        for k in ks:
+            row = time_step(runner, bsz, a.context, k)
+            row["ratio"] = row["device_ms"] / base["device_ms"]
+            result["verify"].append(row)
+            print(f"{bsz:>6} {k:>3} {row['device_ms']:>10.3f} {row['ratio']:>9.3f} {str(row['graph']):>6}")
+
+    if a.new_tokens <= 0:
+        return _write(result, a.json)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, engine.cfg.vocab_size - 8, (a.context,), generator=g).tolist()
+    generate(engine, "warm", prompt[:512], 32, NoDrafts())  # first-call costs out of the way
+    plain, plain_s = generate(engine, "plain", prompt, a.new_tokens, NoDrafts())
+    plain_tps = (len(plain) - 1) / plain_s
+    result["end_to_end"].append({"k": 0, "error_every": None, "tokens_per_s": plain_tps, "speedup": 1.0,
+                                 "accept_length": 1.0, "matches_plain": 1.0})
+    print(f"end to end, batch 1, {a.context}-token prompt, {a.new_tokens} new tokens: plain {plain_tps:.1f} tok/s")
+    print(f"{'k':>3} {'corrupt':>8} {'accept len':>10} {'tok/s':>8} {'speedup':>8} {'= plain':>8}")
+    for k in sorted({k_max} | ({8} & set(ks))):
+        engine.args.speculative_num_draft_tokens = k
+        for every in _ints(a.error_every):
+            before = dict(engine.stats)
+            drafter = OracleDrafter(len(prompt), plain, error_every=every, vocab_size=engine.cfg.vocab_size)
+            toks, secs = generate(engine, f"k{k}e{every}", prompt, a.new_tokens, drafter)
+            steps = engine.stats["spec_verify_steps"] - before["spec_verify_steps"]
+            acc = engine.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            accept_len = (acc + steps) / steps if steps else 1.0
+            same = sum(x == y for x, y in zip(toks, plain)) / len(plain)
+            tps = (len(toks) - 1) / secs
+            result["end_to_end"].append({"k": k, "error_every": every, "tokens_per_s": tps,
+                                         "speedup": tps / plain_tps, "accept_length": accept_len,
+                                         "matches_plain": same})
+            print(f"{k:>3} {every:>8} {accept_len:>10.2f} {tps:>8.1f} {tps / plain_tps:>8.2f} {same:>8.3f}")
+    return _write(result, a.json)
+
+
+def _write(result: dict, path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
