@@ -150,6 +150,8 @@ def test_graph_verify_equals_eager(full_dir):
         batch = runner.build_batch(work)
         assert runner.graphs.can_run(batch)
         eager = runner.model.forward(batch, runner.caches).float()
+        if runner.real_rows is not None:  # padded to the next captured length: drop filler rows
+            eager = eager[runner.real_rows]
         graph = runner.forward(work).float()
         assert graph.shape == eager.shape == (B * (1 + k), runner.cfg.vocab_size)
         rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
@@ -180,8 +182,11 @@ def _rows_by_position(records):
 
 def test_speculative_decoding_follows_plain_decoding(full_dir):
     """Batch 1, graphs on: greedy decoding with oracle drafts (every 3rd corrupted: partial
-    acceptance, state commit of a prefix) gives the same tokens and, position by position, the
-    same logits as plain decoding, up to bf16 noise (verify runs other GEMM shapes)."""
+    acceptance, state commit of a prefix) gives, position by position, the same logits as plain
+    decoding up to bf16 noise, and the same tokens until a near-tie flips one. (Verify runs other
+    GEMM and attention-split shapes than decode; with random weights 32 bf16 layers amplify that to
+    the same ~2% as engine vs reference, so a near-tie flips every ten or so tokens: a divergence
+    must be a near-tie in the plain logits. Exactness itself is tested on CPU in fp32.)"""
     from salaserve.engine.engine import Engine
     from salaserve.engine.sampling_params import SamplingParams
     from salaserve.spec.oracle import OracleDrafter
@@ -232,6 +237,10 @@ def test_speculative_decoding_follows_plain_decoding(full_dir):
         print(f"prompt {plen}: {n}/{len(plain)} tokens equal, rel err {rel:.2e} over {m} positions, "
               f"accepted {accepted}/{drafted} drafts")
         assert 0 < accepted < drafted  # drafts accepted and rejected: not vacuous
-        assert n >= 32  # a bf16 near-tie may flip a late token, not an early one
         assert rel < REL_ERR
+        if n < len(plain):  # a flip: the spec run's token is a near-tie in the plain logits
+            row = plain_rows[n]
+            gap = (row.max() - row[spec[n]]).item()
+            print(f"  first difference at {n}: plain logit gap {gap:.3f} (logit std {row.std().item():.2f})")
+            assert gap < 0.1 * row.std().item()
     assert eng.resource_counters() == initial

@@ -9,8 +9,8 @@ buys end to end at batch 1 with an oracle drafter.
    engine runs them), per batch size. verify/decode is the accept length at which speculation
    breaks even; where it exceeds what drafts deliver, speculation should be off (the crossover).
 2. End to end at batch 1: greedy generation of --new-tokens after a --context prompt, plain and
-   with an OracleDrafter that proposes the plain run's output (random weights make real drafts
-   useless), with every n-th draft corrupted to sweep the accept length. Tokens/s counts the
+   with an OracleDrafter that proposes what the speculative run produces (random weights make
+   real drafts useless), for each k: the accept length vs speedup curve. Tokens/s counts the
    decode phase only (first token to last).
 """
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="1,2,4,8", help="draft lengths for the verify-cost table")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--error-every", default="0,8,4,2", help="oracle corruption periods (0: never)")
+    ap.add_argument("--max-oracle-runs", type=int, default=40, help="fixed-point runs for the oracle")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     ks, batches = _ints(a.ks), _ints(a.batches)
@@ -127,25 +127,36 @@ def main(argv=None) -> int:
     generate(engine, "warm", prompt[:512], 32, NoDrafts())  # first-call costs out of the way
     plain, plain_s = generate(engine, "plain", prompt, a.new_tokens, NoDrafts())
     plain_tps = (len(plain) - 1) / plain_s
-    result["end_to_end"].append({"k": 0, "error_every": None, "tokens_per_s": plain_tps, "speedup": 1.0,
-                                 "accept_length": 1.0, "matches_plain": 1.0})
+    result["end_to_end"].append({"k": 0, "tokens_per_s": plain_tps, "speedup": 1.0, "accept_length": 1.0})
     print(f"end to end, batch 1, {a.context}-token prompt, {a.new_tokens} new tokens: plain {plain_tps:.1f} tok/s")
-    print(f"{'k':>3} {'corrupt':>8} {'accept len':>10} {'tok/s':>8} {'speedup':>8} {'= plain':>8}")
-    for k in sorted({k_max} | ({8} & set(ks))):
+    print(f"{'k':>3} {'oracle runs':>11} {'accept len':>10} {'tok/s':>8} {'speedup':>8} {'= plain':>8}")
+    for k in ks:
         engine.args.speculative_num_draft_tokens = k
-        for every in _ints(a.error_every):
-            before = dict(engine.stats)
-            drafter = OracleDrafter(len(prompt), plain, error_every=every, vocab_size=engine.cfg.vocab_size)
-            toks, secs = generate(engine, f"k{k}e{every}", prompt, a.new_tokens, drafter)
-            steps = engine.stats["spec_verify_steps"] - before["spec_verify_steps"]
-            acc = engine.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-            accept_len = (acc + steps) / steps if steps else 1.0
-            same = sum(x == y for x, y in zip(toks, plain)) / len(plain)
-            tps = (len(toks) - 1) / secs
-            result["end_to_end"].append({"k": k, "error_every": every, "tokens_per_s": tps,
-                                         "speedup": tps / plain_tps, "accept_length": accept_len,
-                                         "matches_plain": same})
-            print(f"{k:>3} {every:>8} {accept_len:>10.2f} {tps:>8.1f} {tps / plain_tps:>8.2f} {same:>8.3f}")
+        # The oracle must propose what the speculative run itself produces. Verify computes other
+        # GEMM shapes than decode, and random bf16 weights turn that into near-tie flips every ten
+        # or so tokens, so the plain output is not it. Fixed point: run with the last output as
+        # the oracle until the output no longer changes (each run keeps the agreed prefix and its
+        # verify windows, so it grows).
+        oracle, runs = plain, 0
+        while runs < a.max_oracle_runs:
+            toks, _ = generate(engine, f"fix{k}-{runs}", prompt, a.new_tokens,
+                               OracleDrafter(len(prompt), oracle, vocab_size=engine.cfg.vocab_size))
+            runs += 1
+            if toks == oracle:
+                break
+            oracle = toks
+        before = dict(engine.stats)
+        toks, secs = generate(engine, f"k{k}", prompt, a.new_tokens,
+                              OracleDrafter(len(prompt), oracle, vocab_size=engine.cfg.vocab_size))
+        steps = engine.stats["spec_verify_steps"] - before["spec_verify_steps"]
+        acc = engine.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        accept_len = (acc + steps) / steps if steps else 1.0
+        same = sum(x == y for x, y in zip(toks, plain)) / len(plain)
+        tps = (len(toks) - 1) / secs
+        result["end_to_end"].append({"k": k, "oracle_runs": runs, "tokens_per_s": tps, "speedup": tps / plain_tps,
+                                     "accept_length": accept_len, "matches_plain": same,
+                                     "reproduces_oracle": toks == oracle})
+        print(f"{k:>3} {runs:>11} {accept_len:>10.2f} {tps:>8.1f} {tps / plain_tps:>8.2f} {same:>8.3f}")
     return _write(result, a.json)
 
 
