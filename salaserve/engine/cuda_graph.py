@@ -8,8 +8,9 @@ the kernels themselves at batch 1. Graphs are captured at start-up:
   - verify (n = 1 + draft tokens per sequence) for n = 2, 3, 5, 9, ... and 1 +
     speculative_num_draft_tokens, batch sizes up to speculative_max_batch, when speculation is on;
     the runner pads a verify step's sequences to the next captured n with filler tokens;
-each in two modes: "dense" (every sequence below dense_len; a narrow page table and no block
-selection) and "sparse" (any mix). A step of B sequences runs the smallest captured size >= B;
+each in modes by page-table width: "dense" (every sequence below dense_len; a narrow table and
+no block selection) and sparse ones (any mix; the decode graphs at several widths, since block
+selection scans the whole table). A step of B sequences runs the smallest captured size >= B;
 padding sequences read and write a scratch page and a scratch state slot reserved for them, and
 their logits are dropped. Steps that mix verify with plain decode or prefill run eagerly (same
 kernels, launched one by one).
@@ -37,6 +38,9 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return out
 
 
+SPARSE_WIDTHS = (272, 1040, 2064, 4112)  # pages: 16K, 64K, 128K, 256K contexts + slack for new tokens
+
+
 def verify_lengths(max_tokens: int) -> list[int]:
     """Tokens per sequence with a verify graph: 1 + 1, 2, 4, 8, ... drafts, and the longest."""
     out = {n for n in (2, 3, 5, 9, 17, 33, 65) if n <= max_tokens}
@@ -56,7 +60,14 @@ class DecodeGraphs:
         self.verify_ns = verify_lengths(max_verify_tokens) if verify_max_bs > 0 else []
         self.verify_sizes = [s for s in graph_batch_sizes(max(1, min(verify_max_bs, self.max_bs)))
                              if s <= verify_max_bs] if self.verify_ns else []
-        self.widths = {"dense": dense_pages, "sparse": max_pages}
+        # Page-table widths, one graph set each: "dense" (dense_len pages, no selection), sparse
+        # widths in steps (block selection scans the whole width, ~0.09 ms per 1000 pages per
+        # step, so a 128K context should not pay for a 512K one), and "sparse" = the context length.
+        self.widths = {"dense": dense_pages}
+        for w in SPARSE_WIDTHS:
+            if dense_pages < w < max_pages:
+                self.widths[f"sparse{w}"] = w
+        self.widths["sparse"] = max_pages
         self.scratch_page = scratch_page
         self.scratch_slot = scratch_slot
         n = self.max_bs
@@ -90,7 +101,7 @@ class DecodeGraphs:
         # [B, padding_from) when fewer sequences run than last time
         self.padding_from = 0
         # sparse-mode graphs need a graph-safe block selection in the backend
-        self.modes = ("dense", "sparse") if hasattr(model.ops, "select_blocks_decode") else ("dense",)
+        self.modes = tuple(self.widths) if hasattr(model.ops, "select_blocks_decode") else ("dense",)
 
     def _static_batch(self, bs: int, mode: str, tokens: int = 1) -> ForwardBatch:
         b, lay = self.buf, self.layouts[tokens]
@@ -103,7 +114,7 @@ class DecodeGraphs:
             logits_indices=lay["logits_indices"][:nt],
             # host mirrors are placeholders in graph mode (decode_mode tells kernels not to read them)
             q_lens_host=[tokens] * bs, seq_lens_host=[1] * bs, cache_lens_host=[0] * bs, is_sparse_host=[False] * bs,
-            is_decode=not verify, decode_mode=mode, verify_host=[verify] * bs, spec_kv={}, derived={},
+            is_decode=not verify, decode_mode="dense" if mode == "dense" else "sparse", verify_host=[verify] * bs, spec_kv={}, derived={},
             token_seq=lay["token_seq"][:nt] if verify else None, seq_modes=self.verify_modes[:bs] if verify else None,
         )
 
@@ -126,7 +137,7 @@ class DecodeGraphs:
 
     def _keys(self) -> list[tuple[int, int, str]]:
         keys = [(bs, 1, mode) for mode in self.modes for bs in self.sizes]
-        keys += [(bs, n, mode) for mode in self.modes for n in self.verify_ns for bs in self.verify_sizes]
+        keys += [(bs, n, mode) for mode in self._verify_modes() for n in self.verify_ns for bs in self.verify_sizes]
         # largest first, so smaller graphs reuse its memory pool
         return sorted(keys, key=lambda k: (k[0] * k[1], k[0]), reverse=True)
 
@@ -155,10 +166,16 @@ class DecodeGraphs:
                  len(self.graphs), self.sizes, self.verify_sizes or "-", self.verify_ns or "-", "/".join(self.modes),
                  self.capture_seconds)
 
-    def _mode(self, batch: ForwardBatch) -> str:
-        if any(batch.is_sparse_host) or batch.page_table.shape[1] > self.widths["dense"]:
-            return "sparse"
-        return "dense"
+    def _verify_modes(self) -> tuple[str, ...]:
+        return tuple(m for m in ("dense", "sparse") if m in self.modes)  # fewer graphs: no width steps
+
+    def _mode(self, batch: ForwardBatch, tokens: int = 1) -> str:
+        width = batch.page_table.shape[1]
+        if not any(batch.is_sparse_host) and width <= self.widths["dense"]:
+            return "dense"
+        allowed = self.modes if tokens == 1 else self._verify_modes()
+        return min((m for m in allowed if m != "dense" and self.widths[m] >= width),
+                   key=lambda m: self.widths[m], default="sparse")
 
     def _tokens_per_seq(self, batch: ForwardBatch) -> int | None:
         """1 for a decode batch, n for a verify batch where every sequence verifies n tokens, None
@@ -172,7 +189,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         tokens = self._tokens_per_seq(batch)
-        if tokens is None or self._mode(batch) not in self.modes:
+        if tokens is None or self._mode(batch, tokens) not in self.modes:
             return False
         if tokens == 1:
             return batch.num_seqs <= self.max_bs
@@ -185,7 +202,7 @@ class DecodeGraphs:
         tokens = self._tokens_per_seq(batch)
         sizes = self.sizes if tokens == 1 else self.verify_sizes
         bs = next(s for s in sizes if s >= B)
-        mode = self._mode(batch)
+        mode = self._mode(batch, tokens)
         b = self.buf
         for name in BUFFERS_PER_TOKEN:
             b[name][:B * tokens].copy_(getattr(batch, name), non_blocking=True)
