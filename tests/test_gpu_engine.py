@@ -157,7 +157,10 @@ def test_graph_verify_equals_eager(full_dir):
         rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
         top1 = (graph.argmax(-1) == eager.argmax(-1)).float().mean().item()
         print(f"verify B={B} ctx={ctx} k={k}: graph vs eager rel err {rel:.2e}, top-1 {top1:.3f}")
-        assert rel < 5e-3 and top1 >= 0.9
+        # unpadded: the same kernels (observed bitwise equal); padded batch sizes change the GEMMs'
+        # M, so only the bf16 noise bound applies (as for decode graphs)
+        padded = B not in runner.graphs.verify_sizes
+        assert rel < (REL_ERR if padded else 5e-3) and top1 >= 0.9
         release(runner, reqs)
 
 
