@@ -224,3 +224,39 @@ def test_bad_arguments():
         G.gemv(x[:2].to(bf16), w)
     with pytest.raises(ValueError):  # FMA paths stop at M = 8
         G.gemv(x[:9], w, config=G.GemvConfig(4, 64, 1))
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("last", [False, True])
+def test_backend_junction_ops_match_torch(silu, last):
+    """TritonBackend's fused layer junctions (residual epilogue, silu_mul and RMSNorm prologues on
+    the GEMVs) against TorchBackend's composition of the separate ops, bf16, decode-sized M."""
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    gen = torch.Generator().manual_seed(int(silu) * 2 + int(last))
+    M, K, N, N2 = 3, 64, 96, 48
+    h = torch.randn(M, N, generator=gen).to(bf16)
+    x = torch.randn(M, 2 * K if silu else K, generator=gen).to(bf16)
+    w_out = (0.1 * torch.randn(N, K, generator=gen)).to(bf16)
+    nw = (1 + 0.2 * torch.randn(N, generator=gen)).to(bf16)
+    w_in = (0.1 * torch.randn(N2, N, generator=gen)).to(bf16)
+    norm, nxt = (None, None) if last else (nw, w_in)
+    tb = TritonBackend()
+    launches = []
+    launch = G._launch
+    G._launch = lambda *a, **kw: (launches.append(kw.get("prologue")), launch(*a, **kw))[1]
+    try:
+        h_ours, y_ours = tb.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=silu)
+    finally:
+        G._launch = launch
+    assert len(launches) == (1 if last else 2)  # the fused GEMVs ran, not the fallback
+    h_ref, y_ref = TB.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=silu)
+    # the GEMV sums in another order than torch's matmul: an ulp here and there
+    assert_within_ulps(h_ours, h_ref, max_ulps=1, max_frac=0.05)
+    if last:
+        assert y_ours is None and y_ref is None
+    else:
+        assert (y_ours.float() - y_ref.float()).norm() / y_ref.float().norm() < 2e-2
+    first = tb.norm_linear(h, nw, EPS, w_in)
+    ref = TB.norm_linear(h, nw, EPS, w_in)
+    assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2

@@ -55,12 +55,14 @@ def _small_sparse_model(out_dir: str) -> str:
 
 @pytest.fixture
 def verify_kernels_only(monkeypatch):
-    """Linears and the prefill q/k norm through torch: they have their own kernel tests, and the
-    interpreter would spend minutes on them here."""
+    """Linears (with their fused norms and residual adds) and the prefill q/k norm through torch:
+    they have their own kernel tests, and the interpreter would spend minutes on them here."""
     from salaserve.kernels.torch_ops import TorchBackend
     from salaserve.kernels.triton_backend import TritonBackend
 
     monkeypatch.setattr(TritonBackend, "linear", TorchBackend.linear)
+    monkeypatch.setattr(TritonBackend, "norm_linear", TorchBackend.norm_linear)
+    monkeypatch.setattr(TritonBackend, "residual_norm_linear", TorchBackend.residual_norm_linear)
     monkeypatch.setattr(TritonBackend, "lightning_qk_norm_rope", TorchBackend.lightning_qk_norm_rope)
 
 

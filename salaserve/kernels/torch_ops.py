@@ -45,6 +45,22 @@ class TorchBackend:
 
         return quant_linear(x, weight)
 
+    # ---- the junctions between layers ---------------------------------------------------------
+    # The model calls these instead of the separate ops, so a backend can fuse a norm into the
+    # next linear's input and a residual add into the previous linear's output (decode GEMVs).
+    def norm_linear(self, x, norm_w, eps, w):
+        """linear(rms_norm(x, norm_w), w)."""
+        return self.linear(self.rms_norm(x, norm_w, eps), w)
+
+    def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False):
+        """h' = h + linear(x, w_out) * scale (x through silu_mul first if `silu`); returns
+        (h', linear(rms_norm(h', norm_w), w_in)), or (h', None) when norm_w is None."""
+        u = self.linear(self.silu_mul(x) if silu else x, w_out)
+        if norm_w is None:
+            return h + u * scale, None
+        h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
+        return h, self.linear(normed, w_in)
+
     def sigmoid_mul(self, x, gate):
         return x * torch.sigmoid(gate)
 

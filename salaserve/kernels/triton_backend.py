@@ -43,13 +43,42 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # ---- linear layers -----------------------------------------------------------------------
     def prepare(self, cfg, device) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
-        sizes, so `linear` takes the faster one (a few seconds, before graph capture)."""
-        gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device)
+        sizes and verify row counts (M up to 16), so `linear` takes the faster one (a few seconds,
+        before graph capture)."""
+        gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
+                           m_values=(1, 2, 4, 8, 16))
 
     def linear(self, x, weight):
         if isinstance(weight, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 16:
             return gemv_ops.linear(x, weight)
         return TorchBackend.linear(self, x, weight)
+
+    @staticmethod
+    def _gemv_fuses(x, w) -> bool:
+        """Whether a norm / residual / silu can ride on this linear's GEMV: a plain weight of x's
+        dtype, few rows, and the GEMV calibrated as the faster kernel for the shape."""
+        return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
+                and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
+                and (x.is_cuda or gemv_ops._INTERPRET))
+
+    def norm_linear(self, x, norm_w, eps, w):
+        if self._gemv_fuses(x, w) and norm_w.dtype == x.dtype:
+            return gemv_ops.gemv_rmsnorm(x, norm_w, eps, w)
+        return TorchBackend.norm_linear(self, x, norm_w, eps, w)
+
+    def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False):
+        """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
+        the down GEMV's prologue), the next RMSNorm in the following GEMV's prologue: 2 kernels
+        per junction instead of 3-4."""
+        if not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
+            return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu)
+        if silu:
+            h = gemv_ops.gemv_silu_mul(x, w_out, residual=h, scale=scale)
+        else:
+            h = gemv_ops.gemv_residual(x, w_out, h, scale)
+        if norm_w is None:
+            return h, None
+        return h, self.norm_linear(h, norm_w, eps, w_in)
 
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):

@@ -78,26 +78,29 @@ class SalaModel:
         # per-step derived tensors are recomputed by every forward: a graph capture must record
         # their computation, not reuse tensors left by a warm-up run
         batch.derived = {}
+        layers = p["layers"]
         h = (p["embed"][batch.input_ids] * cfg.scale_emb).to(self.dtype)
-        normed = ops.rms_norm(h, p["layers"][0]["input_norm"], eps)
-        for i, layer in enumerate(p["layers"]):
+        # Each layer: qkvg = linear(rms_norm(h)); o = mixer(qkvg); h += o_proj(o) * r;
+        # h += down(silu_mul(gate_up(rms_norm(h)))) * r. The junction ops let the backend fuse
+        # every norm and residual add into the neighbouring linears.
+        proj = ops.norm_linear(h, layers[0]["input_norm"], eps, layers[0]["qkvg"])
+        for i, layer in enumerate(layers):
             if cfg.is_sparse_layer(i):
-                u = self._sparse_mixer(self.sparse_index[i], layer, normed, batch, caches)
+                o = self._sparse_mixer(self.sparse_index[i], proj, batch, caches)
             else:
-                u = self._lightning_mixer(self.lightning_index[i], layer, normed, batch, caches)
-            h, normed = ops.add_rms_norm(h, u, r, layer["post_norm"], eps)
-            m = ops.linear(ops.silu_mul(ops.linear(normed, layer["gate_up"])), layer["down"])
-            if i + 1 < cfg.num_hidden_layers:
-                h, normed = ops.add_rms_norm(h, m, r, p["layers"][i + 1]["input_norm"], eps)
-            else:
-                h = h + m * r
+                o = self._lightning_mixer(self.lightning_index[i], layer, proj, batch, caches)
+            h, gate_up = ops.residual_norm_linear(h, o, layer["o_proj"], r, layer["post_norm"], eps, layer["gate_up"])
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            h, proj = ops.residual_norm_linear(h, gate_up, layer["down"], r, nxt and nxt["input_norm"], eps,
+                                               nxt and nxt["qkvg"], silu=True)
         z = ops.rms_norm(h[batch.logits_indices], p["final_norm"], eps)
         return ops.linear(z / cfg.logit_divisor, p["lm_head"]).float()
 
-    def _sparse_mixer(self, idx, layer, a, batch, caches):
+    def _sparse_mixer(self, idx, qkvg, batch, caches):
+        """qkvg: the layer's fused q/k/v/gate projection -> the attention output times the gate
+        (the o_proj input)."""
         cfg, ops = self.cfg, self.ops
-        n, d = a.shape[0], cfg.head_dim
-        qkvg = ops.linear(a, layer["qkvg"])
+        n, d = qkvg.shape[0], cfg.head_dim
         q, k, v, gate = qkvg.split([cfg.q_size, cfg.kv_size, cfg.kv_size, cfg.q_size], dim=-1)
         k = k.reshape(n, cfg.num_key_value_heads, d)
         v = v.reshape(n, cfg.num_key_value_heads, d)
@@ -105,15 +108,15 @@ class SalaModel:
         ops.update_compressed(caches.kv, caches.compressed, idx, batch)
         o = ops.sparse_attention(q.reshape(n, cfg.num_attention_heads, d), caches.kv, caches.compressed,
                                  idx, batch, cfg)
-        return ops.linear(ops.sigmoid_mul(o.reshape(n, cfg.q_size), gate), layer["o_proj"])
+        return ops.sigmoid_mul(o.reshape(n, cfg.q_size), gate)
 
-    def _lightning_mixer(self, idx, layer, a, batch, caches):
+    def _lightning_mixer(self, idx, layer, qkvz, batch, caches):
+        """qkvz: the layer's fused q/k/v/z projection -> the gated, normed GLA output (the o_proj
+        input)."""
         cfg, ops = self.cfg, self.ops
-        n, H, d = a.shape[0], cfg.lightning_nh, cfg.lightning_head_dim
-        qkvz = ops.linear(a, layer["qkvg"])
+        n, H, d = qkvz.shape[0], cfg.lightning_nh, cfg.lightning_head_dim
         q, k, v, z = qkvz.split(cfg.lightning_size, dim=-1)
         o = ops.lightning_attention(q.reshape(n, H, d), k.reshape(n, H, d), v.reshape(n, H, d), layer["q_norm"],
                                     layer["k_norm"], batch, caches.states, idx, self.log_decay,
                                     cfg.lightning_attn_scale, cfg.rms_norm_eps, cfg.rope_theta)
-        o = ops.lightning_output(o, layer["o_norm"], z, cfg.rms_norm_eps, self.dtype)
-        return ops.linear(o, layer["o_proj"])
+        return ops.lightning_output(o, layer["o_norm"], z, cfg.rms_norm_eps, self.dtype)
