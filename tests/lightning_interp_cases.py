@@ -195,8 +195,9 @@ def _verify_setup(dtype, gen, lens, num_slots=7, n_layers=2):
     return pool, batch, q, k, v, qw, kw
 
 
+@pytest.mark.parametrize("impl", ["chunk", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_outputs_keep_state_and_commit_replays(dtype):
+def test_verify_outputs_keep_state_and_commit_replays(dtype, impl):
     """Verify sequences: outputs of every token from the live state, state untouched, k/v kept;
     decode sequences: state written; skipped ones untouched. The commit of n tokens then equals n
     plain decode steps (same kernel arithmetic: bit-identical in fp32 on the interpreter)."""
@@ -214,7 +215,7 @@ def test_verify_outputs_keep_state_and_commit_replays(dtype):
     v_keep = torch.zeros(2, N, H, D, dtype=dtype)
     o = lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q,
                          torch.tensor(modes, dtype=torch.int32), pool.state, batch.state_slots, layer,
-                         log_decay, scale, EPS, THETA, k_keep[layer], v_keep[layer], block_v=8)
+                         log_decay, scale, EPS, THETA, k_keep[layer], v_keep[layer], block_v=8, impl=impl)
     qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, batch.positions, EPS, THETA)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     start = 0

@@ -377,8 +377,9 @@ def test_gpu_gla_prefill_fla(lens, input_dtype):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("impl", ["chunk", "loop"])
 @pytest.mark.parametrize("lens", [[9], [5, 1, 9, 3]])
-def test_gpu_verify_and_commit(lens):
+def test_gpu_verify_and_commit(lens, impl):
     """lightning_verify at the real shapes (bf16 projections, fp32 state): outputs of every draft
     token against the torch recurrence, states untouched; the commit of a prefix then equals the
     decode kernel run token by token (same arithmetic: bitwise)."""
@@ -401,7 +402,7 @@ def test_gpu_verify_and_commit(lens):
     v_keep = torch.empty_like(k_keep)
     modes = torch.full((B,), VERIFY, dtype=torch.int32, device=dev)
     o = lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q, modes, pool.state,
-                         batch.state_slots, 1, log_decay, scale, EPS, THETA, k_keep[1], v_keep[1])
+                         batch.state_slots, 1, log_decay, scale, EPS, THETA, k_keep[1], v_keep[1], impl=impl)
     assert torch.equal(pool.state, before)
     qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, batch.positions, EPS, THETA)
     start = 0
@@ -422,3 +423,36 @@ def test_gpu_verify_and_commit(lens):
                 lightning_decode_step(q[r:r + 1], k[r:r + 1], v[r:r + 1], qw, kw, batch.positions[r:r + 1], ref,
                                       torch.zeros(1, dtype=torch.int64, device=dev), lay, log_decay, scale, EPS, THETA)
         assert torch.equal(pool.state[slots[i]], ref[0]), i
+
+
+def _verify_compile_cases():
+    import triton.language as tl
+
+    from salaserve.kernels import lightning_verify as LV
+
+    bf, i32, i64 = "*bf16", "*i32", "*i64"
+    meta = dict(cu_ptr=i32, mode_ptr=i32, slot_ptr=i64)
+    return {
+        "verify_chunk": (LV._verify_chunk_kernel, dict(meta, v_ptr=bf, ks_ptr=bf, vs_ptr=bf),
+                         dict(D=128, BLOCK_V=32, BLOCK_T=16), 8, True),
+        "verify_loop": (LV._verify_kernel, dict(meta, q_ptr=bf, k_ptr=bf, v_ptr=bf, qw_ptr=bf, kw_ptr=bf, pos_ptr=i64,
+                                                ks_ptr=bf, vs_ptr=bf),
+                        dict(HALF=64, BLOCK_V=32, X_DT=tl.bfloat16, QN_DT=tl.bfloat16, KN_DT=tl.bfloat16), 8, False),
+        "commit": (LV._commit_kernel, dict(ks_ptr=bf, vs_ptr=bf, cu_ptr=i32, count_ptr=i32, slot_ptr=i64),
+                   dict(H=32, HALF=64, BLOCK_V=32), 4, False),
+    }
+
+
+@pytest.mark.parametrize("name", ["verify_chunk", "verify_loop", "commit"])
+def test_verify_kernels_compile_for_sm90_without_spills(name):
+    """The speculative-verify kernels at the real shapes, compiled ahead of time for sm_90."""
+    from kernel_checks import compile_sm90, cubin_resources
+
+    fn, ptrs, constexprs, warps, fusion = _verify_compile_cases()[name]
+    try:
+        kernel = compile_sm90(fn, ptrs, constexprs, warps, fp_fusion=fusion)
+    except (ImportError, FileNotFoundError, TypeError, AttributeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    res = cubin_resources(kernel)
+    if res is not None:
+        assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res

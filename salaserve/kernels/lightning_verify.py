@@ -2,10 +2,11 @@
 accepted prefix (issue 8; spec section 4).
 
     lightning_verify   per sequence, its few tokens through the recurrence from the live state:
-                       q/k RMSNorm + RoPE, S <- gamma S + k^T v, o = scale q S, token by token,
-                       exactly the arithmetic of `lightning_decode_step`. Verify sequences leave
-                       the state untouched and keep their normed k and v for the commit; plain
-                       decode sequences of the same batch write their state back at once.
+                       q/k RMSNorm + RoPE, S <- gamma S + k^T v, o = scale q S. Verify sequences
+                       leave the state untouched and keep their normed k and v for the commit;
+                       plain decode sequences of the same batch write their state back at once.
+                       Two forms: "chunk" (default; dots over all tokens at once, one pass) and
+                       "loop" (token by token, the decode kernel's exact arithmetic).
     lightning_commit   after acceptance, every Lightning layer of every verified sequence advances
                        by its first `count` tokens, replaying the kept k/v (one launch per step).
 
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import NO_FMA, promote, tl_dtype
 from salaserve.kernels.lightning import (_check_rows, _norm_rope_row, _pick_block_v, _pick_warps, _rope_cos_sin,
-                                         rope_inv_freq)
+                                         qk_norm_rope, rope_inv_freq)
 
 # per-sequence modes of lightning_verify
 SKIP, VERIFY, DECODE = 0, 1, 2
@@ -78,9 +79,67 @@ def _verify_kernel(
             tl.store(p2, s2)
 
 
+@triton.jit
+def _verify_chunk_kernel(
+    qn_ptr, kn_ptr, v_ptr, cu_ptr, mode_ptr, slot_ptr, log_decay_ptr, state_ptr, o_ptr, ks_ptr, vs_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ss, stride_sh, stride_sk,
+    stride_on, stride_oh, stride_ksn, stride_ksh, stride_vsn, stride_vsh,
+    scale,
+    D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    # grid (B, H, D // BLOCK_V). The same function as the token loop, in the chunk form with no
+    # sequential dependency between tokens (q, k already normed and roped, as fp32):
+    #   o_t = scale * (gamma^(t+1) q_t S0 + sum_{j<=t} gamma^(t-j) (q_t . k_j) v_j)
+    #   S_n = gamma^n S0 + sum_j gamma^(n-1-j) k_j^T v_j              (DECODE sequences only)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    mode = tl.load(mode_ptr + b)
+    if mode != 0:
+        start = tl.load(cu_ptr + b).to(tl.int64)
+        n = (tl.load(cu_ptr + b + 1) - tl.load(cu_ptr + b)).to(tl.int32)
+        t = tl.arange(0, BLOCK_T)
+        tok = start + t
+        t_ok = t < n
+        d = tl.arange(0, D)
+        cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        qt = tl.load(qn_ptr + tok[:, None] * stride_qn + h * stride_qh + d[None, :], mask=t_ok[:, None], other=0.0)
+        kt = tl.load(kn_ptr + tok[:, None] * stride_kn + h * stride_kh + d[None, :], mask=t_ok[:, None], other=0.0)
+        vt = tl.load(v_ptr + tok[:, None] * stride_vn + h * stride_vh + cols[None, :], mask=t_ok[:, None],
+                     other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        sp = state_ptr + slot * stride_ss + h * stride_sh + d[:, None] * stride_sk + cols[None, :]
+        s0 = tl.load(sp)
+        ld = tl.load(log_decay_ptr + h).to(tl.float32)
+        tf = t.to(tl.float32)
+        causal = t[:, None] >= t[None, :]
+        decay = tl.where(causal, tl.exp((tf[:, None] - tf[None, :]) * ld), 0.0)
+        a = tl.dot(qt, tl.trans(kt), input_precision="ieee") * decay
+        o = tl.dot(qt, s0, input_precision="ieee") * tl.exp((tf + 1.0) * ld)[:, None]
+        o = scale * tl.dot(a, vt, o, input_precision="ieee")
+        tl.store(o_ptr + tok[:, None] * stride_on + h * stride_oh + cols[None, :], o, mask=t_ok[:, None])
+        if mode == 1:  # keep what the commit replays: normed k (exact in its dtype) and v
+            tl.store(vs_ptr + tok[:, None] * stride_vsn + h * stride_vsh + cols[None, :],
+                     vt.to(vs_ptr.dtype.element_ty), mask=t_ok[:, None])
+            if vb == 0:
+                tl.store(ks_ptr + tok[:, None] * stride_ksn + h * stride_ksh + d[None, :],
+                         kt.to(ks_ptr.dtype.element_ty), mask=t_ok[:, None])
+        if mode == 2:
+            w = tl.where(t_ok, tl.exp((n - 1 - t).to(tl.float32) * ld), 0.0)
+            s_end = tl.dot(tl.trans(kt * w[:, None]), vt, s0 * tl.exp(n.to(tl.float32) * ld),
+                           input_precision="ieee")
+            tl.store(sp, s_end)
+
+
+# "chunk" (default): one pass with dots, no token-to-token dependency; "loop": token by token,
+# the decode kernel's exact arithmetic (bitwise what plain decoding computes, slower at many drafts)
+VERIFY_IMPL = "chunk"
+
+
 def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, state, slots, layer, log_decay,
                      scale, eps, theta, k_keep, v_keep, *, block_v: int | None = None,
-                     num_warps: int | None = None):
+                     num_warps: int | None = None, max_tokens: int | None = None, impl: str | None = None):
     """Lightning outputs for the tokens of B sequences packed along N (cu_seqlens), from their
     state slots, token by token.
 
@@ -114,6 +173,23 @@ def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, 
     if B == 0 or N == 0:
         return o
     st = state[:, layer]
+    impl = impl or VERIFY_IMPL
+    if impl == "chunk":
+        # normed/roped q and k of every token first (exactly the loop's values, kept in fp32)
+        qn, kn = qk_norm_rope(q, k, q_norm_w, k_norm_w, positions, eps, theta, out_dtype=torch.float32)
+        block_t = max(16, triton.next_power_of_2(max_tokens or N))
+        if block_t > 16:  # [T, d] fp32 tiles of q and k: 32 rows spill registers on sm_90
+            raise ValueError(f"the chunk form takes at most 16 tokens per sequence, got {max_tokens or N}")
+        _verify_chunk_kernel[(B, H, d // bv)](
+            qn, kn, v, cu_seqlens, modes, slots, log_decay, st, o, k_keep, v_keep,
+            qn.stride(0), qn.stride(1), kn.stride(0), kn.stride(1), v.stride(0), v.stride(1),
+            st.stride(0), st.stride(1), st.stride(2),
+            o.stride(0), o.stride(1), k_keep.stride(0), k_keep.stride(1), v_keep.stride(0), v_keep.stride(1),
+            float(scale), D=d, BLOCK_V=bv, BLOCK_T=block_t, num_warps=num_warps or 8,
+        )
+        return o
+    if impl != "loop":
+        raise ValueError(f"impl must be 'chunk' or 'loop', got {impl!r}")
     inv_freq = rope_inv_freq(d, theta, q.device)
     _verify_kernel[(B, H, d // bv)](
         q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, slots, log_decay, inv_freq, st, o, k_keep, v_keep,
@@ -123,7 +199,8 @@ def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, 
         float(scale), float(eps),
         HALF=d // 2, BLOCK_V=bv,
         X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(promote(q.dtype, q_norm_w.dtype)), KN_DT=tl_dtype(kn_dt),
-        num_warps=num_warps or _pick_warps(bv), **NO_FMA,
+        # twice the decode kernel's warps: the loop keeps more live (4 warps spill at 32 columns)
+        num_warps=num_warps or 2 * _pick_warps(bv), **NO_FMA,
     )
     return o
 

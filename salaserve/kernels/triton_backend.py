@@ -101,10 +101,13 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             spec["k"] = torch.empty((n_layers, *k.shape), dtype=promote(k.dtype, k_norm.dtype), device=k.device)
             spec["v"] = torch.empty((n_layers, *v.shape), dtype=v.dtype, device=v.device)
             spec["cu"], spec["slots"] = batch.cu_seqlens_q, batch.state_slots
+        chunks = [] if batch.decode_mode is not None else _chunk_seqs(batch)
+        # (graph batches: q_lens_host holds the static tokens per sequence, which is what counts)
+        longest = max(n for i, n in enumerate(batch.q_lens_host) if i not in set(chunks))
         o = lightning_verify(q, k, v, q_norm, k_norm, batch.positions, batch.cu_seqlens_q, batch.seq_modes,
                              states.state, batch.state_slots, layer, log_decay, scale, eps, theta,
-                             spec["k"][layer], spec["v"][layer])
-        chunks = [] if batch.decode_mode is not None else _chunk_seqs(batch)
+                             spec["k"][layer], spec["v"][layer], max_tokens=longest,
+                             impl=None if longest <= 16 else "loop")  # the chunk form keeps [16, d] tiles
         if chunks:
             sub, rows = batch.subset(chunks)
             qc, kc = self.lightning_qk_norm_rope(q[rows], k[rows], q_norm, k_norm, sub.positions, eps, theta)
