@@ -269,3 +269,21 @@ def test_verify_rejects_bad_keep_buffers():
     with pytest.raises(TypeError, match="k_keep"):
         lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q, torch.ones(1, dtype=torch.int32),
                          pool.state, batch.state_slots, 0, _log_decay(), 0.25, EPS, THETA, bad, bad)
+
+
+def test_verify_chunk_form_bounds_tokens():
+    """More than 16 tokens per sequence: the default falls back to the loop form (same outputs);
+    forcing the chunk form is refused rather than silently truncated."""
+    from salaserve.kernels.lightning_verify import VERIFY, lightning_verify
+
+    gen = torch.Generator().manual_seed(13)
+    pool, batch, q, k, v, qw, kw = _verify_setup(torch.float32, gen, [18])
+    keep = [torch.zeros(q.shape) for _ in range(4)]
+    modes = torch.full((1,), VERIFY, dtype=torch.int32)
+    args = (q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q, modes, pool.state, batch.state_slots, 0,
+            _log_decay(), 0.25, EPS, THETA)
+    auto = lightning_verify(*args, keep[0], keep[1])
+    loop = lightning_verify(*args, keep[2], keep[3], impl="loop")
+    assert torch.equal(auto, loop)
+    with pytest.raises(ValueError, match="at most 16"):
+        lightning_verify(*args, keep[0], keep[1], impl="chunk")

@@ -402,7 +402,8 @@ def test_gpu_verify_and_commit(lens, impl):
     v_keep = torch.empty_like(k_keep)
     modes = torch.full((B,), VERIFY, dtype=torch.int32, device=dev)
     o = lightning_verify(q, k, v, qw, kw, batch.positions, batch.cu_seqlens_q, modes, pool.state,
-                         batch.state_slots, 1, log_decay, scale, EPS, THETA, k_keep[1], v_keep[1], impl=impl)
+                         batch.state_slots, 1, log_decay, scale, EPS, THETA, k_keep[1], v_keep[1],
+                         max_tokens=max(lens), impl=impl)
     assert torch.equal(pool.state, before)
     qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, batch.positions, EPS, THETA)
     start = 0

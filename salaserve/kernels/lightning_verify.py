@@ -135,13 +135,14 @@ def _verify_chunk_kernel(
 # "chunk" (default): one pass with dots, no token-to-token dependency; "loop": token by token,
 # the decode kernel's exact arithmetic (bitwise what plain decoding computes, slower at many drafts)
 VERIFY_IMPL = "chunk"
+CHUNK_MAX_TOKENS = 16  # [T, d] fp32 tiles of q and k: 32 rows spill registers on sm_90
 
 
 def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, state, slots, layer, log_decay,
                      scale, eps, theta, k_keep, v_keep, *, block_v: int | None = None,
                      num_warps: int | None = None, max_tokens: int | None = None, impl: str | None = None):
     """Lightning outputs for the tokens of B sequences packed along N (cu_seqlens), from their
-    state slots, token by token.
+    state slots, as the recurrence token by token would give them.
 
     Args:
         q, k, v: [N, H, d] (strided rows/heads allowed, unit last stride), one dtype.
@@ -153,6 +154,8 @@ def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, 
         state: [slots, layers, H, d, d] fp32; slots [B] int (distinct among non-SKIP sequences).
         k_keep, v_keep: [N, H, d] buffers (k_keep's dtype must hold the normed k exactly: the
             normed dtype promote(k.dtype, k_norm_w.dtype) or fp32; v_keep: v's dtype or fp32).
+        max_tokens: a bound on any sequence's token count (default N). impl: "chunk" or "loop"
+            (default: chunk when max_tokens <= 16, else loop).
     Returns o [N, H, d] fp32 (rows of SKIP sequences uninitialised).
     """
     N, H, d = q.shape
@@ -173,13 +176,14 @@ def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, 
     if B == 0 or N == 0:
         return o
     st = state[:, layer]
-    impl = impl or VERIFY_IMPL
+    longest = max_tokens or N  # a bound on any sequence's token count
+    impl = impl or (VERIFY_IMPL if longest <= CHUNK_MAX_TOKENS else "loop")
     if impl == "chunk":
         # normed/roped q and k of every token first (exactly the loop's values, kept in fp32)
         qn, kn = qk_norm_rope(q, k, q_norm_w, k_norm_w, positions, eps, theta, out_dtype=torch.float32)
-        block_t = max(16, triton.next_power_of_2(max_tokens or N))
-        if block_t > 16:  # [T, d] fp32 tiles of q and k: 32 rows spill registers on sm_90
-            raise ValueError(f"the chunk form takes at most 16 tokens per sequence, got {max_tokens or N}")
+        if longest > CHUNK_MAX_TOKENS:
+            raise ValueError(f"the chunk form takes at most {CHUNK_MAX_TOKENS} tokens per sequence, got {longest}")
+        block_t = CHUNK_MAX_TOKENS
         _verify_chunk_kernel[(B, H, d // bv)](
             qn, kn, v, cu_seqlens, modes, slots, log_decay, st, o, k_keep, v_keep,
             qn.stride(0), qn.stride(1), kn.stride(0), kn.stride(1), v.stride(0), v.stride(1),

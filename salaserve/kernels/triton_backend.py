@@ -106,8 +106,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         longest = max(n for i, n in enumerate(batch.q_lens_host) if i not in set(chunks))
         o = lightning_verify(q, k, v, q_norm, k_norm, batch.positions, batch.cu_seqlens_q, batch.seq_modes,
                              states.state, batch.state_slots, layer, log_decay, scale, eps, theta,
-                             spec["k"][layer], spec["v"][layer], max_tokens=longest,
-                             impl=None if longest <= 16 else "loop")  # the chunk form keeps [16, d] tiles
+                             spec["k"][layer], spec["v"][layer], max_tokens=longest)
         if chunks:
             sub, rows = batch.subset(chunks)
             qc, kc = self.lightning_qk_norm_rope(q[rows], k[rows], q_norm, k_norm, sub.positions, eps, theta)
