@@ -211,3 +211,62 @@ def test_padded_verify_steps_equal_plain(tiny_model_dir, prompts):
     assert any(padded_steps)  # not vacuous
     assert eng.stats["spec_accepted_tokens"] > 0
     assert eng.resource_counters() == initial
+
+
+def test_draft_tree_metadata_and_greedy_acceptance():
+    from salaserve.spec.tree import DraftTree, accept_greedy_tree
+
+    chain = DraftTree.chain([5, 6, 7])
+    assert chain.is_chain and chain.parents == (-1, 0, 1) and chain.depths() == [1, 2, 3]
+    assert torch.equal(chain.ancestor_mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    #        root
+    #       /    \\
+    #     a=5    b=8          candidates 0, 1 (depth 1)
+    #     |      |  \\
+    #    c=6    d=9  e=4      candidates 2 (parent 0), 3 and 4 (parent 1)
+    tree = DraftTree((5, 8, 6, 9, 4), (-1, -1, 0, 1, 1))
+    assert not tree.is_chain and tree.depths() == [1, 1, 2, 2, 2]
+    assert tree.children(-1) == [0, 1] and tree.children(1) == [3, 4] and tree.first_path() == [5, 6]
+    m = tree.ancestor_mask()
+    assert m[5].tolist() == [True, False, True, False, False, True]  # e sees root, b, itself
+    assert m[3].tolist() == [True, True, False, True, False, False]  # c sees root, a, itself
+    with pytest.raises(ValueError, match="parents must come first"):
+        DraftTree((1, 2), (1, -1))
+
+    V = 12
+    def logits_for(targets):  # one row per verify row with the given argmax
+        return torch.nn.functional.one_hot(torch.tensor(targets), V).float()
+    # root -> 8 (b), b -> 4 (e), e -> 11 (bonus): path rows 0, 2, 5
+    toks, rows = accept_greedy_tree(logits_for([8, 6, 4, 0, 0, 11]), tree)
+    assert toks == [8, 4, 11] and rows == [0, 2, 5]
+    toks, rows = accept_greedy_tree(logits_for([3, 0, 0, 0, 0, 0]), tree)  # no child matches
+    assert toks == [3] and rows == [0]
+    # a chain accepts exactly as accept_greedy
+    lg = logits_for([5, 6, 2, 9])
+    assert accept_greedy_tree(lg, chain)[0] == accept_greedy(lg, [5, 6, 7])
+
+
+def test_tree_drafter_is_verified_along_its_first_path(tiny_model_dir, prompts):
+    """A drafter returning DraftTree: the engine verifies its first path; output unchanged."""
+    from salaserve.spec.tree import DraftTree
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    plain = run_all(make_engine(tiny_model_dir, False), prompts[:6], params)
+
+    class TreeOracle:  # the right continuation first, a wrong sibling at every level
+        def __init__(self, req):
+            self.oracle = OracleDrafter(req.num_prompt, plain[req.rid])
+
+        def propose(self, tokens, k):
+            path = self.oracle.propose(tokens, k)
+            toks, parents = [], []
+            for i, t in enumerate(path):
+                parent = 2 * (i - 1) if i else -1
+                toks += [t, (t + 1) % 8000]
+                parents += [parent, parent]
+            return DraftTree(tuple(toks), tuple(parents))
+
+    eng = make_engine(tiny_model_dir, True)
+    eng.make_drafter = TreeOracle
+    assert run_all(eng, prompts[:6], params) == plain
+    assert eng.stats["spec_accepted_tokens"] > 0

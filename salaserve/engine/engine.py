@@ -19,6 +19,7 @@ from salaserve.engine.scheduler import Scheduler
 from salaserve.model.default import default_model_dir
 from salaserve.spec.accept import accept_greedy, accept_sampling, spec_generator
 from salaserve.spec.ngram import NgramDrafter
+from salaserve.spec.tree import DraftTree
 
 log = logging.getLogger("salaserve")
 
@@ -125,7 +126,10 @@ class Engine:
             req.drafter = self.make_drafter(req)
             req.spec_k = args.speculative_num_draft_tokens
         room = self._max_new_tokens(req) - req.num_output - 1
-        return req.drafter.propose(req.tokens, min(req.spec_k, room))
+        draft = req.drafter.propose(req.tokens, min(req.spec_k, room))
+        if isinstance(draft, DraftTree):  # the kernels verify chains: a tree's first path
+            draft = draft.first_path()[:max(0, room)]
+        return draft
 
     def make_drafter(self, req: Request):
         """The drafter of a request (replaceable, e.g. by an oracle in benchmarks and tests)."""
