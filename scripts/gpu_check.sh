@@ -2,12 +2,7 @@
 # One device call: install the carried wheels, run the GPU tests and benchmarks, keep logs in $OUT.
 #   scripts/gpu_check.sh [tests] [micro] [kernels] [train]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/fla_core*.whl .whl/fastapi*.whl .whl/starlette*.whl .whl/uvicorn*.whl .whl/pydantic*.whl \
-  .whl/annotated*.whl .whl/typing_inspection*.whl .whl/einops*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 for stage in "$@"; do
   case "$stage" in
     tests)

@@ -2,11 +2,7 @@
 # One device call: CUDA-graph parity tests (decode width steps, verify), then the micro-benchmark
 # points issue 4 asks for (batch 128 at 2K, 128K/512K decode, 1M-token prefill). Logs in $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 timeout "${1:-230}" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_engine.py \
   -k "graph_decode_equals_eager or graph_verify_equals_eager" 2>&1 | tee "$OUT/graph_tests.log" \
   | grep -E "passed|failed|Error|assert|B=" | tail -30

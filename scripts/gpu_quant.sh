@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Device call: decode/prefill micro-benchmark for bf16, fp8 and w4a16 (quantized on load).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/fla_core*.whl .whl/einops*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}
+source "$(dirname "$0")/device_env.sh"
 for q in fp8 w4a16; do
   timeout 200 python3 -m salaserve.bench.micro --quantization $q --contexts 4096 --batches 1,8 \
     --prefill 32768 --max-kv-gib 20 --json "$OUT/micro-$q.json" 2>&1 | grep -v -i warn | tail -8

@@ -3,12 +3,8 @@
 #   scripts/gpu_soar_quick.sh ["extra serve flags"]
 # Copies result.json, report.md, the latency plots and the server log tail into $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/device_env.sh"
 python3 -c "import fastapi, uvicorn, fla" || exit 1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m salaserve.cli make-checkpoint --preset full --out /tmp/full --no-weights
 RUN=/tmp/soar-quick
 python3 -m salaserve.cli bench run --workload soar-quick --model /tmp/full --seed 0 \

@@ -2,11 +2,7 @@
 # One device call for speculative decoding (issue 8): the spec benchmark, then the GPU tests of
 # the verify path. Logs and JSON in $OUT.   scripts/gpu_spec.sh [bench-seconds] [test-seconds]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 timeout "${1:-330}" python3 -m salaserve.bench.spec ${SPEC_ARGS:-} --json "$OUT/spec.json" 2>&1 \
   | grep -v Warning | tee "$OUT/spec.log"
 timeout "${2:-240}" python3 -m pytest -m gpu -q -s -p no:cacheprovider \

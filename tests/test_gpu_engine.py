@@ -34,28 +34,35 @@ def engine(full_dir):
                   max_total_tokens=200_000, max_running_requests=8, chunked_prefill_size=8192)
 
 
-def engine_logits(engine, prompt, new_tokens):
-    """Greedy run; returns (tokens generated, fp32 logits rows at every sampled position)."""
+def greedy_run(engine, rid, prompt, new_tokens):
+    """Greedy run of one request; returns (tokens generated, [(drafts per work item, fp32 logits)]
+    for every model step)."""
     from salaserve.engine.sampling_params import SamplingParams
 
-    rows = []
+    records = []
     fwd = engine.runner.forward
 
     def wrapped(work):
         out = fwd(work)
-        rows.append(out.float().clone())
+        records.append(([list(w.draft) for w in work], out.float().clone()))
         return out
 
     engine.runner.forward = wrapped
     try:
-        engine.add_request("g", prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
         toks = []
         while engine.has_unfinished():
             for o in engine.step():
                 toks.extend(o.new_token_ids)
     finally:
         engine.runner.forward = fwd
-    return toks, torch.cat([r for r in rows if r.shape[0]])
+    return toks, records
+
+
+def engine_logits(engine, prompt, new_tokens):
+    """Greedy run; returns (tokens generated, fp32 logits rows at every sampled position)."""
+    toks, records = greedy_run(engine, "g", prompt, new_tokens)
+    return toks, torch.cat([logits for _, logits in records if logits.shape[0]])
 
 
 def reference_logits(reference, prompt, toks):
@@ -190,39 +197,19 @@ def test_speculative_decoding_follows_plain_decoding(full_dir):
     GEMM and attention-split shapes than decode; with random weights 32 bf16 layers amplify that to
     the same ~2% as engine vs reference, so a near-tie flips every ten or so tokens: a divergence
     must be a near-tie in the plain logits. Exactness itself is tested on CPU in fp32.)"""
+    from salaserve.bench.spec import NoDrafts
     from salaserve.engine.engine import Engine
-    from salaserve.engine.sampling_params import SamplingParams
     from salaserve.spec.oracle import OracleDrafter
 
     eng = Engine(model=full_dir, device="cuda", dtype="bfloat16", backend="triton", load_format="dummy",
                  max_total_tokens=100_000, max_running_requests=4, speculative_algorithm="NGRAM",
                  speculative_num_draft_tokens=4, speculative_max_batch=4)
     initial = eng.resource_counters()
-    fwd = eng.runner.forward
 
     def run(rid, prompt, drafter, n_new=64):
-        records = []
-
-        def wrapped(work):
-            out = fwd(work)
-            records.append(([list(w.draft) for w in work], out.float().clone()))
-            return out
-
-        eng.runner.forward = wrapped
         eng.make_drafter = lambda req: drafter
-        try:
-            eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True))
-            toks = []
-            while eng.has_unfinished():
-                for o in eng.step():
-                    toks.extend(o.new_token_ids)
-        finally:
-            eng.runner.forward = fwd
+        toks, records = greedy_run(eng, rid, prompt, n_new)
         return toks, _rows_by_position(records)
-
-    class NoDrafts:
-        def propose(self, tokens, k):
-            return []
 
     g = torch.Generator().manual_seed(5)
     for plen in (1000, 9000):  # dense, then sparse (InfLLM-v2 selection per verify token)

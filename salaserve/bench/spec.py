@@ -71,6 +71,8 @@ def generate(engine: Engine, rid: str, prompt: list[int], new_tokens: int, draft
 
 
 class NoDrafts:
+    """A drafter that never proposes: plain decoding inside a speculative engine."""
+
     def propose(self, tokens, k):
         return []
 

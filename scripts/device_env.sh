@@ -1,0 +1,7 @@
+# Sourced by the device scripts (scripts/gpu_*.sh): installs the carried wheels (.whl, see README),
+# puts them and the checkout on PYTHONPATH, and makes $OUT.
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
