@@ -288,3 +288,20 @@ def test_cli_dispatch(capsys):
     assert "salaserve bench run" in capsys.readouterr().out
     assert main(["bench", "run", "--url", "http://127.0.0.1:9", "--workload", "toy",
                  "--workload-dir", os.devnull]) == 2  # one of --workload / --workload-dir
+
+
+def test_profile_step_tool_runs_on_cpu(tmp_path):
+    """The per-kernel step profiler (a GPU tool) also runs on CPU, where it lists torch ops."""
+    import json
+
+    from salaserve.bench.profile_step import main
+    from salaserve.model.checkpoint import write_checkpoint
+
+    model = tmp_path / "tiny"
+    write_checkpoint(str(model), "tiny", weights=False)
+    out = tmp_path / "prof.json"
+    assert main(["--model", str(model), "--batch", "2", "--context", "150", "--verify-k", "2",
+                 "--top", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["total_us"] > 0 and data["kernels"]
+    assert any("mm" in k["name"] or "linear" in k["name"] for k in data["kernels"])
