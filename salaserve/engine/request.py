@@ -17,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: identity, not field-by-field equality
 class Request:
     rid: str
     prompt_ids: list[int]
