@@ -356,7 +356,37 @@ def _part_attention() -> dict:
     return res
 
 
-PARTS = {"select": _part_select, "attention": _part_attention}
+def check_topk_pages(seed: int) -> dict:
+    """The fused top-k-to-pages kernel against the torch path on random packed keys: sparse rows,
+    dense rows, rows shorter than top-k, -inf scored blocks, and +inf forced ones."""
+    from salaserve.kernels import sparse as ks
+
+    g = torch.Generator().manual_seed(seed)
+    sc = tiny_cfg().sparse  # block 16, dense_len 128, topk_eff 8
+    B, hkv, nb, max_sel = 6, 2, 40, 16
+    seq_lens = torch.tensor([640, 129, 60, 300, 17, 128], dtype=torch.int32)
+    scores = torch.randn(hkv, B, nb, generator=g).to(torch.bfloat16).float()
+    scores[:, :, :3] = float("inf")  # forced
+    scores[:, 1, 4:6] = float("-inf")
+    scores[0, 3, 10:14] = scores[0, 3, 9]  # equal scores: the lower block must win
+    blk = torch.arange(nb)
+    qb = (seq_lens.long() - 1) // sc.block_size
+    scores[:, blk[None, :] > qb[:, None]] = float("-inf")  # future blocks, as stage 1 writes them
+    bits = scores.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    keys = torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - blk)
+    keys = keys.to(torch.int32)
+    table = torch.randperm(1000, generator=g)[: B * nb].view(B, nb).to(torch.int32) + 1
+    ref_pages, ref_count = ks.topk_pages_torch(keys, table, seq_lens, sc, max_sel)
+    pages, count = ks.topk_pages(keys, table, seq_lens, sc, max_sel)
+    return {"equal": bool(torch.equal(pages, ref_pages) and torch.equal(count, ref_count)),
+            "counts": ref_count.tolist()}
+
+
+def _part_topk() -> dict:
+    return {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
+
+
+PARTS = {"select": _part_select, "attention": _part_attention, "topk": _part_topk}
 
 if __name__ == "__main__":
     torch.manual_seed(0)

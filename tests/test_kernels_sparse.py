@@ -38,11 +38,11 @@ ROOT = os.path.dirname(HERE)
 
 @pytest.fixture(scope="session")
 def interp():
-    """Run both parts of _sparse_kernel_cases.py under the interpreter, in parallel (2 cores)."""
+    """Run the parts of _sparse_kernel_cases.py under the interpreter, in parallel."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     procs = {part: subprocess.Popen([sys.executable, os.path.join(HERE, "_sparse_kernel_cases.py"), part],
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for part in ("select", "attention")}
+             for part in ("select", "attention", "topk")}
     results = {}
     for part, p in procs.items():
         out, err = p.communicate(timeout=600)
@@ -105,6 +105,15 @@ def test_sparse_attention_matches_torch_backend(interp, name):
     assert r["dtype_ok"], r
     assert r["rows_differ"] <= 0.01 * r["rows"], r  # rows whose selection moved by a rounding flip
     assert r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_topk_pages_equals_torch_path(interp, seed):
+    """The fused decode top-k kernel (SALASERVE_FUSED_TOPK=1) picks the same pages as the torch
+    path: forced and -inf blocks, ties, dense rows and rows shorter than top-k."""
+    r = interp[f"topk_pages_{seed}"]
+    assert r["equal"], r
+    assert any(c != [8, 8] for c in r["counts"])  # short and dense rows were in the case
 
 
 def test_unpack_keys_inverts_packing():
@@ -195,3 +204,22 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
         graph.replay()
         want_table, want_count = select_blocks_decode(q, *args)
         assert torch.equal(count, want_count) and torch.equal(table, want_table)
+
+
+@pytest.mark.parametrize("width,warps", [(512, 4), (4096, 8), (8192, 8)])
+def test_topk_pages_kernel_compiles_for_sm90_without_spills(width, warps):
+    """The fused top-k kernel sorts a whole row in registers: compiled ahead of time for sm_90 at
+    the graph widths it serves (no GPU needed)."""
+    from kernel_checks import compile_sm90, cubin_resources
+
+    from salaserve.kernels import sparse as S
+
+    i32 = "*i32"
+    ptrs = dict(keys_ptr=i32, page_table_ptr=i32, seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32)
+    try:
+        kernel = compile_sm90(S._topk_pages_kernel, ptrs, dict(BS=64, W=width, MAX_SEL=128), warps, fp_fusion=True)
+    except (ImportError, FileNotFoundError, TypeError, AttributeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    res = cubin_resources(kernel)
+    if res is not None:
+        assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res
