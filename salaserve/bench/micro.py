@@ -32,6 +32,19 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def model_dir_or_full(model_dir: str | None) -> str:
+    """The given model directory, or a fresh full-size config (no weights: load_format="dummy")."""
+    if model_dir is not None:
+        return model_dir
+    import tempfile
+
+    from salaserve.model.checkpoint import write_checkpoint
+
+    model_dir = tempfile.mkdtemp(prefix="sala-full-")
+    write_checkpoint(model_dir, "full", weights=False)
+    return model_dir
+
+
 def fake_decoding_requests(runner: ModelRunner, batch: int, context: int, extra_tokens: int = 0) -> list[Request]:
     """Requests that look prefilled to `context` tokens: pages and slots taken, caches random.
     Pages cover `extra_tokens` more (speculative verify writes past the pending token)."""
@@ -126,14 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
-    model_dir = a.model
-    if model_dir is None:
-        import tempfile
-
-        from salaserve.model.checkpoint import write_checkpoint
-
-        model_dir = tempfile.mkdtemp(prefix="sala-full-")
-        write_checkpoint(model_dir, "full", weights=False)
+    model_dir = model_dir_or_full(a.model)
     batches, contexts, prefills = _ints(a.batches), _ints(a.contexts), _ints(a.prefill)
     cfg_tokens = max(max(contexts) + 128, max(prefills) + 128)
     kv_tokens = int(a.max_kv_gib * 2**30 / 8704)  # ~8.5 KiB per token incl. compressed keys

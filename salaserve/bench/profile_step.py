@@ -17,7 +17,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from salaserve.bench.micro import fake_decoding_requests, release
+from salaserve.bench.micro import fake_decoding_requests, model_dir_or_full, release
 from salaserve.config import EngineArgs
 from salaserve.engine.runner import ModelRunner
 from salaserve.engine.scheduler import ScheduledWork
@@ -57,14 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    model_dir = a.model
-    if model_dir is None:
-        import tempfile
-
-        from salaserve.model.checkpoint import write_checkpoint
-
-        model_dir = tempfile.mkdtemp(prefix="sala-full-")
-        write_checkpoint(model_dir, "full", weights=False)
+    model_dir = model_dir_or_full(a.model)
     tokens = a.batch * (a.context + a.verify_k + 256) + 4096
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
                                     max_total_tokens=tokens, context_length=a.context + 1024,

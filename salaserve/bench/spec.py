@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from salaserve.bench.micro import _ints, fake_decoding_requests, release
+from salaserve.bench.micro import _ints, fake_decoding_requests, model_dir_or_full, release
 from salaserve.engine.engine import Engine
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
@@ -90,14 +90,7 @@ def main(argv=None) -> int:
     ks, batches = _ints(a.ks), _ints(a.batches)
     k_max = max(ks)
 
-    model_dir = a.model
-    if model_dir is None:
-        import tempfile
-
-        from salaserve.model.checkpoint import write_checkpoint
-
-        model_dir = tempfile.mkdtemp(prefix="sala-full-")
-        write_checkpoint(model_dir, "full", weights=False)
+    model_dir = model_dir_or_full(a.model)
     t0 = time.perf_counter()
     engine = Engine(model=model_dir, load_format="dummy", dtype="bfloat16", max_running_requests=max(batches),
                     max_total_tokens=max(batches) * (a.context + 2 * k_max + 256) + a.context + a.new_tokens + 4096,
