@@ -47,7 +47,9 @@ def verify_lengths(max_tokens: int) -> list[int]:
     return sorted(out | {max_tokens}) if max_tokens >= 2 else []
 
 
-class DecodeGraphs:
+class StepGraphs:
+    """The captured decode and verify graphs of one model runner, and their static buffers."""
+
     def __init__(self, model, caches, max_bs: int, max_pages: int, dense_pages: int, scratch_page: int,
                  scratch_slot: int, device, max_verify_tokens: int = 1, verify_max_bs: int = 0):
         self.model = model

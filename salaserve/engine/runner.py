@@ -120,11 +120,11 @@ class ModelRunner:
         return self.scratch
 
     def _capture_graphs(self) -> None:
-        from salaserve.engine.cuda_graph import DecodeGraphs
+        from salaserve.engine.cuda_graph import StepGraphs
 
         cfg, sc = self.cfg, self.cfg.sparse
         scratch_page, scratch_slot = self._scratch()
-        self.graphs = DecodeGraphs(
+        self.graphs = StepGraphs(
             self.model, self.caches, max_bs=self.args.cuda_graph_max_bs or self.args.max_running_requests,
             max_pages=-(-self.context_length // sc.block_size), dense_pages=-(-sc.dense_len // sc.block_size),
             scratch_page=scratch_page, scratch_slot=scratch_slot, device=self.device,
