@@ -356,15 +356,17 @@ def _part_attention() -> dict:
     return res
 
 
-def check_topk_pages(seed: int) -> dict:
+def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_lens=None,
+                     device: str = "cpu") -> dict:
     """The fused top-k-to-pages kernel against the torch path on random packed keys: sparse rows,
-    dense rows, rows shorter than top-k, -inf scored blocks, and +inf forced ones."""
+    dense rows, rows shorter than top-k, -inf scored blocks, and +inf forced ones. Default: the
+    tiny config (block 16, dense_len 128, topk_eff 8), 40 blocks."""
     from salaserve.kernels import sparse as ks
 
     g = torch.Generator().manual_seed(seed)
-    sc = tiny_cfg().sparse  # block 16, dense_len 128, topk_eff 8
-    B, hkv, nb, max_sel = 6, 2, 40, 16
-    seq_lens = torch.tensor([640, 129, 60, 300, 17, 128], dtype=torch.int32)
+    sc = sc or tiny_cfg().sparse
+    seq_lens = torch.tensor(seq_lens or [640, 129, 60, 300, 17, 128], dtype=torch.int32)
+    B, hkv = seq_lens.shape[0], 2
     scores = torch.randn(hkv, B, nb, generator=g).to(torch.bfloat16).float()
     scores[:, :, :3] = float("inf")  # forced
     scores[:, 1, 4:6] = float("-inf")
@@ -375,11 +377,12 @@ def check_topk_pages(seed: int) -> dict:
     bits = scores.to(torch.bfloat16).view(torch.int16).to(torch.int32)
     keys = torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - blk)
     keys = keys.to(torch.int32)
-    table = torch.randperm(1000, generator=g)[: B * nb].view(B, nb).to(torch.int32) + 1
+    table = torch.randperm(max(1000, B * nb), generator=g)[: B * nb].view(B, nb).to(torch.int32) + 1
+    keys, table, seq_lens = keys.to(device), table.to(device), seq_lens.to(device)
     ref_pages, ref_count = ks.topk_pages_torch(keys, table, seq_lens, sc, max_sel)
     pages, count = ks.topk_pages(keys, table, seq_lens, sc, max_sel)
     return {"equal": bool(torch.equal(pages, ref_pages) and torch.equal(count, ref_count)),
-            "counts": ref_count.tolist()}
+            "counts": ref_count.cpu().tolist()}
 
 
 def _part_topk() -> dict:

@@ -223,3 +223,19 @@ def test_topk_pages_kernel_compiles_for_sm90_without_spills(width, warps):
     res = cubin_resources(kernel)
     if res is not None:
         assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("nb", [272, 2064, 4112, 8192])
+def test_gpu_fused_topk_pages(nb):
+    """The fused decode top-k kernel at the real config and the graph widths it serves, against
+    the torch path (what SALASERVE_FUSED_TOPK=1 switches)."""
+    import _sparse_kernel_cases as C
+
+    from salaserve.config import preset_config
+
+    sc = preset_config("full").sparse  # block 64, dense_len 8192, topk_eff 96
+    lens = [nb * 64, 8192, 8191, 5000, (nb // 2) * 64 + 7, 9000]
+    r = C.check_topk_pages(nb, sc=sc, nb=nb, max_sel=128, seq_lens=lens, device="cuda")
+    assert r["equal"], r
