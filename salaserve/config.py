@@ -440,7 +440,7 @@ class EngineArgs:
     max_total_tokens: int | None = None  # override the KV page budget (tokens)
     context_length: int | None = None  # default: max_position_embeddings
     state_dtype: str = "float32"  # Lightning state slots
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8_e4m3": fp8 K/V, scale per page and head
     quantization: str | None = None  # "fp8" | "w4a16" | "gptq"; None: as the checkpoint says
     stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM"
@@ -474,5 +474,7 @@ class EngineArgs:
                              f"{self.speculative_num_draft_tokens}")
         if self.quantization not in (None, "fp8", "w4a16", "gptq"):
             raise ValueError(f"quantization must be fp8, w4a16 or gptq (or unset), got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")

@@ -342,7 +342,7 @@ def test_quality_tool_runs_on_cpu(tiny_model_dir, gptq_dir, tmp_path):
     assert main(["--model", tiny_model_dir, "--prompts", "2", "--prompt-len", "64", "--device", "cpu",
                  "--gptq-model", gptq_dir, "--json", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())
-    assert set(res["formats"]) == {"fp8", "w4a16-rtn", "w4a16-gptq"}
+    assert set(res["formats"]) == {"fp8", "w4a16-rtn", "w4a16-gptq", "kv-fp8"}
     for r in res["formats"].values():
         assert 0 < r["rel_err"] < 1 and 0 <= r["kl"] and 0 < r["top1"] <= 1 and r["positions"] == 128
 

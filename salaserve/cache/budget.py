@@ -41,11 +41,13 @@ class CachePlan:
 
 
 def plan_caches(cfg: ModelConfig, args: EngineArgs, device: torch.device, kv_dtype: torch.dtype,
-                state_dtype: torch.dtype) -> CachePlan:
+                state_dtype: torch.dtype, compressed_dtype: torch.dtype | None = None) -> CachePlan:
+    """compressed_dtype: the compressed keys' dtype (the model dtype; default kv_dtype)."""
     sc = cfg.sparse
     n_sparse, n_light = len(cfg.sparse_layers), len(cfg.lightning_layers)
+    comp_dtype = compressed_dtype or kv_dtype
     page_bytes = (KVPool.bytes_per_page(n_sparse, sc.block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
-                  + CompressedKeyPool.bytes_per_page(sc, n_sparse, cfg.num_key_value_heads, cfg.head_dim, kv_dtype))
+                  + CompressedKeyPool.bytes_per_page(sc, n_sparse, cfg.num_key_value_heads, cfg.head_dim, comp_dtype))
     slot_bytes = StatePool.bytes_per_slot(n_light, cfg.lightning_nh, cfg.lightning_head_dim, state_dtype)
     # on CUDA one extra slot (and page) is reserved for the padding rows of graph batches
     num_slots = args.max_running_requests + (1 if device.type == "cuda" else 0)

@@ -54,15 +54,18 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         cfg, sc = self.cfg, self.cfg.sparse
-        kv_dtype = self.dtype
+        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        if kv_dtype != self.dtype and self.backend_name != "torch":
+            raise ValueError("kv_cache_dtype fp8_e4m3 runs on the torch backend only for now (the triton "
+                             "attention kernels read bf16 pages); use backend='torch' or kv_cache_dtype='auto'")
         state_dtype = DTYPES[args.state_dtype]
-        self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype)
+        self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype, compressed_dtype=self.dtype)
         n_sparse = len(cfg.sparse_layers)
         self.caches = Caches(
             kv=KVPool(n_sparse, self.plan.num_pages, sc.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                      kv_dtype, self.device),
+                      kv_dtype, self.device, compute_dtype=self.dtype),
             compressed=CompressedKeyPool(sc, n_sparse, self.plan.num_pages, cfg.num_key_value_heads,
-                                         cfg.head_dim, kv_dtype, self.device),
+                                         cfg.head_dim, self.dtype, self.device),  # compressed keys: model dtype
             states=StatePool(self.plan.num_slots, len(cfg.lightning_layers), cfg.lightning_nh,
                              cfg.lightning_head_dim, state_dtype, self.device),
         )

@@ -124,10 +124,7 @@ class TorchBackend:
 
     # ---- sparse layers -----------------------------------------------------------------------
     def store_kv(self, kv: KVPool, layer: int, k, v, batch: ForwardBatch):
-        flat_k = kv.k[layer].view(-1, *k.shape[1:])
-        flat_v = kv.v[layer].view(-1, *v.shape[1:])
-        flat_k[batch.slot_mapping] = k.to(flat_k.dtype)
-        flat_v[batch.slot_mapping] = v.to(flat_v.dtype)
+        kv.write(layer, batch.slot_mapping, k, v)
 
     def update_compressed(self, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch):
         """Write every C1/C2 entry born during this step (after the step's keys are stored)."""

@@ -13,7 +13,7 @@ logits at every position are compared with the bf16 (unquantized) model's:
   ppl       perplexity of the prompt's next tokens (meaningful only for a trained model; for
             random weights it is reported but says nothing)
 
-fp8 and w4a16-rtn are quantized on load; w4a16-gptq is made by prepare-model (layer-by-layer GPTQ
+fp8 and w4a16-rtn are quantized on load; kv-fp8 keeps the weights and stores K/V in fp8; w4a16-gptq is made by prepare-model (layer-by-layer GPTQ
 on the corpus' train split) into a temporary directory, or taken from --gptq-model. Prompts come
 from the corpus' held-out split. Works on CPU for the tiny model and on the GPU at full size with
 dummy weights (`--load-format dummy`: every format quantizes the same random weights; the GPTQ
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from salaserve.config import EngineArgs
 from salaserve.engine.batch import ForwardBatch, SeqWork
 
-FORMATS = ("fp8", "w4a16-rtn", "w4a16-gptq")
+FORMATS = ("fp8", "w4a16-rtn", "w4a16-gptq", "kv-fp8")  # kv-fp8: bf16 weights, fp8 K/V cache
 _ON_LOAD = {"bf16": None, "fp8": "fp8", "w4a16-rtn": "w4a16"}
 
 
@@ -83,12 +83,14 @@ class Stats:
                 "positions": self.n}
 
 
-def _runner(model_dir: str, quantization, args: argparse.Namespace, load_format: str, capacity: int):
+def _runner(model_dir: str, quantization, args: argparse.Namespace, load_format: str, capacity: int,
+            kv_cache_dtype: str = "auto"):
     from salaserve.engine.runner import ModelRunner
 
     eargs = EngineArgs(model=model_dir, device=args.device, dtype=args.dtype, backend=args.backend,
                        load_format=load_format, seed=args.seed, quantization=quantization,
-                       max_running_requests=1, max_total_tokens=capacity, enable_cuda_graph=False)
+                       max_running_requests=1, max_total_tokens=capacity, enable_cuda_graph=False,
+                       kv_cache_dtype=kv_cache_dtype)
     return ModelRunner(eargs, model_dir)
 
 
@@ -138,6 +140,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             if fmt == "w4a16-gptq":
                 path = args.gptq_model or _gptq_model(args, tmp)
                 runner = _runner(path, None, args, "auto", capacity)
+            elif fmt == "kv-fp8":
+                runner = _runner(args.model, None, args, args.load_format, capacity, kv_cache_dtype="fp8_e4m3")
             else:
                 runner = _runner(args.model, _ON_LOAD[fmt], args, args.load_format, capacity)
             stats = Stats()

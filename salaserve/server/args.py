@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--skip-server-warmup", action="store_true")
     a("--dense-as-sparse", action="store_true")
     a("--quantization", default=None)
-    a("--kv-cache-dtype", default="auto")
+    a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+      help="fp8_e4m3: fp8 K/V pages with a scale per page and KV head (torch backend for now)")
     a("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     a("--random-seed", type=int, default=0)
