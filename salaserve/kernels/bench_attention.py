@@ -23,6 +23,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.config import SparseConfig
 from salaserve.engine.batch import ForwardBatch, SeqWork
 from salaserve.kernels import attention as A
+from salaserve.kernels.timing import graph_time_us
 from salaserve.kernels.torch_ops import TorchBackend
 
 HQ, HKV, D, BS = 32, 2, 128, 64
@@ -70,28 +71,9 @@ def make_kv(n_layers, num_pages):
     return kv
 
 
-def graph_time(fn, calls: int, replays: int = 20) -> float:
-    """Seconds per call of fn(i) (i = call index inside the graph), from CUDA-graph replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
+def graph_time(fn, calls: int) -> float:
+    """Seconds per call of fn(i) inside a CUDA graph (mean over 20 replays)."""
+    return graph_time_us(fn, calls, replays=20, repeats=1) * 1e-6
 
 
 def bench(fn) -> float:

@@ -27,7 +27,6 @@ on disk, so a second run is fast).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -35,35 +34,10 @@ import torch
 from salaserve.config import preset_config
 from salaserve.kernels import fused
 from salaserve.kernels import gemv as G
+from salaserve.kernels.timing import graph_time_us
 
 BANDWIDTH = 4.27e12  # measured device-to-device copy, bytes/s (shared/reference/anchors.md)
 EPS = 1e-6
-
-
-def _graph_ms(fn, replays: int = 7) -> float:
-    """Median ms of one replay of a CUDA graph holding fn()."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def _gbs(bytes_, us):
@@ -102,7 +76,7 @@ def shape_rows(shapes, ms):
             c = G.calibration_table()[G._key(M, N, K, dev)]
             t_pdl = G.time_linear("gemv", M, N, K, dev, config=c.gemv, pdl=True, weights=ws)
             fn, label = _fused_op(names[0], M, N, K, c.gemv, ws, pdl=False)
-            t_fused = G._graph_time_us(fn, calls)
+            t_fused = graph_time_us(fn, calls)
             b = N * K * 2
             table[(N, K, M)] = (c.cublas_us, min(c.gemv_us, c.cublas_us), c.gemv_us)
             print(f"{'/'.join(names):<15} {N:>6} {K:>6} {M:>3} "
@@ -228,7 +202,7 @@ def step_rows(model: Model, ms):
     for M in ms:
         cells = []
         for fn in step_variants(model, M, dev).values():
-            t = _graph_ms(fn)
+            t = graph_time_us(lambda i: fn(), repeats=7) / 1e3
             cells.append(f"{t:6.3f} ({_gbs(model.bytes, t * 1e3):4.0f} {100 * floor_ms / t:3.0f}%)")
             del fn
         print(f"{M:>3} " + " ".join(f"{c:>18}" for c in cells))

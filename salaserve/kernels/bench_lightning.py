@@ -18,13 +18,13 @@ lightning_output and the fused.py kernels against their torch twins at decode ba
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from salaserve.config import alibi_slopes
 from salaserve.kernels import fused
 from salaserve.kernels.lightning import lightning_decode_step, lightning_output
+from salaserve.kernels.timing import graph_time_us
 from salaserve.kernels.torch_ops import TorchBackend
 
 H, D, HIDDEN, FFN = 32, 128, 4096, 16384
@@ -32,31 +32,9 @@ EPS, THETA = 1e-6, 10000.0
 BANDWIDTH = 4.27e12  # measured device-to-device copy, bytes/s (shared/reference/anchors.md)
 
 
-def graph_time_us(fn, replays: int = 50, repeats: int = 5) -> float:
-    """Median wall time of one replay of a CUDA graph holding fn(), in microseconds."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile / autotune outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    del graph
-    return statistics.median(times)
+def graph_us(fn) -> float:
+    """Median us of one replay of a CUDA graph holding fn() (5 timings of 50 replays)."""
+    return graph_time_us(lambda i: fn(), replays=50)
 
 
 def decode_rows(B: int, layers: int, sweep: bool):
@@ -80,9 +58,9 @@ def decode_rows(B: int, layers: int, sweep: bool):
                                       THETA, block_v=block_v, num_warps=num_warps)
         return run
 
-    row["ours"] = graph_time_us(ours()) / layers
+    row["ours"] = graph_us(ours()) / layers
     if sweep:
-        best = min(((graph_time_us(ours(bv, nw)) / layers, bv, nw) for bv in (16, 32, 64, 128) for nw in (2, 4, 8)))
+        best = min(((graph_us(ours(bv, nw)) / layers, bv, nw) for bv in (16, 32, 64, 128) for nw in (2, 4, 8)))
         row["best"] = f"{best[0]:.1f} (bv {best[1]}, {best[2]} warps)"
 
     try:
@@ -108,8 +86,8 @@ def decode_rows(B: int, layers: int, sweep: bool):
             fused_recurrent_simple_gla(qf, kf, vf, g_gamma=log_decay, scale=scale, initial_state=h0s[layer],
                                        output_final_state=True)
 
-    row["fla+torch"] = graph_time_us(fla_torch) / layers
-    row["fla alone"] = graph_time_us(fla_alone) / layers
+    row["fla+torch"] = graph_us(fla_torch) / layers
+    row["fla alone"] = graph_us(fla_alone) / layers
     return row
 
 
@@ -141,7 +119,7 @@ def elementwise_rows(B: int):
                 fn()
         return run
 
-    return [(B, name, graph_time_us(many(ours)) / reps, graph_time_us(many(twin)) / reps)
+    return [(B, name, graph_us(many(ours)) / reps, graph_us(many(twin)) / reps)
             for name, (ours, twin) in cases.items()]
 
 

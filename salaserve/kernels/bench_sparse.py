@@ -22,6 +22,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.config import preset_config
 from salaserve.engine.batch import ForwardBatch, SeqWork
 from salaserve.kernels import sparse as ks
+from salaserve.kernels.timing import graph_time_us
 
 DEVICE = "cuda"
 HBM_BYTES_PER_S = 4.27e12
@@ -40,18 +41,6 @@ def _time_us(fn, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
-
-
-def _graph_us(fn, reps: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _time_us(graph.replay, reps)
 
 
 def _pools(cfg, num_pages: int, with_kv: bool, gen: torch.Generator):
@@ -82,7 +71,8 @@ def bench_decode(cfg, context: int, batch: int, reps: int, gen) -> dict:
     n1, n2 = comp.counts(context)
     bytes_ = batch * (n1 + n2) * cfg.num_key_value_heads * cfg.head_dim * 2
     return dict(op=f"decode select B={batch}", shape=f"ctx {context // 1024}K", us=_time_us(run, reps),
-                graph_us=_graph_us(run, reps), floor_us=bytes_ / HBM_BYTES_PER_S * 1e6, floor="bytes")
+                graph_us=graph_time_us(lambda i: run(), repeats=reps), floor_us=bytes_ / HBM_BYTES_PER_S * 1e6,
+                floor="bytes")
 
 
 def _prefill_setup(cfg, cache_len: int, chunk: int, gen, with_kv: bool):

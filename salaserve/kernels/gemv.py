@@ -70,7 +70,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import statistics
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,6 +77,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels.timing import graph_time_us
 
 GEMV_MAX_M = 16  # largest M the GEMV is ever used for (x rows are all held by one program)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -523,33 +523,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _graph_time_us(fn, calls: int, replays: int = 5) -> float:
-    """Median time of one call of fn, captured `calls` times back to back in one CUDA graph (the
-    way the engine runs it: inter-kernel gaps included)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(2):  # compile, workspace, cuBLAS handles outside the capture
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
 L2_BUST_BYTES = 256 << 20  # H200 L2 is 50 MB: cycle through this many bytes of weight copies
 
 
@@ -574,7 +547,7 @@ def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig
     else:
         def fn(i):
             gemv(x, ws[i % len(ws)], out=out, config=config, pdl=pdl)
-    return _graph_time_us(fn, n)
+    return graph_time_us(fn, n)
 
 
 def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False) -> dict:

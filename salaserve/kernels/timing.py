@@ -1,0 +1,45 @@
+"""Timing GPU work the way the engine runs it: inside a CUDA graph (GPU only).
+
+One helper for the calibration at start-up (gemv.calibrate) and the kernel benchmarks, so they
+all measure the same thing: launch gaps inside a graph included, Python launch cost excluded.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def graph_time_us(fn, calls: int = 1, replays: int = 1, repeats: int = 5) -> float:
+    """Microseconds per call of fn(i) (i = the call's index in the graph).
+
+    fn runs twice on a side stream first (compilation, autotuning, workspaces, cuBLAS handles stay
+    out of the capture), then `calls` times back to back in one CUDA graph. The graph is replayed
+    once to warm up, then timed `repeats` times over `replays` back-to-back replays each; the
+    median is divided by replays * calls.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    del graph
+    torch.cuda.synchronize()
+    return statistics.median(times)
