@@ -32,9 +32,16 @@ def _has_verify(batch) -> bool:
     return bool(batch.verify_host) and any(batch.verify_host)
 
 
-def _chunk_seqs(batch) -> list[int]:
-    """Sequences of an eager verify step that are prefill chunks (neither verify nor one token)."""
-    return [i for i, (n, ver) in enumerate(zip(batch.q_lens_host, batch.verify_host)) if n > 1 and not ver]
+def _split_verify_step(batch) -> tuple[list[int], list[int]]:
+    """(recurrent, chunks): the sequences of a verify step that verify or decode one token, and
+    those that are prefill chunks. Graph batches hold verify sequences only (host mirrors are
+    placeholders there)."""
+    if batch.decode_mode is not None:
+        return list(range(batch.num_seqs)), []
+    recurrent, chunks = [], []
+    for i, (n, ver) in enumerate(zip(batch.q_lens_host, batch.verify_host)):
+        (recurrent if ver or n == 1 else chunks).append(i)
+    return recurrent, chunks
 
 
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
@@ -101,9 +108,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             spec["k"] = torch.empty((n_layers, *k.shape), dtype=promote(k.dtype, k_norm.dtype), device=k.device)
             spec["v"] = torch.empty((n_layers, *v.shape), dtype=v.dtype, device=v.device)
             spec["cu"], spec["slots"] = batch.cu_seqlens_q, batch.state_slots
-        chunks = [] if batch.decode_mode is not None else _chunk_seqs(batch)
+        recurrent, chunks = _split_verify_step(batch)
         # (graph batches: q_lens_host holds the static tokens per sequence, which is what counts)
-        longest = max(n for i, n in enumerate(batch.q_lens_host) if i not in set(chunks))
+        longest = max(batch.q_lens_host[i] for i in recurrent)
         o = lightning_verify(q, k, v, q_norm, k_norm, batch.positions, batch.cu_seqlens_q, batch.seq_modes,
                              states.state, batch.state_slots, layer, log_decay, scale, eps, theta,
                              spec["k"][layer], spec["v"][layer], max_tokens=longest)
@@ -147,8 +154,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sc = cfg.sparse
         return max(sc.topk_eff, -(-(sc.dense_len - 1) // sc.block_size))
 
-    def select_blocks_decode(self, q, kv, comp, layer, batch, cfg):
-        return sparse_ops.select_blocks_decode(q, comp, layer, batch.page_table, batch.seq_lens, cfg.sparse,
+    def select_blocks_decode(self, q, comp, layer, page_table, lens, cfg):
+        """Graph-safe InfLLM-v2 selection for decode queries (its presence tells the graph runner
+        that sparse-mode decode can be captured)."""
+        return sparse_ops.select_blocks_decode(q, comp, layer, page_table, lens, cfg.sparse,
                                                cfg.head_dim ** -0.5, self.max_decode_blocks(cfg))
 
     def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
@@ -168,8 +177,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sc, hkv = cfg.sparse, cfg.num_key_value_heads
         scale = cfg.head_dim ** -0.5
         if sparse:
-            table, count = sparse_ops.select_blocks_decode(q, comp, layer, page_table, lens, sc, scale,
-                                                           self.max_decode_blocks(cfg))
+            table, count = self.select_blocks_decode(q, comp, layer, page_table, lens, cfg)
         else:
             if table_key not in derived:  # once per step, shared by the sparse layers
                 derived[table_key] = attn.dense_block_table(page_table, lens, hkv, sc.block_size)
@@ -181,20 +189,15 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def _verify_attention(self, q, kv, comp, layer, batch, cfg):
         """Verify and plain-decode tokens as decode queries of their own (length position + 1);
         prefill chunks of the same step through the prefill kernels."""
-        chunks = [] if batch.decode_mode is not None else _chunk_seqs(batch)
+        recurrent, chunks = _split_verify_step(batch)
         if "verify_rows" not in batch.derived:  # once per step, shared by the sparse layers
-            if chunks:
-                keep = [i for i in range(batch.num_seqs) if i not in set(chunks)]
-                _, rows = batch.subset(keep)
-            else:
-                rows = None
+            rows = batch.subset(recurrent)[1] if chunks else None
             positions = batch.positions if rows is None else batch.positions[rows]
             token_seq = batch.token_seq if rows is None else batch.token_seq[rows]
             if batch.decode_mode is not None:
                 sparse = batch.decode_mode == "sparse"
             else:
-                sparse = any(L >= cfg.sparse.dense_len for i, L in enumerate(batch.seq_lens_host)
-                             if i not in set(chunks))
+                sparse = any(batch.seq_lens_host[i] >= cfg.sparse.dense_len for i in recurrent)
             batch.derived["verify_rows"] = (rows, batch.page_table[token_seq], (positions + 1).to(torch.int32),
                                             sparse)
         rows, table, lens, sparse = batch.derived["verify_rows"]
