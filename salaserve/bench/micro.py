@@ -73,24 +73,27 @@ def release(runner: ModelRunner, reqs: list[Request]) -> None:
         runner.caches.states.free(r.state_slot)
 
 
+def step_device_ms(runner: ModelRunner, batch, iters: int = 30) -> tuple[float, bool]:
+    """Median device ms of one forward of `batch` as the runner runs it (its CUDA graph when one
+    fits, else eagerly), timed with CUDA events after 3 warm-up runs; and whether a graph ran."""
+    graph = runner.graphs is not None and runner.graphs.can_run(batch)
+    fn = (lambda: runner.graphs.run(batch)) if graph else (lambda: runner.model.forward(batch, runner.caches))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev), graph
+
+
 def time_decode(runner: ModelRunner, batch: int, context: int, iters: int = 30) -> dict:
     reqs = fake_decoding_requests(runner, batch, context)
     work = [ScheduledWork(r, 1) for r in reqs]
-    for _ in range(3):
-        runner.forward(work)
-    torch.cuda.synchronize()
-    # device time of the step (graph replay or eager forward), with CUDA events
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    batch_obj = runner.build_batch(work)
-    for s, e in ev:
-        s.record()
-        if runner.graphs is not None and runner.graphs.can_run(batch_obj):
-            runner.graphs.run(batch_obj)
-        else:
-            runner.model.forward(batch_obj, runner.caches)
-        e.record()
-    torch.cuda.synchronize()
-    device_ms = statistics.median(s.elapsed_time(e) for s, e in ev)
+    device_ms, _ = step_device_ms(runner, runner.build_batch(work), iters)  # warms up too
     # host-inclusive step: build metadata + forward + wait for the logits
     host = []
     for _ in range(iters):

@@ -18,29 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
-from salaserve.bench.micro import _ints, fake_decoding_requests, model_dir_or_full, release
+from salaserve.bench.micro import _ints, fake_decoding_requests, model_dir_or_full, release, step_device_ms
 from salaserve.engine.engine import Engine
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.spec.oracle import OracleDrafter
-
-
-def _device_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
 
 
 def time_step(runner, batch: int, context: int, k: int) -> dict:
@@ -48,9 +34,7 @@ def time_step(runner, batch: int, context: int, k: int) -> dict:
     plain decode), the way runner.forward runs it (graph when one fits)."""
     reqs = fake_decoding_requests(runner, batch, context, extra_tokens=k)
     work = [ScheduledWork(r, 1 + k, [11 + j for j in range(k)]) for r in reqs]
-    b = runner.build_batch(work)
-    graph = runner.graphs is not None and runner.graphs.can_run(b)
-    ms = _device_ms(lambda: runner.graphs.run(b) if graph else runner.model.forward(b, runner.caches))
+    ms, graph = step_device_ms(runner, runner.build_batch(work))
     release(runner, reqs)
     return {"batch": batch, "context": context, "k": k, "device_ms": ms, "graph": graph}
 
