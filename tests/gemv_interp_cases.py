@@ -195,6 +195,65 @@ def test_silu_mul_prologue_fp32(M):
         _close(G.gemv_silu_mul(gu, w, config=cfg), ref)
 
 
+def _fp8_data(M, N, K, seed):
+    """bf16 activations, fp8 e4m3 weights with per-row fp32 scales (quantize_fp8_per_channel)."""
+    from salaserve.quant.formats import quantize_fp8_per_channel
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(bf16)
+    w8, s = quantize_fp8_per_channel(torch.randn(N, K, generator=g) * K ** -0.5)
+    return x, w8, s
+
+
+def _fp8_configs(M):
+    """The FMA paths with fp8-sized tiles (BLOCK_K a multiple of 512 * warps / 16 here) and dot."""
+    fma = [G.GemvConfig(4, 128, 1), G.GemvConfig(2, 256, 1, split_k=2)] if M <= 8 else []
+    return fma + DOT[:2]
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(64, 256), (96, 512), (40, 384)])
+def test_gemv_fp8_weights(M, N, K):
+    """w8a16: x @ (w8 * scale)^T in bf16 = the fp32 sum of exact products times the column scale,
+    rounded once: within one bf16 ulp of the fp64 result (rounding-boundary cases only)."""
+    x, w8, s = _fp8_data(M, N, K, seed=M * 100 + N + K)
+    ref = (x.double() @ (w8.double() * s.double()[:, None]).t()).to(bf16)
+    for cfg in _fp8_configs(M):
+        y = G.gemv(x, w8, w_scale=s, config=cfg)
+        assert y.shape == (M, N) and y.dtype == bf16
+        assert_within_ulps(y, ref, max_ulps=1, max_frac=0.05)
+
+
+@pytest.mark.parametrize("M", [2, 8])
+def test_fused_ops_fp8_weights(M):
+    """The fused prologues/epilogue with fp8 weights equal the unfused chain: the rmsnorm prologue
+    feeds the same normalised bf16 values, the residual epilogue rounds y first (bit-exact against
+    residual + y * scale), silu_mul prologue as TorchBackend.silu_mul (within one ulp)."""
+    N, K = 64, 256
+    x, w8, s = _fp8_data(M, N, K, seed=M + 40)
+    g = torch.Generator().manual_seed(M)
+    nw = (1.0 + 0.3 * torch.randn(K, generator=g)).to(bf16)
+    r = torch.randn(M, N, generator=g).to(bf16)
+    gu = torch.randn(M, 2 * K, generator=g).to(bf16)
+    for cfg in _fp8_configs(M):
+        y = G.gemv(x, w8, w_scale=s, config=cfg)
+        assert torch.equal(G.gemv_residual(x, w8, r, 0.25, w_scale=s, config=cfg), r + y * 0.25)
+        ref_n = G.gemv(spec.rms_norm(x, nw, EPS), w8, w_scale=s, config=cfg)
+        assert_within_ulps(G.gemv_rmsnorm(x, nw, EPS, w8, w_scale=s, config=cfg), ref_n, max_ulps=1, max_frac=0.05)
+        ref_s = G.gemv(TB.silu_mul(gu), w8, w_scale=s, config=cfg)
+        assert_within_ulps(G.gemv_silu_mul(gu, w8, w_scale=s, config=cfg), ref_s, max_ulps=1, max_frac=0.05)
+
+
+def test_fp8_arguments():
+    x, w8, s = _fp8_data(2, 64, 256, seed=1)
+    with pytest.raises(TypeError):  # fp8 weights need their scales
+        G.gemv(x, w8)
+    with pytest.raises(TypeError):  # and bf16 weights take none
+        G.gemv(x, w8.to(bf16), w_scale=s)
+    with pytest.raises(ValueError):
+        G.gemv(x, w8, w_scale=s[:10])
+
+
 def test_linear_dispatch():
     G.clear_calibration()
     x, w = _data(4, 64, 128, torch.float32, seed=3)
@@ -226,12 +285,15 @@ def test_bad_arguments():
         G.gemv(x[:9], w, config=G.GemvConfig(4, 64, 1))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("last", [False, True])
-def test_backend_junction_ops_match_torch(silu, last):
+def test_backend_junction_ops_match_torch(silu, last, fp8):
     """TritonBackend's fused layer junctions (residual epilogue, silu_mul and RMSNorm prologues on
-    the GEMVs) against TorchBackend's composition of the separate ops, bf16, decode-sized M."""
+    the GEMVs) against TorchBackend's composition of the separate ops, bf16, decode-sized M; with
+    fp8 weights too (TorchBackend: quant_linear's dequantize-then-matmul reference)."""
     from salaserve.kernels.triton_backend import TritonBackend
+    from salaserve.quant.formats import QuantizedLinearWeights, quantize_fp8_per_channel
 
     gen = torch.Generator().manual_seed(int(silu) * 2 + int(last))
     M, K, N, N2 = 3, 64, 96, 48
@@ -240,6 +302,8 @@ def test_backend_junction_ops_match_torch(silu, last):
     w_out = (0.1 * torch.randn(N, K, generator=gen)).to(bf16)
     nw = (1 + 0.2 * torch.randn(N, generator=gen)).to(bf16)
     w_in = (0.1 * torch.randn(N2, N, generator=gen)).to(bf16)
+    if fp8:
+        w_out, w_in = (QuantizedLinearWeights.from_fp8(*quantize_fp8_per_channel(w)) for w in (w_out, w_in))
     norm, nxt = (None, None) if last else (nw, w_in)
     tb = TritonBackend()
     launches = []
@@ -260,3 +324,12 @@ def test_backend_junction_ops_match_torch(silu, last):
     first = tb.norm_linear(h, nw, EPS, w_in)
     ref = TB.norm_linear(h, nw, EPS, w_in)
     assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+    if fp8:  # plain linears of fp8 weights at decode sizes go to the GEMV too
+        launches.clear()
+        G._launch = lambda *a, **kw: (launches.append(kw.get("w_scale")), launch(*a, **kw))[1]
+        try:
+            y = tb.linear(h[:1], w_in)
+        finally:
+            G._launch = launch
+        assert len(launches) == 1 and launches[0] is not None
+        assert_within_ulps(y, TB.linear(h[:1], w_in), max_ulps=1, max_frac=0.05)

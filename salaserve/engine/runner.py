@@ -80,7 +80,7 @@ class ModelRunner:
         self.verify_buckets: list[int] | None = None
         self.real_rows: torch.Tensor | None = None
         if hasattr(backend, "prepare"):
-            backend.prepare(cfg, self.device)
+            backend.prepare(cfg, self.device, self.model.p)
         if self.device.type == "cuda":
             self.warmup()
         if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
