@@ -74,13 +74,14 @@ def assert_rope_within_ulps(a, b, max_ulps: int = 2, max_frac: float = 0.0):
 
 
 def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_stages: int = 3,
-                 fp_fusion: bool = False):
+                 fp_fusion: bool = False, divisible: tuple = ()):
     """Compile a @triton.jit kernel for sm_90 (H100/H200) ahead of time, on a machine without a GPU,
     with the specialisations the JIT would pick at the real shapes (pointers and strides divisible
     by 16). Catches what the interpreter lets through (types, constexpr branches, layouts) and
     reports register use. Arguments named *_ptr are pointers (`ptr_types` overrides the default
     *fp32), scale/eps are fp32, other non-constexpr arguments i32. fp_fusion: as the kernel's
-    launches (False for the NO_FMA elementwise kernels)."""
+    launches (False for the NO_FMA elementwise kernels). divisible: more integer arguments the JIT
+    would see as multiples of 16 (e.g. N and K at the model's shapes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
@@ -95,7 +96,8 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_s
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n.startswith("stride") or n in divisible}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
     return triton_compile(src, target=GPUTarget("cuda", 90, 32),

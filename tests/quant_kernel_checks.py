@@ -98,6 +98,70 @@ def w4a16_gemv_checks(gen):
     counters_rearmed()
 
 
+def w4a16_fma_checks(gen):
+    """The decode FMA kernel (1 + q/16 mantissa trick, zero and 1 folded out per packed row):
+    every M bucket and config, split-K 1..4 (empty splits included), groups 32..K, ragged N, a
+    reordered act-order layout, fp32 (summation order only) and fp16 activations."""
+    for K, N, gs in ((256, 128, 64), (512, 72, 128), (256, 100, 256), (384, 64, 32)):
+        w = random_w4a16(K, N, gs, False, gen)
+        for M in (1, 2, 3, 4):
+            x = torch.randn(M, K, generator=gen)
+            ref = linear_ref(x, w)
+            bucket = 1 if M == 1 else (2 if M == 2 else 4)
+            for cfg in qg.W4_FMA_CONFIGS[bucket]:
+                if gs % (cfg[1] * 8):
+                    continue
+                for split in (1, 2, 4):
+                    y = qg.w4a16_gemv_fma(x, w, config=cfg, split_k=split)
+                    check(f"w4a16_gemv_fma K={K} N={N} gs={gs} M={M} cfg={cfg} split={split}", y, ref, tol(x.dtype))
+            xh = x.half()
+            y = qg.w4a16_gemv_fma(xh, w, config=(64, 4, 4), split_k=2)
+            check(f"w4a16_gemv_fma fp16 K={K} N={N} gs={gs} M={M}", y, linear_ref(xh, w), tol(xh.dtype))
+    wr = formats.reorder_act_order(random_w4a16(256, 128, 64, True, gen))
+    x = torch.randn(2, 256, generator=gen)
+    y = qg.w4a16_gemv_fma(x, wr, config=(64, 8, 4), split_k=2)
+    check("w4a16_gemv_fma reordered act-order", y, linear_ref(x, wr), tol(x.dtype))
+    # codes at the extremes (0 and 15) with zeros at the extremes: the mantissa trick's edge bits
+    K, N, gs = 256, 64, 128
+    q = torch.randint(0, 2, (K, N), generator=gen) * 15
+    zeros = torch.randint(0, 2, (K // gs, N), generator=gen) * 15
+    w = formats.QuantizedLinearWeights.from_gptq(formats.pack_int4(q), formats.pack_zeros(zeros, "gptq_v2"),
+                                                torch.rand(K // gs, N, generator=gen).half() * 0.01 + 0.001,
+                                                None, gs, "gptq_v2")
+    x = torch.randn(1, K, generator=gen)
+    check("w4a16_gemv_fma extreme codes", qg.w4a16_gemv_fma(x, w, split_k=2), linear_ref(x, w), tol(x.dtype))
+    for bad in (random_w4a16(256, 64, 64, True, gen),):
+        try:
+            qg.w4a16_gemv_fma(torch.randn(1, 256), bad)
+        except ValueError:
+            pass
+        else:
+            print("BAD act-order weights accepted without reordering", flush=True)
+            sys.exit(1)
+    counters_rearmed()
+
+
+def w4a16_dense_checks(gen):
+    """Prefill path: dequantize into the scratch W^T, then torch.mm. fp32 activations: the scratch
+    is fp32, exact; fp16: weights rounded once to fp16."""
+    for K, N, gs in ((256, 128, 64), (512, 72, 128), (256, 100, 256)):
+        w = random_w4a16(K, N, gs, False, gen)
+        wt = qg.w4a16_dequantize(w, torch.float32)
+        ref_w = w.dequantize(torch.float32)
+        if not torch.equal(wt.t(), ref_w):
+            print(f"BAD w4a16_dequantize K={K} N={N} gs={gs}", flush=True)
+            sys.exit(1)
+        for M in (1, 70):
+            x = torch.randn(M, K, generator=gen)
+            check(f"w4a16_dense_mm K={K} N={N} gs={gs} M={M}", qg.w4a16_dense_mm(x, w), linear_ref(x, w), tol(x.dtype))
+            xh = x.half()
+            check(f"w4a16_dense_mm fp16 K={K} M={M}", qg.w4a16_dense_mm(xh, w), linear_ref(xh, w), tol(xh.dtype))
+    wr = formats.reorder_act_order(random_w4a16(256, 128, 64, True, gen))
+    x = torch.randn(33, 256, generator=gen)
+    check("w4a16_dense_mm reordered act-order", qg.w4a16_dense_mm(x, wr), linear_ref(x, wr), tol(x.dtype))
+    print("ok  w4a16_dequantize equals formats.dequantize_gptq exactly", flush=True)
+
+
 def w4a16_gemm_checks(gen):
     small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}
     for act_order in (False, True):
@@ -142,6 +206,7 @@ def dispatch_checks(gen):
         "bf16": formats.QuantizedLinearWeights.from_dense(W),
         "fp8": rtn.quantize_fp8(W),
         "w4a16": rtn.quantize_w4a16_rtn(W, 64),
+        "w4a16-g128": rtn.quantize_w4a16_rtn(W, 128),  # decode M <= 4: the FMA kernel
         "w4a16-act-order": random_w4a16(256, 96, 64, True, gen),
     }
     for name, w in variants.items():
@@ -151,11 +216,17 @@ def dispatch_checks(gen):
             assert y.shape == (*lead, 96), y.shape
             check(f"quant_linear[{name}] x{tuple(x.shape)}", y, linear_ref(x.reshape(-1, 256), w).reshape(y.shape),
                   tol(x.dtype))
+    # bf16 activations with fp8 weights at decode sizes: gemv.py's kernel (within one bf16 ulp
+    # of the exact result: 2^-8 relative to the largest output)
+    for M in (1, 5):
+        x = torch.randn(M, 256, generator=gen).to(torch.bfloat16)
+        y = qg.quant_linear(x, variants["fp8"], backend="triton")
+        check(f"quant_linear[fp8] bf16 x{tuple(x.shape)}", y, linear_ref(x, variants["fp8"]), 2 ** -8)
     counters_rearmed()
 
 
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "dispatch": dispatch_checks}[sys.argv[1]](gen)
+     "w4a16_fma": w4a16_fma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks}[sys.argv[1]](gen)
     print("all ok")

@@ -36,7 +36,8 @@ import triton.language as tl
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
-GEMV_MAX_M = 64  # to be measured on the H200: split-K GEMV up to here, tiled GEMM above
+GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
+GEMV16_MAX_M = 16  # fp8 at M <= 16: gemv.py's kernel (its GEMV structure, fused junctions)
 SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
 SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -234,6 +235,213 @@ _GEMV_KEY = ["BLOCK_M", "BLOCK_N", "N", "K", "SPLIT_K", "ACT_ORDER"]
 _w4a16_gemv_fma_tuned = triton.autotune(configs=_configs(_W4_GEMV_FMA), key=_GEMV_KEY)(_w4a16_heur)
 _w4a16_gemv_dot_tuned = triton.autotune(configs=_configs(_W4_GEMV_DOT), key=_GEMV_KEY)(_w4a16_heur)
 _w4a16_gemm_tuned = triton.autotune(configs=_configs(_W4_GEMM), key=["m_bucket", "N", "K", "ACT_ORDER"])(_w4a16_heur)
+
+
+# ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
+#
+# At M = 1 the int4 GEMV is bound by instruction issue, not only by bytes: 8.9 G nibbles per
+# decode step against ~33 T lane-instructions/s leaves ~4 instructions per nibble for a 1 ms step.
+# The kernel above spends ~5 (shift, and, or, fsub of the zero, fma, plus per-nibble scale work).
+# This one spends ~3: each nibble goes straight into an fp32 mantissa as 1 + q/16,
+#     bits = ((w << (19 - 4j)) & 0x00780000) | 0x3F800000      (shift, one lop3)
+# and is multiplied into the accumulator as is (one fma). The zero point and the 1 come out once
+# per packed row and group:  sum x (q - z) = 16 * sum x (1 + q/16) - (16 + z) * sum x.
+# The subtraction loses a few of fp32's 24 bits (the terms are ~16x the result at worst), far
+# below the bf16 output's 8. GPTQ layout as stored (qweight [K/8, N], 4 columns per 16-byte vector),
+# one group per K tile (BLOCK_R * 8 divides the group size), x read through perm for act-order.
+
+
+@triton.jit
+def _w4_row_update(acc, part, xs, zc, s):
+    """acc += s * sum x (q - z) of one row's tile, from part = sum x (1 + q/16) and xs = sum x."""
+    return acc + s[None, :] * (16.0 * part - zc[None, :] * xs[:, None])
+
+
+@triton.jit
+def _w4_gemv_fma_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, perm_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om, stride_zg,
+    GROUP_SIZE: tl.constexpr, X_PERM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x, each with its own 2-D accumulator
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,  # BLOCK_R packed rows (BLOCK_R * 8 channels) per tile
+    SPLIT_K: tl.constexpr,
+):
+    # Everything stays 2-D [BLOCK_R, BLOCK_N] in qweight's layout, and x's values arrive as [BLOCK_R]
+    # slices of it: no layout conversion (shared memory) inside the loop.
+    pid_n = tl.program_id(0)
+    K8 = K // 8
+    r_len = tl.cdiv(K8, SPLIT_K * BLOCK_R) * BLOCK_R  # whole tiles per split: groups stay aligned
+    r_begin = tl.program_id(1) * r_len
+    r_end = tl.minimum(r_begin + r_len, K8)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    w_cols = qweight_ptr + offs_n[None, :]  # [1, BN]
+    x_row = x_ptr
+    rows = r_begin + offs_r
+    w = tl.load(w_cols + rows[:, None].to(tl.int64) * N, mask=(rows[:, None] < r_end) & n_mask[None, :], other=0)
+    acc0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        rows = r0 + offs_r
+        r_mask = rows < r_end
+        nxt = rows + BLOCK_R
+        # the next tile is issued before this one is consumed: two tiles in flight per thread
+        w_next = tl.load(w_cols + nxt[:, None].to(tl.int64) * N, mask=(nxt[:, None] < r_end) & n_mask[None, :],
+                         other=0)
+        g = (r0 * 8) // GROUP_SIZE
+        s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        zp = (tl.load(qzeros_ptr + g * stride_zg + offs_n // 8, mask=n_mask, other=0) >> ((offs_n % 8) * 4)) & 0xF
+        zc = 16.0 + zp.to(tl.float32)
+        part0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        part1 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        part2 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        part3 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        xs0 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xs1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xs2 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xs3 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            kk = rows * 8 + j
+            if X_PERM:
+                kk = tl.load(perm_ptr + kk, mask=r_mask, other=0)
+            if 4 * j <= 19:
+                bits = w << (19 - 4 * j)
+            else:
+                bits = w >> (4 * j - 19)
+            wj = ((bits & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
+            x0 = tl.load(x_row + kk, mask=r_mask, other=0.0).to(tl.float32)
+            xs0 += x0
+            part0 += x0[:, None] * wj
+            if BLOCK_M >= 2:
+                x1 = tl.load(x_row + stride_xm + kk, mask=r_mask & (offs_r * 0 + 1 < M), other=0.0).to(tl.float32)
+                xs1 += x1
+                part1 += x1[:, None] * wj
+            if BLOCK_M >= 4:
+                x2 = tl.load(x_row + 2 * stride_xm + kk, mask=r_mask & (offs_r * 0 + 2 < M), other=0.0).to(tl.float32)
+                xs2 += x2
+                part2 += x2[:, None] * wj
+                x3 = tl.load(x_row + 3 * stride_xm + kk, mask=r_mask & (offs_r * 0 + 3 < M), other=0.0).to(tl.float32)
+                xs3 += x3
+                part3 += x3[:, None] * wj
+        acc0 = _w4_row_update(acc0, part0, xs0, zc, s)
+        if BLOCK_M >= 2:
+            acc1 = _w4_row_update(acc1, part1, xs1, zc, s)
+        if BLOCK_M >= 4:
+            acc2 = _w4_row_update(acc2, part2, xs2, zc, s)
+            acc3 = _w4_row_update(acc3, part3, xs3, zc, s)
+        w = w_next
+    # rows of the output tile: [BLOCK_M, BLOCK_N] from the per-row sums over K
+    offs_m = tl.arange(0, BLOCK_M)
+    sel = offs_m[:, None]
+    y = tl.where(sel == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
+    if BLOCK_M >= 2:
+        y = tl.where(sel == 1, tl.sum(acc1, axis=0)[None, :], y)
+    if BLOCK_M >= 4:
+        y = tl.where(sel == 2, tl.sum(acc2, axis=0)[None, :], y)
+        y = tl.where(sel == 3, tl.sum(acc3, axis=0)[None, :], y)
+    _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+
+
+W4_FMA_MAX_M = 4  # above, the per-row accumulators crowd the registers: the tl.dot kernel
+# (BLOCK_N, BLOCK_R, num_warps) per M bucket; each checked by an sm_90 compile (no spills)
+W4_FMA_CONFIGS = {
+    1: ((128, 16, 4), (64, 16, 4), (128, 8, 4), (256, 16, 8)),
+    2: ((128, 8, 4), (64, 16, 4)),
+    4: ((64, 8, 4), (128, 4, 4)),
+}
+
+
+def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
+                   split_k: Optional[int] = None) -> torch.Tensor:
+    """Decode-sized x [M <= W4_FMA_MAX_M, K] @ int4 weights (trivial g_idx, or reordered with perm)
+    -> [M, N] in x.dtype. config: (BLOCK_N, BLOCK_R, num_warps), default the bucket's first."""
+    K, N = w.in_features, w.out_features
+    x = _check_x(x, K)
+    M = x.shape[0]
+    if not 1 <= M <= W4_FMA_MAX_M:
+        raise ValueError(f"w4a16_gemv_fma takes 1 <= M <= {W4_FMA_MAX_M}, got {M}")
+    if not w.g_idx_trivial:
+        raise ValueError("act-order weights must be reordered first (formats.reorder_act_order)")
+    block_m = triton.next_power_of_2(M)  # 1, 2 or 4
+    block_n, block_r, warps = config or W4_FMA_CONFIGS[block_m][0]
+    if w.group_size % (block_r * 8) or K % 8:
+        raise ValueError(f"group size {w.group_size} must be a multiple of the K tile {block_r * 8}")
+    tiles = triton.cdiv(N, block_n)
+    split = split_k or _default_split_k(tiles, K, x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    _w4_gemv_fma_kernel[(tiles, split)](
+        x, w.qweight, w.qzeros, w.scales, w.perm if w.perm is not None else w.qzeros, out, ws, cnt,
+        M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
+        GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        SPLIT_K=split, num_warps=warps)
+    return out
+
+
+# ---------------------------------------------------------------- w4a16 prefill: dequantize + cuBLAS
+#
+# At prefill sizes the GEMM is compute-bound and cuBLAS's bf16 tensor-core GEMM (~690 TFLOP/s)
+# beats a dequantize-in-tile Triton GEMM by ~2x (micro: w4a16 32K prefill 0.50x bf16). So the
+# weight is expanded once per call into a shared bf16 scratch [K, N] (4.5 bytes moved per weight,
+# ~1% of an 8K-token chunk's GEMM time) and cuBLAS does the product.
+
+
+@triton.jit
+def _w4_dequant_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, stride_zg,
+                       GROUP_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out [K, N] (N contiguous, qweight's orientation) = (q - z) * s, rounded once to out's dtype."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < K // 8) & (offs_n[None, :] < N)
+    w = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+    g = (rows[:, None] * 8) // GROUP_SIZE  # the 8 channels of a packed row share a group (GROUP_SIZE % 8 == 0)
+    s = tl.load(scales_ptr + g * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = (tl.load(qzeros_ptr + g * stride_zg + offs_n[None, :] // 8, mask=mask, other=0)
+         >> ((offs_n[None, :] % 8) * 4)) & 0xF
+    for j in tl.static_range(8):
+        kk = rows[:, None] * 8 + j
+        q = (w >> (4 * j)) & 0xF
+        tl.store(out_ptr + kk.to(tl.int64) * N + offs_n[None, :], ((q - z).to(tl.float32) * s).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+_SCRATCH: dict[str, torch.Tensor] = {}
+
+
+def w4a16_dequantize(w: QuantizedLinearWeights, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W^T [K, N] in `dtype` (rows in qweight's order: perm-ordered for reordered act-order weights)."""
+    K, N = w.in_features, w.out_features
+    if w.group_size % 8:
+        raise ValueError(f"group size {w.group_size} must be a multiple of 8")
+    if out is None:
+        out = torch.empty(K, N, dtype=dtype, device=w.qweight.device)
+    block_r, block_n = 8, 128
+    _w4_dequant_kernel[(triton.cdiv(K // 8, block_r), triton.cdiv(N, block_n))](
+        w.qweight, w.qzeros, w.scales, out, N, K, w.qzeros.stride(0),
+        GROUP_SIZE=w.group_size, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def w4a16_dense_mm(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:
+    """Prefill-sized x [M, K] @ int4 weights via a bf16/fp16 scratch copy of W^T and torch.mm.
+    One scratch per device, shared by every call (calls on one stream run in order)."""
+    K, N = w.in_features, w.out_features
+    x = _check_x(x, K)
+    if not w.g_idx_trivial:
+        raise ValueError("act-order weights must be reordered first (formats.reorder_act_order)")
+    key = f"{x.device}-{x.dtype}"
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < K * N:
+        _SCRATCH.pop(key, None)
+        buf = torch.empty(K * N, dtype=x.dtype, device=x.device)
+        _SCRATCH[key] = buf
+    wt = w4a16_dequantize(w, x.dtype, out=buf[: K * N].view(K, N))
+    if w.perm is not None:
+        x = x[:, w.perm.long()]  # qweight row k holds input channel perm[k]
+    return x @ wt
 
 
 # ---------------------------------------------------------------- w8a16 (fp8 weights)
@@ -446,11 +654,48 @@ def w8a16_gemv(
     return out
 
 
-def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """w8a8 on cuBLAS: per-token dynamic activation scales x rowwise weight scales (CUDA only)."""
+@triton.jit
+def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, FP8_MAX_C: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: s = max(amax|x|, 1e-12) / 448, q = clamp(x / s) in e4m3 (two passes
+    over the row, the second from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)))
+    sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_C)
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + tl.arange(0, BLOCK)
+        v = tl.math.div_rn(tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32), sx)
+        v = tl.minimum(tl.maximum(v, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_ptr + row * K + kk, v.to(q_ptr.dtype.element_ty), mask=kk < K)
+    tl.store(s_ptr + row, sx)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic fp8: x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]) in one kernel, the
+    same values as fp8_quantize_rows_ref (the five torch kernels it replaces)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D tensor with unit column stride, got {tuple(x.shape)}")
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows_fp8_kernel[(M,)](x, q, sx, K, x.stride(0), FP8_MAX_C=FP8_MAX, BLOCK=1024, num_warps=4)
+    return q, sx
+
+
+def fp8_quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of quantize_rows_fp8."""
     xf = x.float()
     sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
-    x8 = (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
+
+
+def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w8a8 on cuBLAS: per-token dynamic activation scales x rowwise weight scales (CUDA only)."""
+    x8, sx = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
     y = torch._scaled_mm(x8, w_fp8.t(), scale_a=sx, scale_b=scale.float().view(1, -1), out_dtype=torch.bfloat16)
     return y.to(x.dtype)
 
@@ -475,13 +720,22 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     elif not use_kernels:
         y = linear_ref(x2, w)
     elif w.format == "fp8":
-        if M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
+        if M <= GEMV16_MAX_M and x2.dtype != torch.float32:  # the bf16 GEMV's kernel, fp8 W (gemv.py)
+            from salaserve.kernels.gemv import gemv
+
+            y = gemv(x2, w.weight, w_scale=w.scale)
+        elif M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
             y = w8a16_gemv(x2, w.weight, w.scale)
         elif x2.is_cuda:
             y = fp8_scaled_mm(x2, w.weight, w.scale)
         else:  # interpreter: no cuBLAS fp8
             y = fp8_matmul_ref(x2, w.weight, w.scale)
+    elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % 128 == 0:
+        y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel (configs tile K by 128)
+    elif M <= GEMV_MAX_M:
+        y = w4a16_gemv(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
+    elif w.g_idx_trivial and w.group_size % 8 == 0:
+        y = w4a16_dense_mm(x2, w)  # prefill: dequantize into scratch + cuBLAS
     else:
-        fn = w4a16_gemv if M <= GEMV_MAX_M else w4a16_gemm
-        y = fn(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
+        y = w4a16_gemm(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
     return y.reshape(*lead, N)
