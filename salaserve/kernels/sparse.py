@@ -352,9 +352,10 @@ def _topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: 
 
 
 # One Triton kernel instead of torch.topk + sort + ~8 small ops per sparse layer and decode step
-# (0.43 ms of a 5.6 ms batch-1 step at 128K, profiled). On by default since measured on the H200
-# (docs/perf-notes.md: 128K step 6.71 -> 6.20 ms, device time 5.89 -> 5.85 ms; equal pages in the GPU
-# tests); SALASERVE_FUSED_TOPK=0 selects the torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide.
+# (0.43 ms of a 5.6 ms eager batch-1 step at 128K, profiled). On by default since measured on the
+# H200: equal pages in the GPU tests, 128K graph step 5.890 -> 5.846 ms (docs/perf-notes.md: less
+# than the eager profile promised). SALASERVE_FUSED_TOPK=0 selects the torch path. Rows up to
+# FUSED_TOPK_MAX_BLOCKS blocks wide (a 512K context's 16384-block rows keep the torch path).
 FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
 FUSED_TOPK_MAX_BLOCKS = 8192
 
