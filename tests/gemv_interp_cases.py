@@ -285,15 +285,12 @@ def test_bad_arguments():
         G.gemv(x[:9], w, config=G.GemvConfig(4, 64, 1))
 
 
-@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("last", [False, True])
-def test_backend_junction_ops_match_torch(silu, last, fp8):
+def test_backend_junction_ops_match_torch(silu, last):
     """TritonBackend's fused layer junctions (residual epilogue, silu_mul and RMSNorm prologues on
-    the GEMVs) against TorchBackend's composition of the separate ops, bf16, decode-sized M; with
-    fp8 weights too (TorchBackend: quant_linear's dequantize-then-matmul reference)."""
+    the GEMVs) against TorchBackend's composition of the separate ops, bf16, decode-sized M."""
     from salaserve.kernels.triton_backend import TritonBackend
-    from salaserve.quant.formats import QuantizedLinearWeights, quantize_fp8_per_channel
 
     gen = torch.Generator().manual_seed(int(silu) * 2 + int(last))
     M, K, N, N2 = 3, 64, 96, 48
@@ -302,8 +299,6 @@ def test_backend_junction_ops_match_torch(silu, last, fp8):
     w_out = (0.1 * torch.randn(N, K, generator=gen)).to(bf16)
     nw = (1 + 0.2 * torch.randn(N, generator=gen)).to(bf16)
     w_in = (0.1 * torch.randn(N2, N, generator=gen)).to(bf16)
-    if fp8:
-        w_out, w_in = (QuantizedLinearWeights.from_fp8(*quantize_fp8_per_channel(w)) for w in (w_out, w_in))
     norm, nxt = (None, None) if last else (nw, w_in)
     tb = TritonBackend()
     launches = []
@@ -324,12 +319,3 @@ def test_backend_junction_ops_match_torch(silu, last, fp8):
     first = tb.norm_linear(h, nw, EPS, w_in)
     ref = TB.norm_linear(h, nw, EPS, w_in)
     assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2
-    if fp8:  # plain linears of fp8 weights at decode sizes go to the GEMV too
-        launches.clear()
-        G._launch = lambda *a, **kw: (launches.append(kw.get("w_scale")), launch(*a, **kw))[1]
-        try:
-            y = tb.linear(h[:1], w_in)
-        finally:
-            G._launch = launch
-        assert len(launches) == 1 and launches[0] is not None
-        assert_within_ulps(y, TB.linear(h[:1], w_in), max_ulps=1, max_frac=0.05)

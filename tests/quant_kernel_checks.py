@@ -194,6 +194,9 @@ def w8a16_checks(gen):
                 check(f"w8a16_gemv K={K} N={N} M={M} split={split}", y, ref, tol(x.dtype))
             y = qg.w8a16_gemv(x, f.weight, f.scale)
             check(f"w8a16_gemv tuned K={K} N={N} M={M}", y, ref, tol(x.dtype))
+            if M == 1:  # the FMA path (not the default any more)
+                y = qg.w8a16_gemv(x, f.weight, f.scale, split_k=2, block_k=64, block_m=1)
+                check(f"w8a16_gemv FMA K={K} N={N}", y, ref, tol(x.dtype))
             xh = x.half()
             y = qg.w8a16_gemv(xh, f.weight, f.scale, split_k=2, block_k=64)
             check(f"w8a16_gemv fp16 K={K} N={N} M={M}", y, fp8_matmul_ref(xh, f.weight, f.scale), tol(xh.dtype))
@@ -216,12 +219,13 @@ def dispatch_checks(gen):
             assert y.shape == (*lead, 96), y.shape
             check(f"quant_linear[{name}] x{tuple(x.shape)}", y, linear_ref(x.reshape(-1, 256), w).reshape(y.shape),
                   tol(x.dtype))
-    # bf16 activations with fp8 weights at decode sizes: gemv.py's kernel (within one bf16 ulp
-    # of the exact result: 2^-8 relative to the largest output)
+    # bf16 activations with fp8 weights at decode sizes (the tensor-core path even at M = 1):
+    # within one bf16 ulp of the exact result, at most 2^-7 relative (the interpreter truncates
+    # fp32 -> bf16 where the GPU rounds)
     for M in (1, 5):
         x = torch.randn(M, 256, generator=gen).to(torch.bfloat16)
         y = qg.quant_linear(x, variants["fp8"], backend="triton")
-        check(f"quant_linear[fp8] bf16 x{tuple(x.shape)}", y, linear_ref(x, variants["fp8"]), 2 ** -8)
+        check(f"quant_linear[fp8] bf16 x{tuple(x.shape)}", y, linear_ref(x, variants["fp8"]), 2 ** -7)
     counters_rearmed()
 
 

@@ -80,3 +80,19 @@ def test_row_quantizer_equals_torch():
     q_ref, s_ref = Q.fp8_quantize_rows_ref(x)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_w4a16_calibration_picks_a_valid_config():
+    """calibrate_w4 times the FMA configs and splits at the real shape; the kernel then runs the
+    recorded choice and still equals the reference."""
+    from salaserve.kernels import quant_gemm as Q
+
+    N, K = SHAPES["qkvg"]
+    w = _weights("w4a16", N, K, 11)
+    res = Q.calibrate_w4([w], "cuda", m_values=(1, 2))
+    assert set(res) == {(1, N, K), (2, N, K)}
+    for m in (1, 2):
+        cfg, split, t = res[(m, N, K)]
+        assert cfg in Q.W4_FMA_CONFIGS[m] and split >= 1 and t > 0
+        x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+        assert _rel(Q.w4a16_gemv_fma(x, w), linear_ref(x, w)) < TOL

@@ -5,8 +5,8 @@
 Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycling through
 >= 256 MB of weight copies (no L2 reuse), and GB/s of weight bytes next to the copy bandwidth:
   w4 old      w4a16_gemv (tl.dot / FMA on the unpacked tile, autotuned)
-  w4 fma      w4a16_gemv_fma, every config of the M bucket (M <= 4)
-  fp8 old     w8a16_gemv (autotuned)
+  w4 fma      w4a16_gemv_fma: calibrate_w4's candidates (config x split), the best kept
+  fp8 old     w8a16_gemv (autotuned; tensor cores at every M)
   fp8 gemv    gemv.py's kernel with fp8 W, every candidate config
   bf16        the calibrated bf16 GEMV (reference point)
 Then the sum over the model's linears per decode step (best config per shape), vs the floor.
@@ -63,10 +63,10 @@ def decode_table(shapes, ms, out):
             r = dict(name=name, N=N, K=K, M=M)
             r["w4_old"] = _time(lambda w: Q.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size,
                                                        act_order=False), w4s)
-            if M <= Q.W4_FMA_MAX_M:
+            if M <= Q.W4_FMA_MAX_M:  # the start-up calibration's candidates (config x split), printed
                 bucket = 1 << (M - 1).bit_length()
-                r["w4_fma"] = {str(c): _time(lambda w: Q.w4a16_gemv_fma(x, w, config=c), w4s)
-                               for c in Q.W4_FMA_CONFIGS[bucket]}
+                cfg, split, t = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)[(bucket, N, K)]
+                r["w4_fma"] = {f"{cfg} split{split}": t}
             r["fp8_old"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
             cands = {}
             for c in G.candidate_configs(M, G.FP8):
@@ -84,8 +84,6 @@ def decode_table(shapes, ms, out):
                   f" best {best4:7.1f} ({b4 / best4 / 1e3:5.0f})"
                   f" | fp8 old {r['fp8_old']:7.1f} ({b8 / r['fp8_old'] / 1e3:5.0f}) best {best8:7.1f}"
                   f" ({b8 / best8 / 1e3:5.0f}) | bf16 {r['bf16']:7.1f} ({b16 / r['bf16'] / 1e3:5.0f})", flush=True)
-            if "w4_fma" in r:
-                print("           w4 fma configs: " + ", ".join(f"{k} {v:.1f}" for k, v in r["w4_fma"].items()))
             print("           fp8 gemv configs: " + ", ".join(f"{k} {v:.1f}" for k, v in cands.items()))
             rows.append(r)
             for kind, t in (("w4_old", r["w4_old"]), ("w4", best4), ("fp8_old", r["fp8_old"]), ("fp8", best8),

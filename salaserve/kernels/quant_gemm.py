@@ -25,6 +25,7 @@ kernels then gather x through perm and keep one scale row per K tile; the per-ch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -37,7 +38,6 @@ from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
 GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
-GEMV16_MAX_M = 16  # fp8 at M <= 16: gemv.py's kernel (its GEMV structure, fused junctions)
 SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
 SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -366,7 +366,9 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     if not w.g_idx_trivial:
         raise ValueError("act-order weights must be reordered first (formats.reorder_act_order)")
     block_m = triton.next_power_of_2(M)  # 1, 2 or 4
-    block_n, block_r, warps = config or W4_FMA_CONFIGS[block_m][0]
+    if config is None:
+        config, split_k = _W4_TABLE.get(_w4_key(block_m, w, x.device), (W4_FMA_CONFIGS[block_m][0], split_k))
+    block_n, block_r, warps = config
     if w.group_size % (block_r * 8) or K % 8:
         raise ValueError(f"group size {w.group_size} must be a multiple of the K tile {block_r * 8}")
     tiles = triton.cdiv(N, block_n)
@@ -379,6 +381,65 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
         GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT_K=split, num_warps=warps)
     return out
+
+
+# (bucket, N, K, group size, device) -> ((BLOCK_N, BLOCK_R, warps), split), filled by calibrate_w4
+_W4_TABLE: dict[tuple, tuple] = {}
+
+
+def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
+    return (bucket, w.out_features, w.in_features, w.group_size, str(torch.device(device)))
+
+
+def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
+    """Split-K candidates: ~4, 8 and 16 CTAs per SM, each split at least two K tiles long."""
+    tiles = triton.cdiv(N, block_n)
+    out = []
+    for per_sm in (4, 8, 16):
+        want = max(1, per_sm * _sm_count(torch.device(device)) // tiles)
+        split = 1 << (want.bit_length() - 1)
+        while split > 1 and K // 8 < split * 2 * block_r:
+            split //= 2
+        if split not in out:
+            out.append(split)
+    return out
+
+
+def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> dict:
+    """Time every (config, split) of the decode FMA kernel per (M bucket, shape) in CUDA graphs of
+    back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
+    for w4a16_gemv_fma (a few seconds at start-up, before graph capture; GPU only)."""
+    from salaserve.kernels.timing import graph_time_us
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    result = {}
+    for w in weights:
+        if w.format != "w4a16" or not w.g_idx_trivial or w.group_size % 128:
+            continue
+        N, K = w.out_features, w.in_features
+        todo = [m for m in m_values if _w4_key(m, w, device) not in _W4_TABLE]
+        if not todo:
+            continue
+        n_copies = min(32, max(2, -(-(256 << 20) // w.qweight.nbytes)))
+        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1))
+                  for _ in range(n_copies)]
+        for m in todo:
+            x = torch.randn(m, K, device=device).to(torch.bfloat16)
+            best = None
+            for cfg in W4_FMA_CONFIGS[m]:
+                for split in _w4_splits(N, K, cfg[0], cfg[1], device):
+                    t = graph_time_us(lambda i: w4a16_gemv_fma(x, copies[i % n_copies], config=cfg, split_k=split),
+                                      calls=max(8, n_copies))
+                    if verbose:
+                        print(f"  w4 M={m} N={N} K={K} {cfg} split {split}: {t:.1f} us")
+                    if best is None or t < best[2]:
+                        best = (cfg, split, t)
+            _W4_TABLE[_w4_key(m, w, device)] = best[:2]
+            result[(m, N, K)] = best
+        del copies
+    return result
 
 
 # ---------------------------------------------------------------- w4a16 prefill: dequantize + cuBLAS
@@ -453,6 +514,7 @@ def _w8a16_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_FP32: tl.constexpr = False,  # interpreter runs: its tl.dot misreads bf16 operands
 ):
     pid_m, pid_n, tile = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_begin, k_end = _split_range(K, SPLIT_K, BLOCK_K)
@@ -481,7 +543,10 @@ def _w8a16_kernel(
             xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             wt = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             # e4m3 -> fp16 is exact and native; fp16 -> bf16 is exact for e4m3 values
-            acc = tl.dot(xt, tl.trans(wt.to(tl.float16).to(xt.dtype)), acc)
+            if DOT_FP32:
+                acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(wt.to(tl.float16).to(xt.dtype)), acc)
     s = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * s[None, :]  # per-channel scale is linear: fine to apply before the split reduction
     _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K)
@@ -504,13 +569,23 @@ _w8a16_gemv_dot_tuned = triton.autotune(configs=_configs(_W8_GEMV_DOT), key=_GEM
 _WORKSPACE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+_WS_MIN_FLOATS = 8 << 20  # 32 MB: split * M * N of every GEMV launch up to M = 64 at the model's shapes
+_WS_MIN_TILES = 1 << 14
+
+
 def _workspace(device: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials and tile counters, one pair per device, grown on demand (kernels on one
-    stream run in order, so sharing is safe). Warm up every shape before CUDA-graph capture so no
-    growth happens during capture."""
+    """Split-K partials and tile counters, one pair per device (kernels on one stream run in
+    order, so sharing is safe). On a GPU they start large enough for every launch the model makes:
+    a CUDA graph keeps the pointers it captured, so a later growth would leave it reading freed
+    memory; growth during capture is refused."""
     key = str(device)
     ws, cnt = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("quantized GEMV workspace must grow during CUDA-graph capture: run the "
+                                   "shape once before capturing")
+            n_floats, n_tiles = max(n_floats, _WS_MIN_FLOATS), max(n_tiles, _WS_MIN_TILES)
         n_floats = max(n_floats, 0 if ws is None else ws.numel())
         n_tiles = max(n_tiles, 0 if cnt is None else cnt.numel())
         ws = torch.empty(max(n_floats, 1), dtype=torch.float32, device=device)
@@ -634,18 +709,23 @@ def w8a16_gemv(
     block_n: int = 64,
     block_k: Optional[int] = None,
     num_warps: int = 4,
+    block_m: Optional[int] = None,
 ) -> torch.Tensor:
-    """Small-M x [M, K] @ (fp8 e4m3 W [N, K] * scale [N])^T -> [M, N] in x.dtype."""
+    """Small-M x [M, K] @ (fp8 e4m3 W [N, K] * scale [N])^T -> [M, N] in x.dtype.
+    block_m None: the tensor-core path (x padded to 16 rows) at every M, also M = 1, where it
+    measured faster than the FMA path (block_m=1) on the H200: 3.02 vs 3.48 ms for all the decode
+    step's linears (bench_quant, BENCHMARKS.md)."""
     N, K = w_fp8.shape
     x = _check_x(x, K)
     M = x.shape[0]
-    block_m = _gemv_block_m(M)
+    if block_m is None:
+        block_m = max(16, _gemv_block_m(M))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     split = split_k or _default_split_k(tiles, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     args = (x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=_INTERPRET and block_m > 1)
     grid = (tiles, split)
     if block_k is None:
         (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta)
@@ -656,15 +736,16 @@ def w8a16_gemv(
 
 @triton.jit
 def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, FP8_MAX_C: tl.constexpr, BLOCK: tl.constexpr):
-    """One row per program: s = max(amax|x|, 1e-12) / 448, q = clamp(x / s) in e4m3 (two passes
-    over the row, the second from L2)."""
+    """One row per program: s = max(amax|x|, 1e-12) * (1/448), q = clamp(x / s) in e4m3 (two
+    passes over the row, the second from L2). Bit-equal to fp8_quantize_rows_ref on the GPU: torch
+    divides by a Python scalar as a multiplication by its fp32 reciprocal, tensor by tensor exactly."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         kk = k0 + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)))
-    sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_C)
+    sx = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / FP8_MAX_C)  # as torch: x * fp32(1/448)
     for k0 in range(0, K, BLOCK):
         kk = k0 + tl.arange(0, BLOCK)
         v = tl.math.div_rn(tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32), sx)
@@ -720,11 +801,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     elif not use_kernels:
         y = linear_ref(x2, w)
     elif w.format == "fp8":
-        if M <= GEMV16_MAX_M and x2.dtype != torch.float32:  # the bf16 GEMV's kernel, fp8 W (gemv.py)
-            from salaserve.kernels.gemv import gemv
-
-            y = gemv(x2, w.weight, w_scale=w.scale)
-        elif M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
+        if M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
             y = w8a16_gemv(x2, w.weight, w.scale)
         elif x2.is_cuda:
             y = fp8_scaled_mm(x2, w.weight, w.scale)

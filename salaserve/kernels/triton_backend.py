@@ -33,16 +33,6 @@ def _has_verify(batch) -> bool:
     return bool(batch.verify_host) and any(batch.verify_host)
 
 
-def _gemv_weight(w):
-    """(weight, per-column scale or None) for a linear the decode GEMV reads directly: plain
-    tensors, and fp8 weights with their scales; (None, None) for the rest (int4 goes to quant_gemm)."""
-    if isinstance(w, torch.Tensor):
-        return w, None
-    if isinstance(w, QuantizedLinearWeights) and w.format == "fp8":
-        return w.weight, w.scale
-    return None, None
-
-
 def _linear_weights(params) -> list:
     """Every linear weight of a fused parameter dict (SalaModel.p)."""
     ws = [params["lm_head"]]
@@ -70,22 +60,24 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def prepare(self, cfg, device, params=None) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
         sizes and verify row counts (M up to 16), so `linear` takes the faster one (a few seconds,
-        before graph capture); fp8 weights (in `params`, the model's fused weights): the GEMV
-        configs among themselves."""
-        m_values = (1, 2, 4, 8, 16)
-        gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device, m_values=m_values)
-        fp8 = [tuple(w.shape) for w, s in map(_gemv_weight, _linear_weights(params or {"lm_head": None, "layers": []}))
-               if s is not None]
-        if fp8:
-            gemv_ops.calibrate(fp8, device, m_values=m_values, dtype=gemv_ops.FP8)
+        before graph capture); int4 weights (in `params`, the model's fused weights): the decode
+        FMA kernel's configs and splits among themselves."""
+        gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
+                           m_values=(1, 2, 4, 8, 16))
+        w4 = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
+              if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16"]
+        if w4:
+            from salaserve.kernels.quant_gemm import calibrate_w4
+
+            unique = {(w.out_features, w.in_features, w.group_size): w for w in w4}
+            calibrate_w4(list(unique.values()), device)
 
     def linear(self, x, weight):
-        if x.dim() == 2 and 0 < x.shape[0] <= gemv_ops.GEMV_MAX_M:
-            w, w_scale = _gemv_weight(weight)
-            if w_scale is not None and (x.is_cuda or gemv_ops._INTERPRET):
-                return gemv_ops.gemv(x, w, w_scale=w_scale)  # w8a16: no cuBLAS rival at small M
-            if w is not None and w_scale is None:
-                return gemv_ops.linear(x, w)
+        """Plain weights at decode sizes: the GEMV or cuBLAS (calibrated); quantized weights:
+        quant_gemm's kernels (through TorchBackend.linear). gemv.py can read fp8 weights too, but
+        quant_gemm's w8a16 tensor-core kernel measured faster over the whole step (perf notes)."""
+        if isinstance(weight, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 16:
+            return gemv_ops.linear(x, weight)
         return TorchBackend.linear(self, x, weight)
 
     @staticmethod
@@ -95,19 +87,13 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         the fused GEMVs measured slower (6.12 vs 5.12 ms per decode step: every program of the
         split-K grid recomputes the row's RMSNorm statistics before its first weight load), at
         5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms)."""
-        w, w_scale = _gemv_weight(w)
-        if w is None or x.dim() != 2 or not 2 <= x.shape[0] <= gemv_ops.GEMV_MAX_M:
-            return False
-        if not (x.is_cuda or gemv_ops._INTERPRET):
-            return False
-        if w_scale is not None:  # fp8: the GEMV is the only small-M kernel
-            return x.dtype in (torch.bfloat16, torch.float16)
-        return w.dtype == x.dtype and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
+        return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype and x.shape[0] >= 2
+                and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
+                and (x.is_cuda or gemv_ops._INTERPRET))
 
     def norm_linear(self, x, norm_w, eps, w):
         if self._gemv_fuses(x, w) and norm_w.dtype == x.dtype:
-            w, w_scale = _gemv_weight(w)
-            return gemv_ops.gemv_rmsnorm(x, norm_w, eps, w, w_scale=w_scale)
+            return gemv_ops.gemv_rmsnorm(x, norm_w, eps, w)
         return TorchBackend.norm_linear(self, x, norm_w, eps, w)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False):
@@ -116,11 +102,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         per junction instead of 3-4."""
         if not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
             return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu)
-        w, w_scale = _gemv_weight(w_out)
         if silu:
-            h = gemv_ops.gemv_silu_mul(x, w, residual=h, scale=scale, w_scale=w_scale)
+            h = gemv_ops.gemv_silu_mul(x, w_out, residual=h, scale=scale)
         else:
-            h = gemv_ops.gemv_residual(x, w, h, scale, w_scale=w_scale)
+            h = gemv_ops.gemv_residual(x, w_out, h, scale)
         if norm_w is None:
             return h, None
         return h, self.norm_linear(h, norm_w, eps, w_in)
