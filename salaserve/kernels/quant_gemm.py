@@ -388,7 +388,10 @@ _W4_TABLE: dict[tuple, tuple] = {}
 
 
 def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
-    return (bucket, w.out_features, w.in_features, w.group_size, str(torch.device(device)))
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:  # "cuda" (the runner's device) and x.device ("cuda:0") must meet
+        d = torch.device("cuda", torch.cuda.current_device())
+    return (bucket, w.out_features, w.in_features, w.group_size, str(d))
 
 
 def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
@@ -438,6 +441,11 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
                         best = (cfg, split, t)
             _W4_TABLE[_w4_key(m, w, device)] = best[:2]
             result[(m, N, K)] = best
+    for w in weights:  # shapes calibrated before (or skipped above) report their recorded choice
+        for m in m_values:
+            hit = _W4_TABLE.get(_w4_key(m, w, device))
+            if hit is not None:
+                result.setdefault((m, w.out_features, w.in_features), (*hit, float("nan")))
         del copies
     return result
 
