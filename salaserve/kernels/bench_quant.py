@@ -65,8 +65,8 @@ def decode_table(shapes, ms, out):
                                                        act_order=False), w4s)
             if M <= Q.W4_FMA_MAX_M:  # the start-up calibration's candidates (config x split), printed
                 bucket = 1 << (M - 1).bit_length()
-                cfg, split, t = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)[(bucket, N, K)]
-                r["w4_fma"] = {f"{cfg} split{split}": t}
+                cfg, split, _ = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)[(bucket, N, K)]
+                r["w4_fma"] = {f"{cfg} split{split}": _time(lambda w: Q.w4a16_gemv_fma(x, w), w4s)}
             r["fp8_old"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
             cands = {}
             for c in G.candidate_configs(M, G.FP8):
