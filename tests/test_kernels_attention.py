@@ -355,35 +355,47 @@ else:
         at the real shapes and default configs. The prefill must use wgmma with pipelined
         (cp.async) K/V loads; nothing may spill to local memory."""
         pytest.importorskip("triton.backends.nvidia")
+        import triton.language as tl
+
         from salaserve.kernels import attention as A
 
         bf = "*bf16"
-        kv_ptrs = dict(K_pool=bf, V_pool=bf, Q=bf, Out=bf, page_table="*i32", cu_seqlens_q="*i32", seq_lens="*i32")
-        cfg = A.PREFILL_CONFIG
-        pre, res = _compile_sm90(
-            A._dense_prefill_kernel, kv_ptrs,
-            dict(GROUP=16, HEAD_DIM=128, BLOCK_SIZE=64, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=None),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        assert "wgmma" in pre.asm["ptx"], "prefill tl.dot does not lower to wgmma"
-        assert "cp.async" in pre.asm["ptx"], "prefill K/V loads are not pipelined"
-        results = [res]
-        dec_ptrs = dict(kv_ptrs, block_table="*i32", block_count="*i32", O_part="*fp32", LSE_part="*fp32")
-        for splits in (1, 16):
-            _, res = _compile_sm90(
-                A._decode_split_kernel, dec_ptrs,
-                dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=splits, DOT_PREC=None),
-                **A.DECODE_CONFIG)
+        results = []
+        # bf16 pages, and fp8 pages with their fp32 scales (dequantized in registers)
+        for pool, fp8 in ((bf, False), ("*fp8e4nv", True)):
+            kv_ptrs = dict(K_pool=pool, V_pool=pool, Q=bf, Out=bf, page_table="*i32", cu_seqlens_q="*i32",
+                           seq_lens="*i32", K_scale="*fp32", V_scale="*fp32")
+            fp8_kw = dict(KV_FP8=fp8, COMPUTE_DT=tl.bfloat16, HKV=2)
+            cfg = A.PREFILL_CONFIG
+            pre, res = _compile_sm90(
+                A._dense_prefill_kernel, kv_ptrs,
+                dict(GROUP=16, HEAD_DIM=128, BLOCK_SIZE=64, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                     DOT_PREC=None, **fp8_kw),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            assert "wgmma" in pre.asm["ptx"], "prefill tl.dot does not lower to wgmma"
+            assert "cp.async" in pre.asm["ptx"], "prefill K/V loads are not pipelined"
             results.append(res)
+            dec_ptrs = dict(kv_ptrs, block_table="*i32", block_count="*i32", O_part="*fp32", LSE_part="*fp32")
+            for splits in (1, 16):
+                _, res = _compile_sm90(
+                    A._decode_split_kernel, dec_ptrs,
+                    dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=splits, DOT_PREC=None,
+                         **fp8_kw),
+                    **A.DECODE_CONFIG)
+                results.append(res)
+            results.append(_compile_sm90(
+                A._update_compressed_kernel, dict(K_pool=pool, C1_pool=bf, C2_pool=bf, page_table="*i32",
+                                                  seq_lens="*i32", cache_lens="*i32", K_scale="*fp32"),
+                dict(K1=32, S1=16, PER1=4, CH1=32, K2=128, S2=64, PER2=1, CH2=32, BLOCK_SIZE=64, HD=256,
+                     BLOCK_HD=256, **fp8_kw),
+                num_warps=4)[1])
+            results.append(_compile_sm90(A._store_kv_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool,
+                                                                   slot_mapping="*i64", K_scale="*fp32",
+                                                                   V_scale="*fp32"),
+                                         dict(HKV=2, HEAD_DIM=128, BLOCK_H=2, KV_FP8=fp8, BLOCK_SIZE=64),
+                                         num_warps=4)[1])
         results.append(_compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
                                      dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128), num_warps=4)[1])
-        results.append(_compile_sm90(
-            A._update_compressed_kernel, dict(K_pool=bf, C1_pool=bf, C2_pool=bf, page_table="*i32", seq_lens="*i32",
-                                              cache_lens="*i32"),
-            dict(K1=32, S1=16, PER1=4, CH1=32, K2=128, S2=64, PER2=1, CH2=32, BLOCK_SIZE=64, HD=256, BLOCK_HD=256),
-            num_warps=4)[1])
-        results.append(_compile_sm90(A._store_kv_kernel, dict(K_new=bf, V_new=bf, K_pool=bf, V_pool=bf,
-                                                               slot_mapping="*i64"),
-                                     dict(HKV=2, HEAD_DIM=128, BLOCK_H=2), num_warps=4)[1])
         for res in results:
             assert "STACK:0 " in res and "LOCAL:0 " in res, res
 

@@ -102,3 +102,103 @@ def test_engine_with_fp8_kv_follows_the_model_dtype_cache(tiny_model_dir):
     assert len(got_rows) == len(ref_rows)
     rel = max(((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item() for a, b in zip(ref_rows, got_rows))
     assert 0 < rel < 0.05, rel  # not vacuous: the cache really is fp8
+
+
+def test_triton_kernels_on_fp8_pages_under_interpreter():
+    """The triton kernels' fp8 KV path (quantizing store_kv, dequantizing decode / dense prefill /
+    sparse prefill attention and compressed-key updates, the engine end to end): the cases live in
+    tests/kv_fp8_interp_cases.py and run in a subprocess with TRITON_INTERPRET=1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), str(tests), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+         str(tests / "kv_fp8_interp_cases.py")],
+        cwd=tests.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
+    """The block-sparse prefill kernel with fp8 pages compiles for the H200 without spills."""
+    import sys
+    from pathlib import Path
+
+    import triton.language as tl
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_checks import compile_sm90, cubin_resources
+    from salaserve.kernels import sparse as S
+
+    for pool, fp8 in (("*bf16", False), ("*fp8e4nv", True)):
+        ptrs = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32",
+                    page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32")
+        try:
+            kernel = compile_sm90(S._sparse_prefill_attn_kernel, ptrs,
+                                  dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
+                                       COMPUTE_DT=tl.bfloat16, HKV=2), 4)
+        except (ImportError, FileNotFoundError, TypeError, AttributeError) as e:
+            pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+        res = cubin_resources(kernel)
+        if res is not None:
+            assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["decode", "prefill", "store"])
+def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
+    """On the GPU at the model's head geometry (Hkv 2, d 128, 64-token pages), bf16 compute: each
+    kernel on fp8 pages equals the same kernel on bf16 pages holding KVPool.gather's values, bit for
+    bit (round_to's RTNE is the cast torch does); store_kv equals KVPool.write bit for bit."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_kernels_attention import make_batch, sparse_lists
+
+    from salaserve.cache.pages import FP8
+    from salaserve.kernels import attention as A
+
+    dev, bs, hkv, d, hq, pages = "cuda", 64, 2, 128, 32, 80
+    g = torch.Generator(device=dev).manual_seed(0)
+    kv8 = KVPool(1, pages, bs, hkv, d, FP8, dev, compute_dtype=torch.bfloat16)
+    twin = KVPool(1, pages, bs, hkv, d, torch.bfloat16, dev)
+    if kind == "store":
+        batch = make_batch([(0, 300), (130, 1), (64, 1)], bs, pages, dev, seed=1)
+        n = int(batch.cu_seqlens_q[-1])
+        k = (torch.randn(n, hkv, d, device=dev, generator=g) * 3).to(torch.bfloat16)
+        v = torch.randn(n, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+        A.store_kv(kv8, 0, k, v, batch)
+        twin8 = KVPool(1, pages, bs, hkv, d, FP8, dev, compute_dtype=torch.bfloat16)
+        twin8.write(0, batch.slot_mapping, k, v)
+        assert torch.equal(kv8.k_scale, twin8.k_scale) and torch.equal(kv8.v_scale, twin8.v_scale)
+        assert torch.equal(kv8.k.view(torch.uint8), twin8.k.view(torch.uint8))
+        assert torch.equal(kv8.v.view(torch.uint8), twin8.v.view(torch.uint8))
+        return
+    kv8.k.copy_((torch.randn(kv8.k.shape, device=dev, generator=g) * 40).clamp(-448, 448).to(FP8))
+    kv8.v.copy_((torch.randn(kv8.v.shape, device=dev, generator=g) * 40).clamp(-448, 448).to(FP8))
+    kv8.k_scale.copy_(torch.rand(kv8.k_scale.shape, device=dev, generator=g) * 0.05 + 0.001)
+    kv8.v_scale.copy_(torch.rand(kv8.v_scale.shape, device=dev, generator=g) * 0.05 + 0.001)
+    twin.k.copy_((kv8.k.float() * kv8.k_scale[:, :, None, :, None]).to(torch.bfloat16))
+    twin.v.copy_((kv8.v.float() * kv8.v_scale[:, :, None, :, None]).to(torch.bfloat16))
+    if kind == "decode":
+        batch = make_batch([(1000, 1), (3000, 1), (40, 1)], bs, pages, dev, seed=2)
+        table, count, _ = sparse_lists(batch, hkv, bs, 16, 10, seed=2, device=dev)
+        q = torch.randn(3, hq, d, device=dev, generator=g).to(torch.bfloat16)
+        for splits in (1, 4):
+            a = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
+            b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
+            assert torch.equal(a, b)
+    else:
+        batch = make_batch([(500, 700), (0, 300)], bs, pages, dev, seed=3)
+        q = torch.randn(1000, hq, d, device=dev, generator=g).to(torch.bfloat16)
+        a = A.dense_prefill_attention(q, kv8, 0, batch, d ** -0.5)
+        b = A.dense_prefill_attention(q, twin, 0, batch, d ** -0.5)
+        assert torch.equal(a, b)

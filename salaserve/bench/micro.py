@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="8192,32768,131072")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"], help="quantize the weights on load")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                    help="fp8_e4m3: the sparse layers' K/V pages in fp8 with per-page scales")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--max-kv-gib", type=float, default=90.0, help="skip decode points needing more KV")
     ap.add_argument("--json", default=None)
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     args = EngineArgs(model=model_dir, backend=a.backend, load_format="dummy", dtype="bfloat16",
                       max_running_requests=max(batches), max_total_tokens=max(kv_tokens, cfg_tokens),
                       enable_cuda_graph=not a.no_cuda_graph, context_length=max(contexts) + 1024,
-                      quantization=a.quantization)
+                      quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     t0 = time.perf_counter()
     runner = ModelRunner(args, model_dir)
     startup = time.perf_counter() - t0
@@ -157,13 +159,15 @@ def main(argv=None) -> int:
     cfg = runner.cfg
     gbps = ceil.copy_gbps * 1e9
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": runner.backend_name,
-              "quantization": a.quantization,
+              "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+              "kv_page_bytes": runner.plan.page_bytes,
               "cuda_graphs": runner.graphs is not None, "startup_s": startup,
               "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else 0.0,
               "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops, "decode": [], "prefill": []}
 
     print(f"GPU {result['gpu']}: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s; "
-          f"backend {runner.backend_name}, graphs {result['cuda_graphs']}, start-up {startup:.1f} s")
+          f"backend {runner.backend_name}, graphs {result['cuda_graphs']}, start-up {startup:.1f} s, "
+          f"KV cache {a.kv_cache_dtype}")
     print(f"{'decode':>8} {'batch':>6} {'context':>8} {'device ms':>10} {'step ms':>8} {'floor ms':>9} {'floor/dev':>9} {'tok/s':>9}")
     free_tokens = runner.caches.kv.allocator.num_free * runner.caches.kv.block_size
     for ctx in contexts:

@@ -55,9 +55,6 @@ class ModelRunner:
 
         cfg, sc = self.cfg, self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
-        if kv_dtype != self.dtype and self.backend_name != "torch":
-            raise ValueError("kv_cache_dtype fp8_e4m3 runs on the torch backend only for now (the triton "
-                             "attention kernels read bf16 pages); use backend='torch' or kv_cache_dtype='auto'")
         state_dtype = DTYPES[args.state_dtype]
         self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype, compressed_dtype=self.dtype)
         n_sparse = len(cfg.sparse_layers)

@@ -51,3 +51,17 @@ def rsqrt_rn(x):
 # rounded on its own as in torch's separate elementwise kernels (an FMA skips one rounding, which
 # can tip a later bf16 rounding). The kernels are memory-bound; the extra instructions are free.
 NO_FMA = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 x with |x| <= 448 rounded to the nearest float8_e4m3fn value (ties to even), as fp32:
+    the value torch's cast produces. Done on the bits so that the cast that follows is exact: the
+    Triton interpreter's fp32 -> fp8 cast mis-rounds values that carry into the next binade
+    (7.9 -> 4.0), the GPU's cvt.rn is right either way."""
+    b = x.to(tl.uint32, bitcast=True)
+    # normal range (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round half to even
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # subnormal range: a fixed step of 2^-9; adding 1.5 * 2^14 puts fp32's ulp there
+    sub = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)

@@ -18,6 +18,12 @@ Layouts (see cache/pages.py, cache/compressed.py, engine/batch.py):
   heads of one KV head as rows of the tl.dot M dimension, so each K/V tile is loaded once for the
   whole group.
 
+FP8 pools (`--kv-cache-dtype fp8_e4m3`, cache/pages.py): K/V pages in e4m3 with an fp32 scale per
+(layer, page, KV head). Every kernel that reads pages dequantizes in registers exactly as
+KVPool.gather does: fp8 * scale, rounded once to the compute dtype (round_to: bit-exact on the
+interpreter too), so the triton and torch backends see the same keys and values. The scales are
+set by KVPool.update_fp8_scales (device ops, graph-safe) before store_kv quantizes the new rows.
+
 Graph safety: the decode-path wrappers (store_kv, update_compressed on a decode batch,
 paged_decode_attention, dense_block_table) never read device tensors on the host; their grids depend
 only on static shapes (B, Hkv, num_splits, max_sel) and on host-side batch mirrors that are fixed for
@@ -32,7 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from salaserve.kernels._triton_utils import round_to, round_to_e4m3, tl_dtype
+
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # largest e4m3 value (a constexpr: read inside kernels)
 
 # Default tile configurations (the lead retunes them from bench_attention.py on the H200).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -44,6 +53,32 @@ def _dot_precision(dtype: torch.dtype):
     return "ieee" if dtype == torch.float32 else None
 
 
+def _pool_args(kv_pool, layer: int) -> dict:
+    """The scale pointers and dtypes a page-reading kernel needs: scales [num_pages, Hkv] of the
+    layer (fp8 pools; the K pool itself as an unused placeholder otherwise), the compute dtype."""
+    if kv_pool.fp8:
+        return dict(k_scale=kv_pool.k_scale[layer], v_scale=kv_pool.v_scale[layer], fp8=True,
+                    compute=kv_pool.compute_dtype)
+    return dict(k_scale=kv_pool.k[layer], v_scale=kv_pool.v[layer], fp8=False, compute=kv_pool.k.dtype)
+
+
+@triton.jit
+def _load_pages(ptr, scale_ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
+    """Values of a K or V tile in the compute dtype. fp8 pools: fp8 * scale (scale_ptr broadcasts
+    like ptr: one scale per (page, KV head) of each element), rounded once, as KVPool.gather."""
+    if mask is None:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    if KV_FP8:
+        if mask is None:
+            sc = tl.load(scale_ptr)
+        else:
+            sc = tl.load(scale_ptr, mask=mask, other=0.0)
+        x = round_to(x.to(tl.float32) * sc, COMPUTE_DT).to(COMPUTE_DT)
+    return x
+
+
 # ---------------------------------------------------------------------------------------------
 # store_kv
 # ---------------------------------------------------------------------------------------------
@@ -51,9 +86,10 @@ def _dot_precision(dtype: torch.dtype):
 
 @triton.jit
 def _store_kv_kernel(
-    K_new, V_new, K_pool, V_pool, slot_mapping,
+    K_new, V_new, K_pool, V_pool, slot_mapping, K_scale, V_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    KV_FP8: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
     # One program per new token: its K and V rows ([Hkv, d] each) go to pool slot
     # `slot_mapping[t]` (= page * block_size + offset). A negative slot marks a padded token of a
@@ -68,6 +104,13 @@ def _store_kv_kernel(
         v = tl.load(V_new + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         # The pool's token rows are contiguous [Hkv, d] blocks.
         dst = slot * (HKV * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+        if KV_FP8:
+            # as KVPool.write: x / scale of the (page, KV head), clamped to e4m3's range
+            sc_off = (slot // BLOCK_SIZE) * HKV + h
+            ks = tl.load(K_scale + sc_off, mask=h < HKV, other=1.0)[:, None]
+            vs = tl.load(V_scale + sc_off, mask=h < HKV, other=1.0)[:, None]
+            k = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), ks), -FP8_MAX), FP8_MAX))
+            v = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), vs), -FP8_MAX), FP8_MAX))
         tl.store(K_pool + dst, k.to(K_pool.dtype.element_ty), mask=mask)
         tl.store(V_pool + dst, v.to(V_pool.dtype.element_ty), mask=mask)
 
@@ -91,10 +134,13 @@ def store_kv(kv_pool, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> No
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    if kv_pool.fp8:
+        kv_pool.update_fp8_scales(layer, batch.slot_mapping, k, v)  # device ops, graph-safe
+    pa = _pool_args(kv_pool, layer)
     _store_kv_kernel[(n,)](
-        k, v, kp, vp, batch.slot_mapping,
+        k, v, kp, vp, batch.slot_mapping, pa["k_scale"], pa["v_scale"],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
+        HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), KV_FP8=pa["fp8"], BLOCK_SIZE=kp.shape[1],
         num_warps=1 if hkv * d <= 512 else 4,
     )
 
@@ -110,6 +156,7 @@ def _compress_level(
     stride_kp, stride_kt, stride_cp, stride_ce,
     KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_PAGE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HD: tl.constexpr, BLOCK_HD: tl.constexpr, CHUNK: tl.constexpr,
+    K_scale, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
 ):
     # Entries [first, last) are born in this step: entry j exists once token j*STRIDE+KERNEL-1 is
     # stored, i.e. count(L) = (L - KERNEL) // STRIDE + 1 for L >= KERNEL.
@@ -126,7 +173,8 @@ def _compress_level(
             # A window may straddle pages: look up each token's page.
             page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             ptr = K_pool + page[:, None] * stride_kp + (tok % BLOCK_SIZE)[:, None] * stride_kt + c[None, :]
-            x = tl.load(ptr, mask=ok[:, None] & c_ok[None, :], other=0.0)
+            sc_ptr = K_scale + page[:, None] * HKV + (c // (HD // HKV))[None, :]
+            x = _load_pages(ptr, sc_ptr, KV_FP8, COMPUTE_DT, ok[:, None] & c_ok[None, :])
             acc += tl.sum(x.to(tl.float32), axis=0)
         mean = acc / KERNEL  # fp32 accumulation, rounded once to the pool dtype (spec 3.3)
         dst_page = tl.load(page_row + j // PER_PAGE).to(tl.int64)
@@ -136,11 +184,12 @@ def _compress_level(
 
 @triton.jit
 def _update_compressed_kernel(
-    K_pool, C1_pool, C2_pool, page_table, seq_lens, cache_lens, n_progs,
+    K_pool, C1_pool, C2_pool, page_table, seq_lens, cache_lens, n_progs, K_scale,
     stride_pt, stride_kp, stride_kt, stride_c1p, stride_c1e, stride_c2p, stride_c2e,
     K1: tl.constexpr, S1: tl.constexpr, PER1: tl.constexpr, CH1: tl.constexpr,
     K2: tl.constexpr, S2: tl.constexpr, PER2: tl.constexpr, CH2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+    KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
 ):
     # Grid (B, n_progs): program (b, e) writes the new entries first+e, first+e+n_progs, ... of
     # sequence b at both levels. The grid is fixed; whether there is anything to write is decided
@@ -152,10 +201,10 @@ def _update_compressed_kernel(
     page_row = page_table + b.to(tl.int64) * stride_pt
     _compress_level(K_pool, C1_pool, page_row, e, n_progs, old_len, new_len,
                     stride_kp, stride_kt, stride_c1p, stride_c1e,
-                    K1, S1, PER1, BLOCK_SIZE, HD, BLOCK_HD, CH1)
+                    K1, S1, PER1, BLOCK_SIZE, HD, BLOCK_HD, CH1, K_scale, KV_FP8, COMPUTE_DT, HKV)
     _compress_level(K_pool, C2_pool, page_row, e, n_progs, old_len, new_len,
                     stride_kp, stride_kt, stride_c2p, stride_c2e,
-                    K2, S2, PER2, BLOCK_SIZE, HD, BLOCK_HD, CH2)
+                    K2, S2, PER2, BLOCK_SIZE, HD, BLOCK_HD, CH2, K_scale, KV_FP8, COMPUTE_DT, HKV)
 
 
 def _entries(length: int, kernel: int, stride: int) -> int:
@@ -190,12 +239,14 @@ def update_compressed(kv_pool, comp_pool, layer: int, batch, max_new_entries: in
     assert kp.is_contiguous() and c1.is_contiguous() and c2.is_contiguous()
     _, block_size, hkv, d = kp.shape
     pt = batch.page_table
+    pa = _pool_args(kv_pool, layer)
     _update_compressed_kernel[(B, n_progs)](
-        kp, c1, c2, pt, batch.seq_lens, batch.cache_lens, n_progs,
+        kp, c1, c2, pt, batch.seq_lens, batch.cache_lens, n_progs, pa["k_scale"],
         pt.stride(0), kp.stride(0), kp.stride(1), c1.stride(0), c1.stride(1), c2.stride(0), c2.stride(1),
         K1=k1, S1=s1, PER1=comp_pool.c1_per_page, CH1=min(triton.next_power_of_2(k1), 32),
         K2=k2, S2=s2, PER2=comp_pool.c2_per_page, CH2=min(triton.next_power_of_2(k2), 32),
         BLOCK_SIZE=block_size, HD=hkv * d, BLOCK_HD=triton.next_power_of_2(hkv * d),
+        KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
         num_warps=4,
     )
 
@@ -211,6 +262,7 @@ def _prefill_kv_tile(
     stride_kp, stride_kt, scale_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    K_scale_g, V_scale_g, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
 ):
     keys = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
@@ -225,12 +277,16 @@ def _prefill_kv_tile(
     else:
         page = tl.load(page_row + keys // BLOCK_SIZE).to(tl.int64)
     off = page * stride_kp + (keys % BLOCK_SIZE) * stride_kt + head_off
+    # one scale per key row (its page) and this program's KV head; rows broadcast over d
+    sc = page * HKV + tl.zeros([BLOCK_N], dtype=tl.int64)
     if MASKED:
-        k = tl.load(K_pool + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V_pool + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        k = _load_pages(K_pool + off[:, None] + d[None, :], K_scale_g + sc[:, None], KV_FP8, COMPUTE_DT,
+                        k_ok[:, None])
+        v = _load_pages(V_pool + off[:, None] + d[None, :], V_scale_g + sc[:, None], KV_FP8, COMPUTE_DT,
+                        k_ok[:, None])
     else:
-        k = tl.load(K_pool + off[:, None] + d[None, :])
-        v = tl.load(V_pool + off[:, None] + d[None, :])
+        k = _load_pages(K_pool + off[:, None] + d[None, :], K_scale_g + sc[:, None], KV_FP8, COMPUTE_DT)
+        v = _load_pages(V_pool + off[:, None] + d[None, :], V_scale_g + sc[:, None], KV_FP8, COMPUTE_DT)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
     if MASKED:
         # bottom-right causal: the row at absolute position p sees keys 0..p
@@ -246,11 +302,12 @@ def _prefill_kv_tile(
 
 @triton.jit
 def _dense_prefill_kernel(
-    Q, K_pool, V_pool, Out, page_table, cu_seqlens_q, seq_lens,
+    Q, K_pool, V_pool, Out, page_table, cu_seqlens_q, seq_lens, K_scale, V_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_kp, stride_kt, stride_kh,
     scale_log2, num_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
 ):
     # Grid (num_tiles, B, Hkv). A tile is TOK consecutive query tokens x the GROUP query heads of
     # KV head g, packed as BLOCK_M = TOK * GROUP rows (row r: token r // GROUP, head r % GROUP).
@@ -274,7 +331,10 @@ def _dense_prefill_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    q = q.to(K_pool.dtype.element_ty)
+    if KV_FP8:
+        q = q.to(COMPUTE_DT)
+    else:
+        q = q.to(K_pool.dtype.element_ty)
     pos = cache_len + tok  # absolute position of each row's token
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -290,11 +350,13 @@ def _dense_prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _prefill_kv_tile(q, m_i, l_i, acc, K_pool, V_pool, page_row, n0, kv_end, pos,
                                          head_off, stride_kp, stride_kt, scale_log2,
-                                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, DOT_PREC)
+                                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, DOT_PREC,
+                                         K_scale + g, V_scale + g, KV_FP8, COMPUTE_DT, HKV)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _prefill_kv_tile(q, m_i, l_i, acc, K_pool, V_pool, page_row, n0, kv_end, pos,
                                          head_off, stride_kp, stride_kt, scale_log2,
-                                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, DOT_PREC)
+                                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, DOT_PREC,
+                                         K_scale + g, V_scale + g, KV_FP8, COMPUTE_DT, HKV)
 
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -329,13 +391,14 @@ def dense_prefill_attention(q: torch.Tensor, kv_pool, layer: int, batch, scale: 
     num_tiles = triton.cdiv(max(batch.q_lens_host), tok_per_tile)
     pt = batch.page_table
     grid = (num_tiles, batch.num_seqs, hkv)
+    pa = _pool_args(kv_pool, layer)
     _dense_prefill_kernel[grid](
-        q, kp, vp, out, pt, batch.cu_seqlens_q, batch.seq_lens,
+        q, kp, vp, out, pt, batch.cu_seqlens_q, batch.seq_lens, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), pt.stride(0),
         kp.stride(0), kp.stride(1), kp.stride(2),
         scale * LOG2E, num_tiles,
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        DOT_PREC=_dot_precision(kp.dtype),
+        DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -348,12 +411,13 @@ def dense_prefill_attention(q: torch.Tensor, kv_pool, layer: int, batch, scale: 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_pool, V_pool, block_table, block_count, seq_lens, Out, O_part, LSE_part,
+    Q, K_pool, V_pool, block_table, block_count, seq_lens, Out, O_part, LSE_part, K_scale, V_scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_bth, stride_bcb, stride_bch,
     stride_kp, stride_kt, stride_kh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
 ):
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
     # (b, g) and attends the GROUP query heads of KV head g (rows of an M = BLOCK_G >= 16 tile)
@@ -375,7 +439,10 @@ def _decode_split_kernel(
     head = g * GROUP + r
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(K_pool.dtype.element_ty)
+    if KV_FP8:
+        q = q.to(COMPUTE_DT)
+    else:
+        q = q.to(K_pool.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -386,8 +453,9 @@ def _decode_split_kernel(
         page = tl.load(bt_row + i).to(tl.int64)
         k_ok = slot < tl.where(i < count - 1, BLOCK_SIZE, last_valid)
         off = page * stride_kp + slot * stride_kt + g * stride_kh
-        k = tl.load(K_pool + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V_pool + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        sc = page * HKV + g + slot[:, None] * 0  # the page's scale for this KV head (fp8 pools), per key row
+        k = _load_pages(K_pool + off[:, None] + d[None, :], K_scale + sc, KV_FP8, COMPUTE_DT, k_ok[:, None])
+        v = _load_pages(V_pool + off[:, None] + d[None, :], V_scale + sc, KV_FP8, COMPUTE_DT, k_ok[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -469,15 +537,17 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         lse_part = torch.empty((B, hq, num_splits), dtype=torch.float32, device=q.device)
     else:  # unused: the split kernel writes `out` directly
         o_part, lse_part = out, out
+    pa = _pool_args(kv_pool, layer)
     _decode_split_kernel[(B, hkv, num_splits)](
-        q, kp, vp, block_table, block_count, seq_lens, out, o_part, lse_part,
+        q, kp, vp, block_table, block_count, seq_lens, out, o_part, lse_part, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), block_table.stride(1), block_count.stride(0), block_count.stride(1),
         kp.stride(0), kp.stride(1), kp.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(kp.dtype),
+        NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
+        COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:

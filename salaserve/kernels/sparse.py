@@ -38,6 +38,8 @@ from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import ModelConfig, SparseConfig
 from salaserve.engine.batch import ForwardBatch
+from salaserve.kernels._triton_utils import tl_dtype
+from salaserve.kernels.attention import _load_pages, _pool_args
 
 LOG2E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
 
@@ -539,11 +541,13 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
 @triton.jit
 def _sparse_prefill_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_idx_ptr, page_table_ptr, tok_seq_ptr, positions_ptr,
+    k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
     stride_bg, stride_bt, stride_pt,
     scale2,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, W: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
 ):
     """One program per (token, KV head g): the group's query heads are the M dimension of tl.dot
     (padded to GP >= 16), iterating over the token's selected blocks (pages through the page
@@ -569,7 +573,7 @@ def _sparse_prefill_attn_kernel(
         b = tl.load(row + i)
         page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
         kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_off)
+        k = _load_pages(k_ptr + kv_off, k_scale_ptr + page * HKV + g, KV_FP8, COMPUTE_DT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
         # every selected block is <= the query's block, so each has a visible key: m stays finite
         s = tl.where((b * BS + s_off)[None, :] <= pos, s, float("-inf"))
@@ -577,7 +581,7 @@ def _sparse_prefill_attn_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off)
+        v = _load_pages(v_ptr + kv_off, v_scale_ptr + page * HKV + g, KV_FP8, COMPUTE_DT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m = m_new
     o = acc / l[:, None]
@@ -594,8 +598,9 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
     hkv = kv.k.shape[3]
     group = Hq // hkv
     k, v = kv.k[layer], kv.v[layer]  # [pages, block_size, Hkv, D]
-    if k.dtype != q.dtype:
-        raise ValueError(f"q is {q.dtype} but the KV cache is {k.dtype}")
+    pa = _pool_args(kv, layer)
+    if pa["compute"] != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV cache computes in {pa['compute']}")
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
@@ -606,12 +611,12 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
     tok_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=q.device),
                                       batch.cu_seqlens_q.diff(), output_size=N)
     _sparse_prefill_attn_kernel[(N, hkv)](
-        q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions,
+        q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
         block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0),
         scale * LOG2E,
         GROUP=group, GP=max(16, _pow2(group)), D=D, BS=kv.block_size, W=block_idx.shape[-1],
-        DOT_PREC=_dot_precision(q.dtype))
+        DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
     return out
 
 
