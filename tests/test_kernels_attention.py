@@ -389,11 +389,15 @@ else:
                 dict(K1=32, S1=16, PER1=4, CH1=32, K2=128, S2=64, PER2=1, CH2=32, BLOCK_SIZE=64, HD=256,
                      BLOCK_HD=256, **fp8_kw),
                 num_warps=4)[1])
-            results.append(_compile_sm90(A._store_kv_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool,
-                                                                   slot_mapping="*i64", K_scale="*fp32",
-                                                                   V_scale="*fp32"),
-                                         dict(HKV=2, HEAD_DIM=128, BLOCK_H=2, KV_FP8=fp8, BLOCK_SIZE=64),
-                                         num_warps=4)[1])
+            if fp8:
+                results.append(_compile_sm90(
+                    A._store_kv_fp8_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool, slot_mapping="*i64",
+                                                 K_scale="*fp32", V_scale="*fp32"),
+                    dict(HKV=2, HEAD_DIM=128, BLOCK_H=2, BLOCK_SIZE=64, ROWS=16), num_warps=4)[1])
+            else:
+                results.append(_compile_sm90(A._store_kv_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool,
+                                                                       slot_mapping="*i64"),
+                                             dict(HKV=2, HEAD_DIM=128, BLOCK_H=2), num_warps=4)[1])
         results.append(_compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
                                      dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128), num_warps=4)[1])
         for res in results:

@@ -60,8 +60,12 @@ def round_to_e4m3(x):
     Triton interpreter's fp32 -> fp8 cast mis-rounds values that carry into the next binade
     (7.9 -> 4.0), the GPU's cvt.rn is right either way."""
     b = x.to(tl.uint32, bitcast=True)
+    sign = b & 0x80000000
+    mag = b & 0x7FFFFFFF
     # normal range (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round half to even
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0x7FF00000
     # subnormal range: a fixed step of 2^-9; adding 1.5 * 2^14 puts fp32's ulp there
-    sub = (x + 24576.0) - 24576.0
-    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+    a = tl.abs(x)
+    sub = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    # the sign goes back on by its bit, so that values rounding to zero keep it (-0, as torch)
+    return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.float32, bitcast=True)

@@ -19,10 +19,10 @@ Layouts (see cache/pages.py, cache/compressed.py, engine/batch.py):
   whole group.
 
 FP8 pools (`--kv-cache-dtype fp8_e4m3`, cache/pages.py): K/V pages in e4m3 with an fp32 scale per
-(layer, page, KV head). Every kernel that reads pages dequantizes in registers exactly as
+(layer, page, KV head). store_kv sets the scales and quantizes in one kernel, as KVPool.write
+(same scales, same e4m3 codes). Every kernel that reads pages dequantizes in registers exactly as
 KVPool.gather does: fp8 * scale, rounded once to the compute dtype (round_to: bit-exact on the
-interpreter too), so the triton and torch backends see the same keys and values. The scales are
-set by KVPool.update_fp8_scales (device ops, graph-safe) before store_kv quantizes the new rows.
+interpreter too), so the triton and torch backends see the same keys and values.
 
 Graph safety: the decode-path wrappers (store_kv, update_compressed on a decode batch,
 paged_decode_attention, dense_block_table) never read device tensors on the host; their grids depend
@@ -38,10 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
+from salaserve.cache.pages import FP8_HEADROOM as _PAGES_FP8_HEADROOM
 from salaserve.kernels._triton_utils import round_to, round_to_e4m3, tl_dtype
 
 LOG2E = 1.4426950408889634
-FP8_MAX = tl.constexpr(448.0)  # largest e4m3 value (a constexpr: read inside kernels)
+FP8_MAX = tl.constexpr(448.0)  # largest e4m3 value (constexprs: read inside kernels)
+FP8_HEADROOM = tl.constexpr(_PAGES_FP8_HEADROOM)
 
 # Default tile configurations (the lead retunes them from bench_attention.py on the H200).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -86,10 +88,9 @@ def _load_pages(ptr, scale_ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, 
 
 @triton.jit
 def _store_kv_kernel(
-    K_new, V_new, K_pool, V_pool, slot_mapping, K_scale, V_scale,
+    K_new, V_new, K_pool, V_pool, slot_mapping,
     stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    KV_FP8: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
     # One program per new token: its K and V rows ([Hkv, d] each) go to pool slot
     # `slot_mapping[t]` (= page * block_size + offset). A negative slot marks a padded token of a
@@ -104,15 +105,85 @@ def _store_kv_kernel(
         v = tl.load(V_new + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         # The pool's token rows are contiguous [Hkv, d] blocks.
         dst = slot * (HKV * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
-        if KV_FP8:
-            # as KVPool.write: x / scale of the (page, KV head), clamped to e4m3's range
-            sc_off = (slot // BLOCK_SIZE) * HKV + h
-            ks = tl.load(K_scale + sc_off, mask=h < HKV, other=1.0)[:, None]
-            vs = tl.load(V_scale + sc_off, mask=h < HKV, other=1.0)[:, None]
-            k = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), ks), -FP8_MAX), FP8_MAX))
-            v = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), vs), -FP8_MAX), FP8_MAX))
         tl.store(K_pool + dst, k.to(K_pool.dtype.element_ty), mask=mask)
         tl.store(V_pool + dst, v.to(V_pool.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, pool, scale, t0, rows, ok, stride_t, stride_h, dst_slot,
+                   HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows t0 + rows (where ok) of x [N, Hkv, d] / the page's scale per KV head [BLOCK_H],
+    clamped and rounded to e4m3 as KVPool.write, stored at pool slots dst_slot [rows]."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    m = ok[:, None, None] & (h[None, :, None] < HKV)
+    x = tl.load(x_ptr + (t0 + rows)[:, None, None].to(tl.int64) * stride_t + h[None, :, None] * stride_h
+                + d[None, None, :], mask=m, other=0.0).to(tl.float32)
+    q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :, None]), -FP8_MAX), FP8_MAX))
+    dst = dst_slot[:, None, None] * (HKV * HEAD_DIM) + h[None, :, None] * HEAD_DIM + d[None, None, :]
+    tl.store(pool + dst, q.to(pool.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rows_amax(x_ptr, t0, rows, ok, stride_t, stride_h, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """max |x| per KV head [BLOCK_H] over rows t0 + rows (where ok) of x [N, Hkv, d]."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    m = ok[:, None, None] & (h[None, :, None] < HKV)
+    x = tl.load(x_ptr + (t0 + rows)[:, None, None].to(tl.int64) * stride_t + h[None, :, None] * stride_h
+                + d[None, None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.max(tl.max(tl.abs(x), axis=2), axis=0)
+
+
+@triton.jit
+def _store_kv_fp8_kernel(
+    K_new, V_new, K_pool, V_pool, slot_mapping, K_scale, V_scale, n_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # One program per new token, KVPool.write's semantics in one launch (graph-safe, no torch ops):
+    # a page whose first slot is written in this step gets a fresh scale, per KV head, from the
+    # amax of this step's tokens of that page x FP8_HEADROOM / 448. Those tokens are consecutive
+    # rows of the batch (a sequence's tokens are packed in position order), so the program of the
+    # page's first token computes the scale and quantizes all of them; their own programs skip.
+    # Tokens of a page begun in an earlier step use the page's stored scale.
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)
+        off = slot % BLOCK_SIZE
+        page = slot // BLOCK_SIZE
+        sc_off = page * HKV
+        begun_here = False
+        if off > 0 and t >= off:
+            begun_here = tl.load(slot_mapping + t - off) == slot - off
+        if off == 0:
+            kmax = tl.zeros([BLOCK_H], dtype=tl.float32)
+            vmax = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for i0 in tl.static_range(0, BLOCK_SIZE, ROWS):
+                i = i0 + tl.arange(0, ROWS)
+                ok = t + i < n_tokens
+                ok = ok & (tl.load(slot_mapping + t + i, mask=ok, other=-1) == slot + i)
+                kmax = tl.maximum(kmax, _rows_amax(K_new, t, i, ok, stride_kt, stride_kh, HKV, HEAD_DIM, BLOCK_H))
+                vmax = tl.maximum(vmax, _rows_amax(V_new, t, i, ok, stride_vt, stride_vh, HKV, HEAD_DIM, BLOCK_H))
+            ks = tl.maximum(kmax * (FP8_HEADROOM / FP8_MAX), 1e-12)
+            vs = tl.maximum(vmax * (FP8_HEADROOM / FP8_MAX), 1e-12)
+            tl.store(K_scale + sc_off + h, ks, mask=h < HKV)
+            tl.store(V_scale + sc_off + h, vs, mask=h < HKV)
+            for i0 in tl.static_range(0, BLOCK_SIZE, ROWS):
+                i = i0 + tl.arange(0, ROWS)
+                ok = t + i < n_tokens
+                ok = ok & (tl.load(slot_mapping + t + i, mask=ok, other=-1) == slot + i)
+                _quantize_rows(K_new, K_pool, ks, t, i, ok, stride_kt, stride_kh, slot + i, HKV, HEAD_DIM, BLOCK_H)
+                _quantize_rows(V_new, V_pool, vs, t, i, ok, stride_vt, stride_vh, slot + i, HKV, HEAD_DIM, BLOCK_H)
+        elif not begun_here:
+            one = tl.arange(0, 1)
+            ks = tl.load(K_scale + sc_off + h, mask=h < HKV, other=1.0)
+            vs = tl.load(V_scale + sc_off + h, mask=h < HKV, other=1.0)
+            _quantize_rows(K_new, K_pool, ks, t, one, one == 0, stride_kt, stride_kh, slot + one, HKV, HEAD_DIM, BLOCK_H)
+            _quantize_rows(V_new, V_pool, vs, t, one, one == 0, stride_vt, stride_vh, slot + one, HKV, HEAD_DIM, BLOCK_H)
 
 
 def store_kv(kv_pool, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
@@ -135,12 +206,17 @@ def store_kv(kv_pool, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> No
     if v.stride(-1) != 1:
         v = v.contiguous()
     if kv_pool.fp8:
-        kv_pool.update_fp8_scales(layer, batch.slot_mapping, k, v)  # device ops, graph-safe
-    pa = _pool_args(kv_pool, layer)
+        _store_kv_fp8_kernel[(n,)](
+            k, v, kp, vp, batch.slot_mapping, kv_pool.k_scale[layer], kv_pool.v_scale[layer], n,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_SIZE=kp.shape[1],
+            ROWS=min(16, kp.shape[1]), num_warps=4,
+        )
+        return
     _store_kv_kernel[(n,)](
-        k, v, kp, vp, batch.slot_mapping, pa["k_scale"], pa["v_scale"],
+        k, v, kp, vp, batch.slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), KV_FP8=pa["fp8"], BLOCK_SIZE=kp.shape[1],
+        HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
         num_warps=1 if hkv * d <= 512 else 4,
     )
 

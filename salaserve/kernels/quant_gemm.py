@@ -441,12 +441,12 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
                         best = (cfg, split, t)
             _W4_TABLE[_w4_key(m, w, device)] = best[:2]
             result[(m, N, K)] = best
+        del copies
     for w in weights:  # shapes calibrated before (or skipped above) report their recorded choice
         for m in m_values:
             hit = _W4_TABLE.get(_w4_key(m, w, device))
             if hit is not None:
                 result.setdefault((m, w.out_features, w.in_features), (*hit, float("nan")))
-        del copies
     return result
 
 
