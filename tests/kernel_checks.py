@@ -122,3 +122,42 @@ def cubin_resources(kernel) -> dict | None:
         out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
     return {k: int(v) for k, v in found.items()} or None
+
+
+def greedy_outputs_and_logits(eng, prompts, new_tokens: int):
+    """Run prompts greedily to completion on an Engine, recording every logits tensor the runner
+    returns; checks that pages, slots and compressed entries come back. Returns ({rid: tokens},
+    [logits per step])."""
+    from salaserve.engine.sampling_params import SamplingParams
+
+    initial = eng.resource_counters()
+    rows, fwd = [], eng.runner.forward
+    eng.runner.forward = lambda work: (lambda out: (rows.append(out.clone()), out)[1])(fwd(work))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.rid, []).extend(o.new_token_ids)
+    assert eng.resource_counters() == initial
+    return outs, rows
+
+
+def run_interpreter_cases(case_file) -> None:
+    """Run a *_interp_cases.py file in a subprocess with TRITON_INTERPRET=1 (it must be set before
+    triton is imported) and assert that its tests passed and none were skipped."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    case_file = Path(case_file).resolve()
+    tests = case_file.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), str(tests), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", str(case_file)],
+        cwd=tests.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

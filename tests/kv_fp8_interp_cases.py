@@ -148,8 +148,9 @@ def test_engine_triton_fp8_kv_equals_torch_fp8_kv(tmp_path, monkeypatch):
     import random
 
     from salaserve.config import ModelConfig, preset_config
+    from kernel_checks import greedy_outputs_and_logits
+
     from salaserve.engine.engine import Engine
-    from salaserve.engine.sampling_params import SamplingParams
     from salaserve.kernels.torch_ops import TorchBackend
     from salaserve.kernels.triton_backend import TritonBackend
     from salaserve.model.checkpoint import write_checkpoint
@@ -169,17 +170,7 @@ def test_engine_triton_fp8_kv_equals_torch_fp8_kv(tmp_path, monkeypatch):
         eng = Engine(model=model_dir, device="cpu", dtype="float32", backend=backend, kv_cache_dtype="fp8_e4m3",
                      chunked_prefill_size=64)
         assert eng.runner.caches.kv.fp8
-        initial = eng.resource_counters()
-        rows, fwd = [], eng.runner.forward
-        eng.runner.forward = lambda work: (lambda out: (rows.append(out.clone()), out)[1])(fwd(work))
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
-        outs = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                outs.setdefault(o.rid, []).extend(o.new_token_ids)
-        assert eng.resource_counters() == initial
-        return outs, rows
+        return greedy_outputs_and_logits(eng, prompts, 10)
 
     ref, ref_rows = run("torch")
     got, got_rows = run("triton")

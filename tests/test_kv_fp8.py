@@ -2,14 +2,15 @@
 the page budget, and the engine end to end against the model-dtype cache."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import greedy_outputs_and_logits, run_interpreter_cases
 
 from salaserve.cache.pages import FP8_HEADROOM, FP8_MAX, KVPool
 from salaserve.config import EngineArgs, preset_config
 from salaserve.engine.engine import Engine
-from salaserve.engine.sampling_params import SamplingParams
 
 # e4m3 keeps 3 mantissa bits: a value in the normal range (>= 2^-6 * scale) is rounded to within
 # half a step, 2^-4 of its magnitude; smaller ones to within half the subnormal step, 2^-10 * scale.
@@ -84,17 +85,7 @@ def test_engine_with_fp8_kv_follows_the_model_dtype_cache(tiny_model_dir):
     def run(kv_dtype):
         eng = Engine(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch",
                      kv_cache_dtype=kv_dtype, chunked_prefill_size=64)
-        initial = eng.resource_counters()
-        rows, fwd = [], eng.runner.forward
-        eng.runner.forward = lambda work: (lambda out: (rows.append(out.clone()), out)[1])(fwd(work))
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
-        outs = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                outs.setdefault(o.rid, []).extend(o.new_token_ids)
-        assert eng.resource_counters() == initial
-        return outs, rows
+        return greedy_outputs_and_logits(eng, prompts, 16)
 
     ref, ref_rows = run("auto")
     got, got_rows = run("fp8_e4m3")
@@ -108,21 +99,7 @@ def test_triton_kernels_on_fp8_pages_under_interpreter():
     """The triton kernels' fp8 KV path (quantizing store_kv, dequantizing decode / dense prefill /
     sparse prefill attention and compressed-key updates, the engine end to end): the cases live in
     tests/kv_fp8_interp_cases.py and run in a subprocess with TRITON_INTERPRET=1."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), str(tests), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-         str(tests / "kv_fp8_interp_cases.py")],
-        cwd=tests.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_cases(Path(__file__).resolve().parent / "kv_fp8_interp_cases.py")
 
 
 def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
