@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--verify-k", type=int, default=0, help="draft tokens per sequence (0: plain decode)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     tokens = a.batch * (a.context + a.verify_k + 256) + 4096
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
                                     max_total_tokens=tokens, context_length=a.context + 1024,
-                                    enable_cuda_graph=False), model_dir)
+                                    enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype), model_dir)
     rows = profile_step(runner, a.batch, a.context, a.verify_k)
     total = sum(r["total_us"] for r in rows)
     print(f"batch {a.batch}, context {a.context}, verify k {a.verify_k}: {total / 1e3:.3f} ms of kernels")
