@@ -290,7 +290,8 @@ def test_cli_dispatch(capsys):
                  "--workload-dir", os.devnull]) == 2  # one of --workload / --workload-dir
 
 
-def test_profile_step_tool_runs_on_cpu(tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_profile_step_tool_runs_on_cpu(tmp_path, kv):
     """The per-kernel step profiler (a GPU tool) also runs on CPU, where it lists torch ops."""
     import json
 
@@ -301,7 +302,7 @@ def test_profile_step_tool_runs_on_cpu(tmp_path):
     write_checkpoint(str(model), "tiny", weights=False)
     out = tmp_path / "prof.json"
     assert main(["--model", str(model), "--batch", "2", "--context", "150", "--verify-k", "2",
-                 "--top", "5", "--json", str(out)]) == 0
+                 "--top", "5", "--kv-cache-dtype", kv, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["total_us"] > 0 and data["kernels"]
     assert any("mm" in k["name"] or "linear" in k["name"] for k in data["kernels"])
