@@ -34,11 +34,11 @@ def _has_verify(batch) -> bool:
 
 
 def _linear_weights(params) -> list:
-    """Every linear weight of a fused parameter dict (SalaModel.p)."""
+    """Every linear weight of a fused parameter dict (SalaModel.p), the parts of split ones included."""
     ws = [params["lm_head"]]
     for layer in params["layers"]:
         ws += [layer[n] for n in ("qkvg", "o_proj", "gate_up", "down")]
-    return ws
+    return [p for w in ws for p in getattr(w, "parts", [w])]
 
 
 def _split_verify_step(batch) -> tuple[list[int], list[int]]:
