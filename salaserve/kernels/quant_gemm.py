@@ -1,13 +1,17 @@
-"""Triton kernels for quantized linear layers (bf16 activations) and the dispatch by M.
+"""Triton kernels for quantized linear layers (bf16 activations) and the dispatch by M
+(`quant_linear`; the table is in docs/quantization.md).
 
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
-      one kernel, two regimes chosen by the launcher
-      - GEMV (M <= GEMV_MAX_M): split-K so that even M=1 with N=K=4096 puts several CTAs on every
-        SM; M=1 dequantizes and FMAs in fp32 registers, M in 2..64 uses tl.dot with BLOCK_M 16..64
-        on a [BK, BN] tile unpacked in registers.
-      - GEMM (prefill): large tiles, tl.dot on a dequantized weight tile, no split.
-  w8a16 (fp8 e4m3 weights, fp32 per-channel scale): split-K GEMV; at large M the dispatch uses
-      cuBLAS fp8 (`torch._scaled_mm`, per-token dynamic activation scales, rowwise weight scales).
+      - M <= W4_FMA_MAX_M (decode): `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
+        1 + q/16 (shift + lop3 + fma per weight); config and split-K per shape from
+        `calibrate_w4` at start-up.
+      - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
+        unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
+      - prefill: `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
+        (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
+  w8a16 (fp8 e4m3 weights, fp32 per-channel scale): split-K GEMV on tensor cores (x padded to 16
+      rows) at every M <= GEMV_MAX_M; above, w8a8 on cuBLAS (`quantize_rows_fp8`, one kernel for
+      the per-token activation scales, then `torch._scaled_mm` with rowwise weight scales).
 
 Split-K reduction is done inside the same launch: every split writes an fp32 partial, bumps a
 per-tile counter, and the last one to arrive sums the partials in split order and writes the
