@@ -1,11 +1,11 @@
 """FP8 KV pages in the Triton attention kernels, under the Triton interpreter (CPU).
 
 Run by tests/test_kv_fp8.py in a subprocess with TRITON_INTERPRET=1 (it must be set before triton
-is imported). Each page-reading kernel on an fp8 pool must equal the same kernel on a pool that
-holds the dequantized values (KVPool.gather's fp8 * scale, in the compute dtype): the kernels
-dequantize in registers with the same rounding, so the results are bit-identical. Compute dtype
-fp32 here (the interpreter's tl.dot is exact only for fp32 operands); on the GPU it is bf16 and
-round_to gives the same RTNE rounding as torch's cast.
+is imported). Each page-reading kernel on an fp8 pool against the same kernel on a pool that holds
+the dequantized values (fp8 * scale): the attention kernels put the scales on the scores and the
+probabilities instead of on K and V, so the products agree up to fp32 rounding order (within
+1e-5 of the largest output); the compressed-key update dequantizes like KVPool.gather and is
+bit-identical. Compute dtype fp32 here (the interpreter's tl.dot is exact only for fp32 operands).
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ from salaserve.kernels import attention as A  # noqa: E402
 from salaserve.kernels import sparse as S  # noqa: E402
 
 F32 = torch.float32
+FP32_ORDER = 1e-5  # fp32 rounding-order differences, relative to the largest output
+
+
+def _close(a, b, tol=FP32_ORDER):
+    err = float((a.double() - b.double()).abs().max() / b.double().abs().max())
+    assert err < tol, err
 
 
 def _fp8_pool_and_twin(num_pages, bs, hkv, d, seed, n_layers=2):
@@ -90,7 +96,7 @@ def test_paged_decode_fp8_equals_dequantized_pool(num_splits):
     q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(6))
     a = A.paged_decode_attention(q, kv8, 1, table, count, batch.seq_lens, 0.25, num_splits)
     b = A.paged_decode_attention(q, twin, 1, table, count, batch.seq_lens, 0.25, num_splits)
-    assert torch.equal(a, b)
+    _close(a, b)
 
 
 def test_dense_prefill_fp8_equals_dequantized_pool():
@@ -102,7 +108,7 @@ def test_dense_prefill_fp8_equals_dequantized_pool():
     for config in (None, dict(BLOCK_M=32, BLOCK_N=32)):  # tiles inside a page and spanning pages
         a = A.dense_prefill_attention(q, kv8, 0, batch, 0.25, config=config)
         b = A.dense_prefill_attention(q, twin, 0, batch, 0.25, config=config)
-        assert torch.equal(a, b)
+        _close(a, b)
 
 
 def test_sparse_prefill_fp8_equals_dequantized_pool():
@@ -125,7 +131,7 @@ def test_sparse_prefill_fp8_equals_dequantized_pool():
     assert nb >= 5
     a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
     b = S.sparse_prefill_attention(q, twin, 1, batch, idx, 0.25)
-    assert torch.equal(a, b)
+    _close(a, b)
 
 
 def test_update_compressed_fp8_equals_dequantized_pool():

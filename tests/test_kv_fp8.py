@@ -132,11 +132,10 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
 @pytest.mark.parametrize("kind", ["decode", "prefill", "store"])
 def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
     """On the GPU at the model's head geometry (Hkv 2, d 128, 64-token pages), bf16 compute: each
-    kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's values (the
-    keys and values are then identical: round_to's RTNE is torch's cast). The prefill is bit-equal;
-    in decode, K/V converted in registers may reach the MMA in another order than K/V loaded from
-    memory, so the outputs may differ by a bf16 rounding: at most 2^-7 of the largest output.
-    store_kv equals KVPool.write bit for bit (scales and e4m3 codes)."""
+    attention kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's
+    values. Those pages carry one bf16 rounding per element (2^-9 relative) that the fp8 path
+    does not (it scales scores and probabilities instead), so outputs may differ by a few 2^-9:
+    bound 2^-6 of the largest output. store_kv equals KVPool.write bit for bit (scales, codes)."""
     import sys
     from pathlib import Path
 
@@ -177,10 +176,12 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
             b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             err = (a.float() - b.float()).abs().max().item()
             print(f"decode splits={splits}: max |fp8 - dequantized| {err:.3g}, equal {torch.equal(a, b)}")
-            assert err <= 2 ** -7 * b.float().abs().max().item()
+            assert err <= 2 ** -6 * b.float().abs().max().item()
     else:
         batch = make_batch([(500, 700), (0, 300)], bs, pages, dev, seed=3)
         q = torch.randn(1000, hq, d, device=dev, generator=g).to(torch.bfloat16)
         a = A.dense_prefill_attention(q, kv8, 0, batch, d ** -0.5)
         b = A.dense_prefill_attention(q, twin, 0, batch, d ** -0.5)
-        assert torch.equal(a, b)
+        err = (a.float() - b.float()).abs().max().item()
+        print(f"prefill: max |fp8 - dequantized| {err:.3g}")
+        assert err <= 2 ** -6 * b.float().abs().max().item()

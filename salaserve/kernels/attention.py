@@ -20,9 +20,11 @@ Layouts (see cache/pages.py, cache/compressed.py, engine/batch.py):
 
 FP8 pools (`--kv-cache-dtype fp8_e4m3`, cache/pages.py): K/V pages in e4m3 with an fp32 scale per
 (layer, page, KV head). store_kv sets the scales and quantizes in one kernel, as KVPool.write
-(same scales, same e4m3 codes). Every kernel that reads pages dequantizes in registers exactly as
-KVPool.gather does: fp8 * scale, rounded once to the compute dtype (round_to: bit-exact on the
-interpreter too), so the triton and torch backends see the same keys and values.
+(same scales, same e4m3 codes). The attention kernels feed the e4m3 codes, converted exactly, to
+the dots and apply the scales to the score tile (per key column) and to the probabilities before
+p @ v: the same products as with dequantized pages, without rounding K and V to the compute dtype
+(the torch backend's KVPool.gather rounds them once). The compressed-key update dequantizes as
+KVPool.gather does.
 
 Graph safety: the decode-path wrappers (store_kv, update_compressed on a decode batch,
 paged_decode_attention, dense_block_table) never read device tensors on the host; their grids depend
@@ -65,9 +67,24 @@ def _pool_args(kv_pool, layer: int) -> dict:
 
 
 @triton.jit
-def _load_pages(ptr, scale_ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
-    """Values of a K or V tile in the compute dtype. fp8 pools: fp8 * scale (scale_ptr broadcasts
-    like ptr: one scale per (page, KV head) of each element), rounded once, as KVPool.gather."""
+def _load_kv(ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
+    """A K or V tile for the attention dots. fp8 pools: the e4m3 codes converted exactly to the
+    compute dtype, unscaled: the attention kernels apply the (page, KV head) scales to the small
+    score tile (q . k) and to the probabilities (p before p @ v), one multiply per key instead of
+    a multiply and a rounding per element."""
+    if mask is None:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    if KV_FP8:
+        x = x.to(COMPUTE_DT)
+    return x
+
+
+@triton.jit
+def _load_dequantized(ptr, scale_ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
+    """Values of a K tile in the compute dtype. fp8 pools: fp8 * scale (scale_ptr broadcasts like
+    ptr: one scale per (page, KV head) of each element), rounded once, as KVPool.gather."""
     if mask is None:
         x = tl.load(ptr)
     else:
@@ -250,7 +267,7 @@ def _compress_level(
             page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             ptr = K_pool + page[:, None] * stride_kp + (tok % BLOCK_SIZE)[:, None] * stride_kt + c[None, :]
             sc_ptr = K_scale + page[:, None] * HKV + (c // (HD // HKV))[None, :]
-            x = _load_pages(ptr, sc_ptr, KV_FP8, COMPUTE_DT, ok[:, None] & c_ok[None, :])
+            x = _load_dequantized(ptr, sc_ptr, KV_FP8, COMPUTE_DT, ok[:, None] & c_ok[None, :])
             acc += tl.sum(x.to(tl.float32), axis=0)
         mean = acc / KERNEL  # fp32 accumulation, rounded once to the pool dtype (spec 3.3)
         dst_page = tl.load(page_row + j // PER_PAGE).to(tl.int64)
@@ -353,17 +370,19 @@ def _prefill_kv_tile(
     else:
         page = tl.load(page_row + keys // BLOCK_SIZE).to(tl.int64)
     off = page * stride_kp + (keys % BLOCK_SIZE) * stride_kt + head_off
-    # one scale per key row (its page) and this program's KV head; rows broadcast over d
-    sc = page * HKV + tl.zeros([BLOCK_N], dtype=tl.int64)
     if MASKED:
-        k = _load_pages(K_pool + off[:, None] + d[None, :], K_scale_g + sc[:, None], KV_FP8, COMPUTE_DT,
-                        k_ok[:, None])
-        v = _load_pages(V_pool + off[:, None] + d[None, :], V_scale_g + sc[:, None], KV_FP8, COMPUTE_DT,
-                        k_ok[:, None])
+        k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT, k_ok[:, None])
+        v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT, k_ok[:, None])
     else:
-        k = _load_pages(K_pool + off[:, None] + d[None, :], K_scale_g + sc[:, None], KV_FP8, COMPUTE_DT)
-        v = _load_pages(V_pool + off[:, None] + d[None, :], V_scale_g + sc[:, None], KV_FP8, COMPUTE_DT)
+        k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT)
+        v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    if KV_FP8:
+        # fp8 pages: each key row's scale (its page, this program's KV head) on the score columns
+        sc = page * HKV + tl.zeros([BLOCK_N], dtype=tl.int64)
+        ks = tl.load(K_scale_g + sc)
+        vs = tl.load(V_scale_g + sc)
+        qk = qk * ks[None, :]
     if MASKED:
         # bottom-right causal: the row at absolute position p sees keys 0..p
         qk = tl.where(keys[None, :] <= pos[:, None], qk, float("-inf"))
@@ -372,6 +391,8 @@ def _prefill_kv_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if KV_FP8:
+        p = p * vs[None, :]  # V's scales ride on the probabilities (l_i above takes them unscaled)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -529,16 +550,19 @@ def _decode_split_kernel(
         page = tl.load(bt_row + i).to(tl.int64)
         k_ok = slot < tl.where(i < count - 1, BLOCK_SIZE, last_valid)
         off = page * stride_kp + slot * stride_kt + g * stride_kh
-        sc = page * HKV + g + slot[:, None] * 0  # the page's scale for this KV head (fp8 pools), per key row
-        k = _load_pages(K_pool + off[:, None] + d[None, :], K_scale + sc, KV_FP8, COMPUTE_DT, k_ok[:, None])
-        v = _load_pages(V_pool + off[:, None] + d[None, :], V_scale + sc, KV_FP8, COMPUTE_DT, k_ok[:, None])
+        k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT, k_ok[:, None])
+        v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT, k_ok[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        if KV_FP8:  # the page's scales for this KV head: on the scores and on the probabilities
+            qk = qk * tl.load(K_scale + page * HKV + g)
         qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if KV_FP8:
+            p = p * tl.load(V_scale + page * HKV + g)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
 

@@ -39,7 +39,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.config import ModelConfig, SparseConfig
 from salaserve.engine.batch import ForwardBatch
 from salaserve.kernels._triton_utils import tl_dtype
-from salaserve.kernels.attention import _load_pages, _pool_args
+from salaserve.kernels.attention import _load_kv, _pool_args
 
 LOG2E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
 
@@ -573,15 +573,19 @@ def _sparse_prefill_attn_kernel(
         b = tl.load(row + i)
         page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
         kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
-        k = _load_pages(k_ptr + kv_off, k_scale_ptr + page * HKV + g, KV_FP8, COMPUTE_DT)
+        k = _load_kv(k_ptr + kv_off, KV_FP8, COMPUTE_DT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
+        if KV_FP8:  # fp8 pages: the page's scales on the scores and on the probabilities
+            s = s * tl.load(k_scale_ptr + page * HKV + g)
         # every selected block is <= the query's block, so each has a visible key: m stays finite
         s = tl.where((b * BS + s_off)[None, :] <= pos, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = _load_pages(v_ptr + kv_off, v_scale_ptr + page * HKV + g, KV_FP8, COMPUTE_DT)
+        v = _load_kv(v_ptr + kv_off, KV_FP8, COMPUTE_DT)
+        if KV_FP8:
+            p = p * tl.load(v_scale_ptr + page * HKV + g)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m = m_new
     o = acc / l[:, None]
