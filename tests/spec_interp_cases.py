@@ -23,11 +23,11 @@ from salaserve.model.checkpoint import write_checkpoint  # noqa: E402
 from salaserve.spec.oracle import OracleDrafter  # noqa: E402
 
 
-def _run(model_dir, backend, prompts, new_tokens, conts=None, pad_buckets=None):
+def _run(model_dir, backend, prompts, new_tokens, conts=None, pad_buckets=None, kv_cache_dtype="auto"):
     spec = {} if conts is None else dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
                                          speculative_max_batch=32)
     eng = Engine(model=model_dir, device="cpu", dtype="float32", backend=backend, max_running_requests=8,
-                 chunked_prefill_size=64, **spec)
+                 chunked_prefill_size=64, kv_cache_dtype=kv_cache_dtype, **spec)
     if conts is not None:  # knows the plain output, corrupts every 2nd draft: accepts and rejects
         eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, conts[req.rid], error_every=2,
                                                      vocab_size=eng.cfg.vocab_size)
@@ -66,9 +66,12 @@ def verify_kernels_only(monkeypatch):
     monkeypatch.setattr(TritonBackend, "lightning_qk_norm_rope", TorchBackend.lightning_qk_norm_rope)
 
 
-def test_triton_verify_equals_plain_decoding(tmp_path, verify_kernels_only):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_triton_verify_equals_plain_decoding(tmp_path, verify_kernels_only, kv_cache_dtype):
     """fp32, C1 stride 4, C2 stride 16: greedy output with oracle drafts through lightning_verify /
-    lightning_commit and per-token decode attention equals plain decoding with the torch backend.
+    lightning_commit and per-token decode attention equals plain decoding with the torch backend,
+    with model-dtype and with fp8 KV pages (the verify tokens' K/V stored through the fp8 store
+    kernel, filler tokens included).
     One prompt crosses dense_len inside a draft window, one is already sparse (5+ blocks, 3
     selected), and the 70-token one is still prefilling (chunks of 64) while the others verify, so
     steps mix verify, decode and prefill sequences; all-verify steps are padded with filler tokens
@@ -77,8 +80,9 @@ def test_triton_verify_equals_plain_decoding(tmp_path, verify_kernels_only):
     rng = random.Random(7)
     base = [rng.randrange(3, 8000) for _ in range(200)]
     prompts = [([5, 9, 11] * 20)[:44], base[:66], base[80:150]]
-    plain, _ = _run(model_dir, "torch", prompts, 14)
-    spec, eng = _run(model_dir, "triton", prompts, 14, conts=plain, pad_buckets=[2, 3, 5, 7])
+    plain, _ = _run(model_dir, "torch", prompts, 14, kv_cache_dtype=kv_cache_dtype)
+    spec, eng = _run(model_dir, "triton", prompts, 14, conts=plain, pad_buckets=[2, 3, 5, 7],
+                     kv_cache_dtype=kv_cache_dtype)
     assert spec == plain
     assert eng.avg_spec_accept_length > 2.0  # not vacuous: drafts were accepted ...
     assert eng.stats["spec_accepted_tokens"] < eng.stats["spec_draft_tokens"]  # ... and rejected
