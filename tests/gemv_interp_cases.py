@@ -195,65 +195,6 @@ def test_silu_mul_prologue_fp32(M):
         _close(G.gemv_silu_mul(gu, w, config=cfg), ref)
 
 
-def _fp8_data(M, N, K, seed):
-    """bf16 activations, fp8 e4m3 weights with per-row fp32 scales (quantize_fp8_per_channel)."""
-    from salaserve.quant.formats import quantize_fp8_per_channel
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(bf16)
-    w8, s = quantize_fp8_per_channel(torch.randn(N, K, generator=g) * K ** -0.5)
-    return x, w8, s
-
-
-def _fp8_configs(M):
-    """The FMA paths with fp8-sized tiles (BLOCK_K a multiple of 512 * warps / 16 here) and dot."""
-    fma = [G.GemvConfig(4, 128, 1), G.GemvConfig(2, 256, 1, split_k=2)] if M <= 8 else []
-    return fma + DOT[:2]
-
-
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
-@pytest.mark.parametrize("N,K", [(64, 256), (96, 512), (40, 384)])
-def test_gemv_fp8_weights(M, N, K):
-    """w8a16: x @ (w8 * scale)^T in bf16 = the fp32 sum of exact products times the column scale,
-    rounded once: within one bf16 ulp of the fp64 result (rounding-boundary cases only)."""
-    x, w8, s = _fp8_data(M, N, K, seed=M * 100 + N + K)
-    ref = (x.double() @ (w8.double() * s.double()[:, None]).t()).to(bf16)
-    for cfg in _fp8_configs(M):
-        y = G.gemv(x, w8, w_scale=s, config=cfg)
-        assert y.shape == (M, N) and y.dtype == bf16
-        assert_within_ulps(y, ref, max_ulps=1, max_frac=0.05)
-
-
-@pytest.mark.parametrize("M", [2, 8])
-def test_fused_ops_fp8_weights(M):
-    """The fused prologues/epilogue with fp8 weights equal the unfused chain: the rmsnorm prologue
-    feeds the same normalised bf16 values, the residual epilogue rounds y first (bit-exact against
-    residual + y * scale), silu_mul prologue as TorchBackend.silu_mul (within one ulp)."""
-    N, K = 64, 256
-    x, w8, s = _fp8_data(M, N, K, seed=M + 40)
-    g = torch.Generator().manual_seed(M)
-    nw = (1.0 + 0.3 * torch.randn(K, generator=g)).to(bf16)
-    r = torch.randn(M, N, generator=g).to(bf16)
-    gu = torch.randn(M, 2 * K, generator=g).to(bf16)
-    for cfg in _fp8_configs(M):
-        y = G.gemv(x, w8, w_scale=s, config=cfg)
-        assert torch.equal(G.gemv_residual(x, w8, r, 0.25, w_scale=s, config=cfg), r + y * 0.25)
-        ref_n = G.gemv(spec.rms_norm(x, nw, EPS), w8, w_scale=s, config=cfg)
-        assert_within_ulps(G.gemv_rmsnorm(x, nw, EPS, w8, w_scale=s, config=cfg), ref_n, max_ulps=1, max_frac=0.05)
-        ref_s = G.gemv(TB.silu_mul(gu), w8, w_scale=s, config=cfg)
-        assert_within_ulps(G.gemv_silu_mul(gu, w8, w_scale=s, config=cfg), ref_s, max_ulps=1, max_frac=0.05)
-
-
-def test_fp8_arguments():
-    x, w8, s = _fp8_data(2, 64, 256, seed=1)
-    with pytest.raises(TypeError):  # fp8 weights need their scales
-        G.gemv(x, w8)
-    with pytest.raises(TypeError):  # and bf16 weights take none
-        G.gemv(x, w8.to(bf16), w_scale=s)
-    with pytest.raises(ValueError):
-        G.gemv(x, w8, w_scale=s[:10])
-
-
 def test_linear_dispatch():
     G.clear_calibration()
     x, w = _data(4, 64, 128, torch.float32, seed=3)

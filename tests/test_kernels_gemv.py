@@ -56,13 +56,6 @@ def _aot_cases():
         cases[f"{name}-silu-residual-split4"] = (cfg, bm, dict(PROLOGUE=2, RESIDUAL=True, SPLIT_K=4))
         cases[f"{name}-pdl-split2"] = (cfg, bm, dict(PDL=True, SPLIT_K=2))
         cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
-    # fp8 weights (w8a16): the FP8 FMA tiles and the dot path, plain and with the fused ops
-    for bucket, cfgs in G.FP8_FMA_CONFIGS.items():
-        for cfg in cfgs:
-            cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True))
-    cases["fp8-dot"] = (dot, 16, dict(W_SCALE=True))
-    cases["fp8-fma2-rmsnorm-split2"] = (G.FP8_FMA_CONFIGS[2][0], 2, dict(W_SCALE=True, PROLOGUE=1, SPLIT_K=2))
-    cases["fp8-dot-silu-residual"] = (dot, 16, dict(W_SCALE=True, PROLOGUE=2, RESIDUAL=True))
     return cases
 
 
@@ -86,11 +79,9 @@ def test_gemv_compiles_for_sm90(name):
 
     cfg, block_m, extra = _aot_cases()[name]
     bf = "*bf16"
-    fp8 = extra.get("W_SCALE", False)
-    ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv" if fp8 else bf, out_ptr=bf, res_ptr=bf, nw_ptr=bf, wscale_ptr="*fp32",
-                ws_ptr="*fp32", cnt_ptr="*i32")
+    ptrs = dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, res_ptr=bf, nw_ptr=bf, ws_ptr="*fp32", cnt_ptr="*i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, EVEN_K=True,
-                      DOT=cfg.dot, PROLOGUE=0, RESIDUAL=False, W_SCALE=False, X_DT=tl.bfloat16, XN_DT=tl.bfloat16,
+                      DOT=cfg.dot, PROLOGUE=0, RESIDUAL=False, X_DT=tl.bfloat16, XN_DT=tl.bfloat16,
                       Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False)
     constexprs.update(extra)
     try:
@@ -111,9 +102,7 @@ def test_gemv_compiles_for_sm90(name):
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte cp.async"
         assert "wgmma" in ptx or "mma.sync" in ptx
     else:
-        # bf16 W: one 16-byte vector per thread and row; fp8 W: 8-byte vectors (x's mapping, 8 per thread)
-        vec = "v2" if fp8 else "v4"
-        assert len(re.findall(rf"ld\.global(\.\w+)*\.{vec}\.b32", ptx)) >= cfg.block_n, f"W not read in {vec} vectors"
+        assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)) >= cfg.block_n, "W not read in 16-byte vectors"
         main = [b for b in _loops(ptx) if "fma.rn.f32" in b and "ld.global" in b]
         assert main, "no FMA main loop found"
         for body in main:

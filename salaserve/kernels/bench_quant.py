@@ -6,10 +6,10 @@ Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycl
 >= 256 MB of weight copies (no L2 reuse), and GB/s of weight bytes next to the copy bandwidth:
   w4 old      w4a16_gemv (tl.dot / FMA on the unpacked tile, autotuned)
   w4 fma      w4a16_gemv_fma: calibrate_w4's candidates (config x split), the best kept
-  fp8 old     w8a16_gemv (autotuned; tensor cores at every M)
-  fp8 gemv    gemv.py's kernel with fp8 W, every candidate config
+  fp8         w8a16_gemv as dispatched (autotuned; tensor cores at every M), and at M = 1 also
+              its FMA path (block_m=1, the default until it measured slower)
   bf16        the calibrated bf16 GEMV (reference point)
-Then the sum over the model's linears per decode step (best config per shape), vs the floor.
+Then the sum over the model's linears per decode step (w4: the faster kernel per shape), vs the floor.
 Prefill (M = --prefill-m): bf16 torch.mm, fp8 w8a8 (row quantize + torch._scaled_mm, and the
 _scaled_mm alone), w4a16 dequantize-in-tile GEMM (old) and dequantize + torch.mm (new), TFLOP/s.
 """
@@ -67,27 +67,21 @@ def decode_table(shapes, ms, out):
                 bucket = 1 << (M - 1).bit_length()
                 cfg, split, _ = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)[(bucket, N, K)]
                 r["w4_fma"] = {f"{cfg} split{split}": _time(lambda w: Q.w4a16_gemv_fma(x, w), w4s)}
-            r["fp8_old"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
-            cands = {}
-            for c in G.candidate_configs(M, G.FP8):
-                if not c.split_k:
-                    from dataclasses import replace
-                    c = replace(c, split_k=G._auto_split(N, K, c, x.device))
-                cands[str(c)] = _time(lambda w: G.gemv(x, w.weight, w_scale=w.scale, config=c), f8s)
-            r["fp8_gemv"] = cands
+            r["fp8"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
+            fma8 = ""
+            if M == 1:
+                r["fp8_fma"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale, block_m=1), f8s)
+                fma8 = f" (FMA path {r['fp8_fma']:7.1f})"
             G.calibrate([(N, K)], "cuda", m_values=(M,))
             r["bf16"] = _time(lambda w: G.linear(x, w), bfs)
             best4 = min([r["w4_old"]] + list(r.get("w4_fma", {}).values()))
-            best8 = min([r["fp8_old"]] + list(cands.values()))
-            r["best_w4"], r["best_fp8"] = best4, best8
+            r["best_w4"] = best4
             print(f"{name:8s} M={M:2d} | w4 old {r['w4_old']:7.1f} us ({b4 / r['w4_old'] / 1e3:5.0f} GB/s)"
                   f" best {best4:7.1f} ({b4 / best4 / 1e3:5.0f})"
-                  f" | fp8 old {r['fp8_old']:7.1f} ({b8 / r['fp8_old'] / 1e3:5.0f}) best {best8:7.1f}"
-                  f" ({b8 / best8 / 1e3:5.0f}) | bf16 {r['bf16']:7.1f} ({b16 / r['bf16'] / 1e3:5.0f})", flush=True)
-            print("           fp8 gemv configs: " + ", ".join(f"{k} {v:.1f}" for k, v in cands.items()))
+                  f" | fp8 {r['fp8']:7.1f} ({b8 / r['fp8'] / 1e3:5.0f}){fma8}"
+                  f" | bf16 {r['bf16']:7.1f} ({b16 / r['bf16'] / 1e3:5.0f})", flush=True)
             rows.append(r)
-            for kind, t in (("w4_old", r["w4_old"]), ("w4", best4), ("fp8_old", r["fp8_old"]), ("fp8", best8),
-                            ("bf16", r["bf16"])):
+            for kind, t in (("w4_old", r["w4_old"]), ("w4", best4), ("fp8", r["fp8"]), ("bf16", r["bf16"])):
                 per_step.setdefault((M, kind), 0.0)
                 per_step[(M, kind)] += t * uses
         del w4s, f8s, bfs
@@ -100,7 +94,7 @@ def decode_table(shapes, ms, out):
     print("\nlinears per decode step (ms; lm_head included, in the format of the rest):")
     for M in ms:
         line = f"  M={M:2d}"
-        for kind in ("bf16", "fp8_old", "fp8", "w4_old", "w4"):
+        for kind in ("bf16", "fp8", "w4_old", "w4"):
             ms_ = per_step[(M, kind)] / 1e3
             fl = floor[kind.split("_")[0]] / BANDWIDTH * 1e3
             line += f" | {kind} {ms_:6.3f} ({fl / ms_:4.0%} of floor {fl:.3f})"

@@ -80,7 +80,6 @@ from salaserve.kernels._triton_utils import promote, round_to, rsqrt_rn, tl_dtyp
 from salaserve.kernels.timing import graph_time_us
 
 GEMV_MAX_M = 16  # largest M the GEMV is ever used for (x rows are all held by one program)
-FP8 = torch.float8_e4m3fn  # w8a16: fp8 weights with a per-output-column scale (quant/formats.py)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _PDL = os.environ.get("SALASERVE_GEMV_PDL", "0") == "1"
 
@@ -133,13 +132,9 @@ def _x_tile(x_ptr, nw_ptr, rows, kk, row_mask, k_mask, rstd, stride_xm, K,
 
 
 @triton.jit
-def _write(y, offs_m, offs_n, N, mask, out_ptr, res_ptr, wscale_ptr, stride_om, stride_rm, scale,
-           RESIDUAL: tl.constexpr, W_SCALE: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
-    """Final fp32 sums [BM, BN] -> output, with the fp8 weights' per-column scale and the residual
-    epilogue if asked."""
-    if W_SCALE:
-        # fp8 weights: sum(x * q) * scale[n], the scale applied once to the fp32 sum
-        y = y * tl.load(wscale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale,
+           RESIDUAL: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    """Final fp32 sums [BM, BN] -> output, with the residual epilogue if asked."""
     y = round_to(y, Y_DT)  # the linear's own output, as stored by x @ w.t()
     if RESIDUAL:
         r = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=mask,
@@ -156,14 +151,13 @@ def _write(y, offs_m, offs_n, N, mask, out_ptr, res_ptr, wscale_ptr, stride_om, 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, wscale_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K == SPLIT_K * (a multiple of BLOCK_K): no K masks at all
     DOT: tl.constexpr,  # tensor-core path (BLOCK_M = 16) instead of FMAs
     PROLOGUE: tl.constexpr,  # 0 none, 1 RMSNorm of x, 2 silu_mul of x = [gate | up]
     RESIDUAL: tl.constexpr,
-    W_SCALE: tl.constexpr,  # fp8 weights: per-output-column fp32 scales at wscale_ptr
     X_DT: tl.constexpr,  # x's dtype (prologue roundings)
     XN_DT: tl.constexpr,  # GEMV input dtype after the prologue
     Y_DT: tl.constexpr,  # the linear's output dtype
@@ -207,9 +201,6 @@ def _gemv_kernel(
             if DOT_FP32:
                 # the interpreter's tl.dot misreads bf16 operands; fp32 gives the same exact products
                 acc = tl.dot(w.to(tl.float32), tl.trans(xt), acc, input_precision="ieee")
-            elif W_SCALE:
-                # fp8 e4m3 values are exact in bf16/fp16 (XN_DT): the MMA runs in x's dtype
-                acc = tl.dot(w.to(XN_DT), tl.trans(xt.to(XN_DT)), acc, input_precision="ieee")
             else:
                 # x values are exact in W's dtype (bf16 inputs, or bf16-rounded prologue output)
                 acc = tl.dot(w, tl.trans(xt.to(w.dtype)), acc, input_precision="ieee")
@@ -219,11 +210,6 @@ def _gemv_kernel(
         # after the loop (BK = 256 * num_warps: one 16-byte W vector per thread and row, x's
         # slice in the same thread mapping)
         kt = tl.arange(0, BLOCK_K)[None, None, :]
-        if W_SCALE:
-            # fp8 W: claim only 8-element contiguity so that W gets x's thread mapping (8 values
-            # per thread: one 16-byte bf16 x vector, one 8-byte fp8 W vector); with 16 fp8 per
-            # thread, x would go through shared memory in every iteration
-            kt = tl.max_contiguous(kt, [1, 1, 8])
         w_rows = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn
         nm = n_mask[None, :, None]
         rows = offs_m[:, None, None]
@@ -251,8 +237,7 @@ def _gemv_kernel(
 
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
-        _write(y, offs_m, offs_n, N, mask, out_ptr, res_ptr, wscale_ptr, stride_om, stride_rm, scale, RESIDUAL,
-               W_SCALE, Y_DT, OUT_DT)
+        _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL, Y_DT, OUT_DT)
     else:
         # workspace [SPLIT_K, M, N] fp32; the last split of this column tile reduces
         part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -263,8 +248,8 @@ def _gemv_kernel(
             total = tl.zeros_like(y)
             for s in range(SPLIT_K):  # fixed order: deterministic whichever split came last
                 total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _write(total, offs_m, offs_n, N, mask, out_ptr, res_ptr, wscale_ptr, stride_om, stride_rm, scale,
-                   RESIDUAL, W_SCALE, Y_DT, OUT_DT)
+            _write(total, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL,
+                   Y_DT, OUT_DT)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch: no memset kernel
 
 
@@ -300,14 +285,6 @@ FMA_CONFIGS = {  # M bucket -> configs; sm_90 registers per thread in the commen
     2: (GemvConfig(2, 1024, 4),),  # 64
     4: (GemvConfig(1, 1024, 4), GemvConfig(2, 1024, 4)),  # 56, 96
     8: (GemvConfig(1, 1024, 4),),  # 102
-}
-# fp8 weights (1 byte each) share x's thread mapping (8 values per thread, see the FMA path):
-# BLOCK_K = 256 * num_warps is one 8-byte W vector per thread and row, 512 * num_warps two
-FP8_FMA_CONFIGS = {
-    1: (GemvConfig(4, 2048, 4), GemvConfig(4, 1024, 4), GemvConfig(2, 1024, 4)),  # (n2 k2048: stack frame)
-    2: (GemvConfig(2, 2048, 4), GemvConfig(2, 1024, 4)),
-    4: (GemvConfig(1, 2048, 4), GemvConfig(2, 1024, 4)),
-    8: (GemvConfig(1, 1024, 4),),
 }
 FMA_MAX_M = 8  # above, the register accumulators get too many: tensor cores only
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
@@ -351,18 +328,17 @@ def _auto_split(N: int, K: int, cfg: GemvConfig, device: torch.device) -> int:
     return split
 
 
-def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+def default_config(M: int, N: int, K: int) -> GemvConfig:
     """Uncalibrated choice: FMA at M = 1, tensor cores above."""
-    return (FP8_FMA_CONFIGS if dtype == FP8 else FMA_CONFIGS)[1][0] if M <= 1 else DOT_CONFIGS[0]
+    return FMA_CONFIGS[1][0] if M <= 1 else DOT_CONFIGS[0]
 
 
-def candidate_configs(M: int, dtype: torch.dtype = torch.bfloat16) -> tuple[GemvConfig, ...]:
-    """Configs `calibrate` times for an M bucket and weight dtype (each one Triton compile per shape)."""
+def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
+    """Configs `calibrate` times for an M bucket (each one Triton compile per shape)."""
     b = _bucket(M)
-    fma = FP8_FMA_CONFIGS if dtype == FP8 else FMA_CONFIGS
     if b == 1:
-        return fma[1] + DOT_CONFIGS[:1]
-    return fma.get(b, ()) + (DOT_CONFIGS if b > 8 else DOT_CONFIGS[:2])
+        return FMA_CONFIGS[1] + DOT_CONFIGS[:1]
+    return FMA_CONFIGS.get(b, ()) + (DOT_CONFIGS if b > 8 else DOT_CONFIGS[:2])
 
 
 def set_pdl(enabled: bool) -> None:
@@ -412,12 +388,9 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(x, w, *, w_scale=None, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, prologue=_NONE,
+def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, prologue=_NONE,
             config: GemvConfig | None = None, pdl: bool | None = None):
     w = _rows(w, "w")
-    fp8 = w.dtype == FP8
-    if fp8 != (w_scale is not None):
-        raise TypeError("fp8 e4m3 weights take a per-output-column w_scale; other weights take none")
     N, K = w.shape
     x = _rows(x, "x")
     M = x.shape[0]
@@ -426,12 +399,9 @@ def _launch(x, w, *, w_scale=None, out=None, residual=None, scale=1.0, norm_w=No
     if not 0 < M <= GEMV_MAX_M:
         raise ValueError(f"gemv handles 1 <= M <= {GEMV_MAX_M}, got M = {M}")
     xn_dt = promote(x.dtype, norm_w.dtype) if prologue == _RMS else x.dtype
-    if fp8:
-        if w_scale.shape != (N,) or w_scale.stride(0) != 1 or not w_scale.is_floating_point():
-            raise ValueError(f"w_scale must be a contiguous float [{N}] vector, got {tuple(w_scale.shape)}")
-    elif xn_dt != w.dtype:
+    if xn_dt != w.dtype:
         raise TypeError(f"GEMV input dtype {xn_dt} must match the weight dtype {w.dtype}")
-    y_dt = xn_dt if fp8 else w.dtype  # fp8 weights: the output in the activations' dtype
+    y_dt = w.dtype
     out_dt = y_dt
     if residual is not None:
         residual = _rows(residual, "residual")
@@ -443,7 +413,7 @@ def _launch(x, w, *, w_scale=None, out=None, residual=None, scale=1.0, norm_w=No
     elif out.shape != (M, N) or out.dtype != out_dt or out.stride(-1) != 1:
         raise ValueError(f"out must be [{M}, {N}] {out_dt} with a unit last stride")
 
-    cfg = config or choose_config(M, N, K, x.device, w.dtype)
+    cfg = config or choose_config(M, N, K, x.device)
     if not cfg.dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
@@ -454,44 +424,41 @@ def _launch(x, w, *, w_scale=None, out=None, residual=None, scale=1.0, norm_w=No
     use_pdl = (_PDL if pdl is None else bool(pdl)) and _pdl_supported(x.device)
     kw = dict(launch_pdl=True) if use_pdl else {}
     _gemv_kernel[(tiles, split)](
-        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w,
-        w_scale if fp8 else out, ws, cnt,
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w, ws, cnt,
         M, N, K, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
         float(scale), float(eps),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
-        PROLOGUE=prologue, RESIDUAL=residual is not None, W_SCALE=fp8, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
+        PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
 
 
-def gemv(x, w, out=None, *, w_scale=None, config: GemvConfig | None = None, pdl: bool | None = None):
+def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None = None):
     """x [M, K] @ w[N, K]^T -> [M, N] in w's dtype (x.dtype == w.dtype), fp32 accumulation,
-    1 <= M <= 16. config None: the calibrated (else default) config for this shape.
-    fp8 e4m3 w with w_scale [N] (fp32): x @ (w * w_scale[:, None])^T in x's dtype (w8a16)."""
-    return _launch(x, w, w_scale=w_scale, out=out, config=config, pdl=pdl)
+    1 <= M <= 16. config None: the calibrated (else default) config for this shape."""
+    return _launch(x, w, out=out, config=config, pdl=pdl)
 
 
-def gemv_residual(x, w, residual, scale, out=None, *, w_scale=None, config=None, pdl=None):
+def gemv_residual(x, w, residual, scale, out=None, *, config=None, pdl=None):
     """residual + (x @ w^T) * scale with torch's roundings: the product rounded to w's dtype, then
     the sum to promote(residual, w). out may be `residual` itself (each element is read and then
     written by the same program)."""
-    return _launch(x, w, w_scale=w_scale, out=out, residual=residual, scale=scale, config=config, pdl=pdl)
+    return _launch(x, w, out=out, residual=residual, scale=scale, config=config, pdl=pdl)
 
 
-def gemv_rmsnorm(x, norm_w, eps, w, out=None, *, w_scale=None, config=None, pdl=None):
+def gemv_rmsnorm(x, norm_w, eps, w, out=None, *, config=None, pdl=None):
     """reference.rms_norm(x, norm_w, eps) @ w^T: x [M, K], norm_w [K]; the normalised x never goes
     to memory."""
     if norm_w.dim() != 1 or norm_w.stride(0) != 1:
         raise ValueError("norm_w must be a contiguous [K] vector")
-    return _launch(x, w, w_scale=w_scale, out=out, norm_w=norm_w, eps=eps, prologue=_RMS, config=config, pdl=pdl)
+    return _launch(x, w, out=out, norm_w=norm_w, eps=eps, prologue=_RMS, config=config, pdl=pdl)
 
 
-def gemv_silu_mul(gate_up, w, out=None, *, residual=None, scale=1.0, w_scale=None, config=None, pdl=None):
+def gemv_silu_mul(gate_up, w, out=None, *, residual=None, scale=1.0, config=None, pdl=None):
     """silu_mul(gate_up) @ w^T for gate_up [M, 2K] (gate | up, as TorchBackend.silu_mul),
     optionally with the residual epilogue (residual + y * scale)."""
-    return _launch(gate_up, w, w_scale=w_scale, out=out, residual=residual, scale=scale, prologue=_SILU,
-                   config=config, pdl=pdl)
+    return _launch(gate_up, w, out=out, residual=residual, scale=scale, prologue=_SILU, config=config, pdl=pdl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,9 +468,9 @@ def gemv_silu_mul(gate_up, w, out=None, *, residual=None, scale=1.0, w_scale=Non
 
 @dataclass(frozen=True)
 class Choice:
-    """Calibration of one (M bucket, N, K, weight dtype); times in us per call (CUDA graph, back to
-    back). gemv: the fastest GEMV config (used by the fused ops either way); use_gemv: whether
-    `linear` takes it (it beat cuBLAS; fp8 weights have no cuBLAS rival at small M: inf)."""
+    """Calibration of one (M bucket, N, K); times in us per call (CUDA graph, back to back).
+    gemv: the fastest GEMV config (used by the fused ops either way); use_gemv: whether `linear`
+    takes it (it beat cuBLAS)."""
 
     gemv: GemvConfig
     gemv_us: float
@@ -514,21 +481,21 @@ class Choice:
         return self.gemv_us < self.cublas_us
 
 
-_TABLE: dict[tuple[str, int, int, int, str], Choice] = {}
+_TABLE: dict[tuple[str, int, int, int], Choice] = {}
 
 
-def _key(M, N, K, device, dtype=torch.bfloat16) -> tuple[str, int, int, int, str]:
+def _key(M, N, K, device) -> tuple[str, int, int, int]:
     d = torch.device(device)
     if d.type == "cuda" and d.index is None:  # "cuda" and x.device ("cuda:0") must meet
         d = torch.device("cuda", torch.cuda.current_device())
-    return (str(d), _bucket(M), int(N), int(K), "fp8" if dtype == FP8 else "16")
+    return (str(d), _bucket(M), int(N), int(K))
 
 
-def choose_config(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+def choose_config(M: int, N: int, K: int, device: torch.device) -> GemvConfig:
     """The calibrated GEMV config for this shape (kept even where cuBLAS won: the fused ops still
     need one), else the default."""
-    c = _TABLE.get(_key(M, N, K, device, dtype))
-    return c.gemv if c is not None else default_config(M, N, K, dtype)
+    c = _TABLE.get(_key(M, N, K, device))
+    return c.gemv if c is not None else default_config(M, N, K)
 
 
 def uses_gemv(M: int, N: int, K: int, device: torch.device) -> bool:
@@ -545,8 +512,7 @@ def uses_gemv(M: int, N: int, K: int, device: torch.device) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w^T: the GEMV where it was measured faster for this (M bucket, N, K), else
-    cuBLAS (`x @ w.t()`); CPU tensors go to torch unless running under the Triton interpreter.
-    (fp8 weights: call `gemv` with w_scale directly; there is no cuBLAS w8a16 to fall back to.)"""
+    cuBLAS (`x @ w.t()`); CPU tensors go to torch unless running under the Triton interpreter."""
     K = w.shape[1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -561,12 +527,10 @@ L2_BUST_BYTES = 256 << 20  # H200 L2 is 50 MB: cycle through this many bytes of 
 
 
 def weight_copies(N: int, K: int, dtype, device, seed: int = 0) -> list[torch.Tensor]:
-    """Enough distinct random [N, K] matrices that cycling through them never hits in L2 (fp8:
-    values of a quantized weight, |w| up to ~448)."""
+    """Enough distinct random [N, K] matrices that cycling through them never hits in L2."""
     n = min(64, max(1, math.ceil(L2_BUST_BYTES / (N * K * torch.tensor([], dtype=dtype).element_size()))))
     g = torch.Generator(device=device).manual_seed(seed)
-    std = 100.0 if dtype == FP8 else K ** -0.5
-    return [(torch.randn(N, K, device=device, generator=g) * std).clamp(-448, 448).to(dtype) for _ in range(n)]
+    return [(torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(n)]
 
 
 def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig | None = None,
@@ -574,30 +538,22 @@ def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig
     """us per call of cuBLAS ('cublas') or the GEMV ('gemv') at this shape, in a CUDA graph of
     back-to-back calls cycling through L2-busting weight copies."""
     ws = weights if weights is not None else weight_copies(N, K, torch.bfloat16, device)
-    fp8 = ws[0].dtype == FP8
-    x_dt = torch.bfloat16 if fp8 else ws[0].dtype
-    w_scale = torch.full((N,), 1e-3, device=device) if fp8 else None
-    x = torch.randn(M, K, device=device).to(x_dt)
-    out = torch.empty(M, N, device=device, dtype=x_dt)
+    x = torch.randn(M, K, device=device).to(ws[0].dtype)
+    out = torch.empty(M, N, device=device, dtype=ws[0].dtype)
     n = calls or max(8, len(ws))
     if fn_name == "cublas":
-        if fp8:
-            return math.inf  # no w8a16 GEMM in cuBLAS
-
         def fn(i):
             torch.mm(x, ws[i % len(ws)].t(), out=out)
     else:
         def fn(i):
-            gemv(x, ws[i % len(ws)], out=out, w_scale=w_scale, config=config, pdl=pdl)
+            gemv(x, ws[i % len(ws)], out=out, config=config, pdl=pdl)
     return graph_time_us(fn, n)
 
 
-def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, dtype=torch.bfloat16,
-              verbose: bool = False) -> dict:
+def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False) -> dict:
     """Time cuBLAS and the GEMV candidates once per (M bucket, N, K) inside CUDA graphs (each a
     graph of >= 8 back-to-back calls over L2-busting weight copies, median of 5 replays) and record
-    the results for `linear` / `choose_config`. shapes: iterable of (N, K) of `dtype` weights
-    (bf16, or fp8 e4m3: timed against no cuBLAS rival); M is
+    the results for `linear` / `choose_config`. shapes: iterable of (N, K) (bf16 weights); M is
     timed at its bucket (3 -> 4). configs: a list for every M, or a callable M -> list; default
     `candidate_configs`. Returns {(bucket, N, K): Choice}. Cost: a few ms per candidate plus one
     Triton compile each (cached on disk across runs); already calibrated keys are skipped."""
@@ -608,12 +564,12 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, dtype=torc
     for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
         ws = None
         for M in m_values:
-            key = _key(M, N, K, device, dtype)
+            key = _key(M, N, K, device)
             if key not in _TABLE:
-                ws = ws if ws is not None else weight_copies(N, K, dtype, device)
+                ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
                 Mb = _bucket(M)
                 t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
-                cands = configs(Mb) if callable(configs) else (configs or candidate_configs(Mb, dtype))
+                cands = configs(Mb) if callable(configs) else (configs or candidate_configs(Mb))
                 best = None
                 for cfg in cands:
                     if not cfg.split_k:  # pin the split the timing uses
@@ -624,7 +580,7 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, dtype=torc
                     if best is None or t < best[1]:
                         best = (cfg, t)
                 _TABLE[key] = Choice(best[0], best[1], t_cublas)
-            result[key[1:4]] = _TABLE[key]
+            result[key[1:]] = _TABLE[key]
         del ws
     return result
 

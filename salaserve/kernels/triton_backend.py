@@ -74,8 +74,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     def linear(self, x, weight):
         """Plain weights at decode sizes: the GEMV or cuBLAS (calibrated); quantized weights:
-        quant_gemm's kernels (through TorchBackend.linear). gemv.py can read fp8 weights too, but
-        quant_gemm's w8a16 tensor-core kernel measured faster over the whole step (perf notes)."""
+        quant_gemm's kernels (through TorchBackend.linear)."""
         if isinstance(weight, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 16:
             return gemv_ops.linear(x, weight)
         return TorchBackend.linear(self, x, weight)
