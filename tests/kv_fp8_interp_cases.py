@@ -50,8 +50,8 @@ def _fp8_pool_and_twin(num_pages, bs, hkv, d, seed, n_layers=2):
 
 
 def test_store_kv_fp8_equals_pool_write():
-    """store_kv on an fp8 pool = KVPool.write bit for bit: the same per-page scales (from the
-    graph-safe update_fp8_scales) and the same e4m3 codes (the kernel rounds on the bits,
+    """store_kv on an fp8 pool = KVPool.write bit for bit: the same per-page scales (set by the
+    step that writes a page's first slot) and the same e4m3 codes (the kernel rounds on the bits,
     round_to_e4m3, so the interpreter's faulty fp8 cast never decides)."""
     cfg = tiny_cfg()
     bs, hkv, d = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim

@@ -90,8 +90,6 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K, V rows [n, kv_heads, head_dim] of n new tokens at flat slots
         (page * block_size + offset)."""
-        if self.fp8:
-            self.update_fp8_scales(layer, slots, k, v)
         for pool, scale, x in ((self.k, getattr(self, "k_scale", None), k),
                                (self.v, getattr(self, "v_scale", None), v)):
             flat = pool[layer].view(-1, *x.shape[1:])
@@ -99,29 +97,14 @@ class KVPool:
                 flat[slots] = x.to(flat.dtype)
                 continue
             page = slots // self.block_size
-            q = (x.float() / scale[layer, page][:, :, None]).clamp(-FP8_MAX, FP8_MAX)
-            flat[slots] = q.to(FP8)
-
-    def update_fp8_scales(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Set the scales of the pages whose first slot is written in this step: per KV head, the
-        amax of this step's tokens of that page times FP8_HEADROOM / 448. Device ops only (no
-        host sync, no data-dependent shapes): safe inside a CUDA graph. Negative slots (padding
-        of a captured batch) are ignored."""
-        valid = slots >= 0
-        page = torch.where(valid, slots // self.block_size, 0)
-        starts = valid & (slots % self.block_size == 0)
-        num_pages = self.k_scale.shape[1]
-        # whether any token of a page is its first slot, broadcast back to the page's tokens so that
-        # every duplicate index below writes the same value
-        started = torch.zeros(num_pages, dtype=torch.int32, device=slots.device)
-        started.scatter_reduce_(0, page, starts.to(torch.int32), reduce="amax", include_self=True)
-        renew = started[page].bool()[:, None]
-        for scale, x in ((self.k_scale, k), (self.v_scale, v)):
-            amax = torch.where(valid[:, None], x.float().abs().amax(-1), 0.0)  # [n, kv_heads]
+            amax = x.float().abs().amax(-1)  # [n, kv_heads]
+            # pages whose first token is in this step take a fresh scale from this step's tokens
             fresh = torch.zeros(scale.shape[1:], dtype=torch.float32, device=x.device)
             fresh.scatter_reduce_(0, page[:, None].expand_as(amax), amax, reduce="amax", include_self=True)
-            new = torch.where(renew, (fresh[page] * (FP8_HEADROOM / FP8_MAX)).clamp_min(1e-12), scale[layer, page])
-            scale[layer].index_put_((page,), new)
+            starts = page[slots % self.block_size == 0]
+            scale[layer, starts] = (fresh[starts] * (FP8_HEADROOM / FP8_MAX)).clamp_min(1e-12)
+            q = (x.float() / scale[layer, page][:, :, None]).clamp(-FP8_MAX, FP8_MAX)
+            flat[slots] = q.to(FP8)
 
     def gather(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K, V [length, kv_heads, head_dim] of one sequence (torch backend / tests),
