@@ -127,30 +127,35 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _quantize_rows(x_ptr, pool, scale, t0, rows, ok, stride_t, stride_h, dst_slot,
-                   HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rows t0 + rows (where ok) of x [N, Hkv, d] / the page's scale per KV head [BLOCK_H],
-    clamped and rounded to e4m3 as KVPool.write, stored at pool slots dst_slot [rows]."""
+def _load_rows(x_ptr, t0, rows, ok, stride_t, stride_h, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """Rows t0 + rows of x [N, Hkv, d] as fp32 [rows, BLOCK_H, d] (0 where not ok), and the mask."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
     m = ok[:, None, None] & (h[None, :, None] < HKV)
     x = tl.load(x_ptr + (t0 + rows)[:, None, None].to(tl.int64) * stride_t + h[None, :, None] * stride_h
                 + d[None, None, :], mask=m, other=0.0).to(tl.float32)
+    return x, m
+
+
+@triton.jit
+def _quantize_rows(x_ptr, pool, scale, t0, rows, ok, stride_t, stride_h, dst_slot,
+                   HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows t0 + rows (where ok) of x [N, Hkv, d] / the page's scale per KV head [BLOCK_H],
+    clamped and rounded to e4m3 as KVPool.write, stored at pool slots dst_slot [rows]."""
+    x, m = _load_rows(x_ptr, t0, rows, ok, stride_t, stride_h, HKV, HEAD_DIM, BLOCK_H)
     q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :, None]), -FP8_MAX), FP8_MAX))
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
     dst = dst_slot[:, None, None] * (HKV * HEAD_DIM) + h[None, :, None] * HEAD_DIM + d[None, None, :]
     tl.store(pool + dst, q.to(pool.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _rows_amax(x_ptr, t0, rows, ok, stride_t, stride_h, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_H: tl.constexpr):
-    """max |x| per KV head [BLOCK_H] over rows t0 + rows (where ok) of x [N, Hkv, d]."""
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HEAD_DIM)
-    m = ok[:, None, None] & (h[None, :, None] < HKV)
-    x = tl.load(x_ptr + (t0 + rows)[:, None, None].to(tl.int64) * stride_t + h[None, :, None] * stride_h
-                + d[None, None, :], mask=m, other=0.0).to(tl.float32)
-    return tl.max(tl.max(tl.abs(x), axis=2), axis=0)
+def _same_page_rows(slot_mapping, t, rows, slot, n_tokens):
+    """Which batch rows t + rows hold the slots slot + rows (the page's next tokens in this step)."""
+    ok = t + rows < n_tokens
+    return ok & (tl.load(slot_mapping + t + rows, mask=ok, other=-1) == slot + rows)
 
 
 @triton.jit
@@ -181,18 +186,18 @@ def _store_kv_fp8_kernel(
             vmax = tl.zeros([BLOCK_H], dtype=tl.float32)
             for i0 in tl.static_range(0, BLOCK_SIZE, ROWS):
                 i = i0 + tl.arange(0, ROWS)
-                ok = t + i < n_tokens
-                ok = ok & (tl.load(slot_mapping + t + i, mask=ok, other=-1) == slot + i)
-                kmax = tl.maximum(kmax, _rows_amax(K_new, t, i, ok, stride_kt, stride_kh, HKV, HEAD_DIM, BLOCK_H))
-                vmax = tl.maximum(vmax, _rows_amax(V_new, t, i, ok, stride_vt, stride_vh, HKV, HEAD_DIM, BLOCK_H))
+                ok = _same_page_rows(slot_mapping, t, i, slot, n_tokens)
+                kx, _ = _load_rows(K_new, t, i, ok, stride_kt, stride_kh, HKV, HEAD_DIM, BLOCK_H)
+                vx, _ = _load_rows(V_new, t, i, ok, stride_vt, stride_vh, HKV, HEAD_DIM, BLOCK_H)
+                kmax = tl.maximum(kmax, tl.max(tl.max(tl.abs(kx), axis=2), axis=0))
+                vmax = tl.maximum(vmax, tl.max(tl.max(tl.abs(vx), axis=2), axis=0))
             ks = tl.maximum(kmax * (FP8_HEADROOM / FP8_MAX), 1e-12)
             vs = tl.maximum(vmax * (FP8_HEADROOM / FP8_MAX), 1e-12)
             tl.store(K_scale + sc_off + h, ks, mask=h < HKV)
             tl.store(V_scale + sc_off + h, vs, mask=h < HKV)
             for i0 in tl.static_range(0, BLOCK_SIZE, ROWS):
                 i = i0 + tl.arange(0, ROWS)
-                ok = t + i < n_tokens
-                ok = ok & (tl.load(slot_mapping + t + i, mask=ok, other=-1) == slot + i)
+                ok = _same_page_rows(slot_mapping, t, i, slot, n_tokens)
                 _quantize_rows(K_new, K_pool, ks, t, i, ok, stride_kt, stride_kh, slot + i, HKV, HEAD_DIM, BLOCK_H)
                 _quantize_rows(V_new, V_pool, vs, t, i, ok, stride_vt, stride_vh, slot + i, HKV, HEAD_DIM, BLOCK_H)
         elif not begun_here:

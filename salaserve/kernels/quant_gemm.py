@@ -356,6 +356,8 @@ W4_FMA_CONFIGS = {
     2: ((128, 8, 4), (64, 16, 4)),
     4: ((64, 8, 4), (128, 4, 4)),
 }
+# the longest K tile of those configs: a group size it divides fits every config
+W4_FMA_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_FMA_CONFIGS.values() for cfg in cfgs)
 
 
 def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
@@ -423,7 +425,7 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
         return {}
     result = {}
     for w in weights:
-        if w.format != "w4a16" or not w.g_idx_trivial or w.group_size % 128:
+        if w.format != "w4a16" or not w.g_idx_trivial or w.group_size % W4_FMA_GROUP_MULTIPLE:
             continue
         N, K = w.out_features, w.in_features
         todo = [m for m in m_values if _w4_key(m, w, device) not in _W4_TABLE]
@@ -819,8 +821,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
             y = fp8_scaled_mm(x2, w.weight, w.scale)
         else:  # interpreter: no cuBLAS fp8
             y = fp8_matmul_ref(x2, w.weight, w.scale)
-    elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % 128 == 0:
-        y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel (configs tile K by 128)
+    elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
+        y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel
     elif M <= GEMV_MAX_M:
         y = w4a16_gemv(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
     elif w.g_idx_trivial and w.group_size % 8 == 0:
