@@ -16,9 +16,10 @@ import pytest
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_spec.py)", allow_module_level=True)
 
+from kernel_checks import greedy_outputs_and_logits  # noqa: E402
+
 from salaserve.config import ModelConfig, preset_config  # noqa: E402
 from salaserve.engine.engine import Engine  # noqa: E402
-from salaserve.engine.sampling_params import SamplingParams  # noqa: E402
 from salaserve.model.checkpoint import write_checkpoint  # noqa: E402
 from salaserve.spec.oracle import OracleDrafter  # noqa: E402
 
@@ -33,14 +34,7 @@ def _run(model_dir, backend, prompts, new_tokens, conts=None, pad_buckets=None, 
                                                      vocab_size=eng.cfg.vocab_size)
     if pad_buckets:  # as with verify CUDA graphs: all-verify steps padded with filler tokens
         eng.runner.enable_verify_padding(pad_buckets)
-    initial = eng.resource_counters()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
-    out = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-    assert eng.resource_counters() == initial
+    out, _ = greedy_outputs_and_logits(eng, prompts, new_tokens)  # also checks resources come back
     return out, eng
 
 
