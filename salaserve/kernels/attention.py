@@ -198,8 +198,10 @@ def _store_kv_fp8_kernel(
             for i0 in tl.static_range(0, BLOCK_SIZE, ROWS):
                 i = i0 + tl.arange(0, ROWS)
                 ok = _same_page_rows(slot_mapping, t, i, slot, n_tokens)
-                _quantize_rows(K_new, K_pool, ks, t, i, ok, stride_kt, stride_kh, slot + i, HKV, HEAD_DIM, BLOCK_H)
-                _quantize_rows(V_new, V_pool, vs, t, i, ok, stride_vt, stride_vh, slot + i, HKV, HEAD_DIM, BLOCK_H)
+                _quantize_rows(K_new, K_pool, ks, t, i, ok, stride_kt, stride_kh, slot + i,
+                               HKV, HEAD_DIM, BLOCK_H)
+                _quantize_rows(V_new, V_pool, vs, t, i, ok, stride_vt, stride_vh, slot + i,
+                               HKV, HEAD_DIM, BLOCK_H)
         elif not begun_here:
             one = tl.arange(0, 1)
             ks = tl.load(K_scale + sc_off + h, mask=h < HKV, other=1.0)
