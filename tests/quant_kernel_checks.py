@@ -2,7 +2,7 @@
 
 Run as a subprocess by tests/test_quant.py (TRITON_INTERPRET must be set before triton is first
 imported, which a shared pytest process cannot guarantee):
-    TRITON_INTERPRET=1 python tests/quant_kernel_checks.py {w4a16_gemv|w4a16_gemm|w8a16|dispatch}
+    TRITON_INTERPRET=1 python tests/quant_kernel_checks.py {w4a16_gemv|w4a16_gemm|w8a16|w8a8|dispatch}
 Exits non-zero with a message on the first mismatch.
 """
 
@@ -203,6 +203,43 @@ def w8a16_checks(gen):
     counters_rearmed()
 
 
+def w8a8_checks(gen):
+    """The fp8 x fp8 decode GEMV vs its torch twin (same per-(token, 128 channels) activation
+    quantization: only fp32 summation order differs); and the twin's error against the
+    unquantized product no larger than that of prefill's per-token activation scales."""
+    for K, N in ((384, 128), (256, 72)):
+        f = rtn.quantize_fp8(torch.randn(N, K, generator=gen))
+        for M in (1, 3, 17):
+            x = torch.randn(M, K, generator=gen) * torch.rand(1, K, generator=gen) * 4  # uneven channel scales
+            x[0, :128] *= 1e-3  # one block far smaller than the rest: its own scale keeps its precision
+            ref = qg.w8a8_block_ref(x, f.weight, f.scale)
+            for bn, split in ((64, 1), (64, 3), (128, 2)):
+                y = qg.w8a8_gemv(x, f.weight, f.scale, config=(bn, split, 4, 2))
+                check(f"w8a8_gemv K={K} N={N} M={M} BN={bn} split={split}", y, ref, tol(x.dtype))
+            check(f"w8a8_gemv tuned K={K} N={N} M={M}", qg.w8a8_gemv(x, f.weight, f.scale), ref, tol(x.dtype))
+            # block scales are finer than prefill's per-token ones: no larger error vs the unquantized x
+            exact = fp8_matmul_ref(x, f.weight, f.scale)
+            x8, sx = qg.fp8_quantize_rows_ref(x)
+            per_token = fp8_matmul_ref(x8.float() * sx, f.weight, f.scale)
+            e_block, e_token = (ref - exact).norm().item(), (per_token - exact).norm().item()
+            # (per element neither rounding is always smaller: 2% of slack for equal scales)
+            print(f"{'ok ' if e_block <= 1.02 * e_token else 'BAD'} w8a8 error vs unquantized x K={K} N={N} M={M}: "
+                  f"block scales {e_block:.3g}, per-token {e_token:.3g}", flush=True)
+            if e_block > 1.02 * e_token:
+                sys.exit(1)
+        xb = torch.randn(2, K, generator=gen).to(torch.bfloat16)
+        check(f"w8a8_gemv bf16 K={K} N={N}", qg.w8a8_gemv(xb, f.weight, f.scale),
+              qg.w8a8_block_ref(xb, f.weight, f.scale), 2 ** -7)
+    try:
+        qg.w8a8_gemv(torch.randn(1, 200), torch.zeros(8, 200, dtype=torch.float8_e4m3fn), torch.ones(8))
+    except ValueError as e:
+        print(f"ok  K % 128 refused: {e}")
+    else:
+        print("BAD w8a8_gemv accepted K = 200", flush=True)
+        sys.exit(1)
+    counters_rearmed()
+
+
 def dispatch_checks(gen):
     W = torch.randn(96, 256, generator=gen)
     variants = {
@@ -217,20 +254,24 @@ def dispatch_checks(gen):
             x = torch.randn(*lead, 256, generator=gen)
             y = qg.quant_linear(x, w, backend="triton")
             assert y.shape == (*lead, 96), y.shape
-            check(f"quant_linear[{name}] x{tuple(x.shape)}", y, linear_ref(x.reshape(-1, 256), w).reshape(y.shape),
-                  tol(x.dtype))
-    # bf16 activations with fp8 weights at decode sizes (the tensor-core path even at M = 1):
-    # within one bf16 ulp of the exact result, at most 2^-7 relative (the interpreter truncates
-    # fp32 -> bf16 where the GPU rounds)
+            x2 = x.reshape(-1, 256)
+            if name == "fp8" and x2.shape[0] <= qg.GEMV_MAX_M:  # decode sizes quantize x per 128 channels
+                ref = qg.w8a8_block_ref(x2, w.weight, w.scale)
+            else:
+                ref = linear_ref(x2, w)
+            check(f"quant_linear[{name}] x{tuple(x.shape)}", y, ref.reshape(y.shape), tol(x.dtype))
+    # bf16 activations with fp8 weights at decode sizes (w8a8_gemv): within one bf16 ulp of its
+    # twin, at most 2^-7 relative (the interpreter truncates fp32 -> bf16 where the GPU rounds)
     for M in (1, 5):
         x = torch.randn(M, 256, generator=gen).to(torch.bfloat16)
         y = qg.quant_linear(x, variants["fp8"], backend="triton")
-        check(f"quant_linear[fp8] bf16 x{tuple(x.shape)}", y, linear_ref(x, variants["fp8"]), 2 ** -7)
+        f = variants["fp8"]
+        check(f"quant_linear[fp8] bf16 x{tuple(x.shape)}", y, qg.w8a8_block_ref(x, f.weight, f.scale), 2 ** -7)
     counters_rearmed()
 
 
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w4a16_fma": w4a16_fma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks}[sys.argv[1]](gen)
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks}[sys.argv[1]](gen)
     print("all ok")

@@ -306,3 +306,32 @@ def test_profile_step_tool_runs_on_cpu(tmp_path, kv):
     data = json.loads(out.read_text())
     assert data["total_us"] > 0 and data["kernels"]
     assert any("mm" in k["name"] or "linear" in k["name"] for k in data["kernels"])
+
+
+def test_kernel_timeline_span_busy_and_gaps():
+    """Graph-replay timeline: overlapping kernels count once, gaps run from the end of everything so
+    far (named by the kernel that ended last) to the next start, and non-kernel events are ignored."""
+    from salaserve.bench.profile_step import kernel_timeline
+
+    ev = [{"cat": "kernel", "ph": "X", "name": "b", "ts": 112.0, "dur": 5.0},
+          {"cat": "kernel", "ph": "X", "name": "a", "ts": 100.0, "dur": 10.0},
+          {"cat": "kernel", "ph": "X", "name": "a2", "ts": 104.0, "dur": 3.0},  # inside a
+          {"cat": "gpu_memcpy", "ph": "X", "name": "copy", "ts": 90.0, "dur": 50.0},
+          {"cat": "kernel", "ph": "X", "name": "c", "ts": 130.0, "dur": 2.0}]
+    tl = kernel_timeline(ev)
+    assert tl["kernels"] == 4
+    assert tl["span_us"] == 32.0 and tl["busy_us"] == 17.0 and tl["idle_us"] == 15.0
+    assert [(g["gap_us"], g["after"], g["before"]) for g in tl["gaps"]] == [(13.0, "b", "c"), (2.0, "a", "b")]
+    assert [k["name"] for k in tl["sequence"]] == ["a", "a2", "b", "c"]
+    assert kernel_timeline([])["kernels"] == 0
+
+
+def test_profile_step_graph_mode_needs_captured_graphs(tmp_path):
+    """--graph on a machine without CUDA graphs ends with a message, not a traceback."""
+    from salaserve.bench.profile_step import main
+    from salaserve.model.checkpoint import write_checkpoint
+
+    model = tmp_path / "tiny"
+    write_checkpoint(str(model), "tiny", weights=False)
+    with pytest.raises(SystemExit, match="no captured decode graph"):
+        main(["--model", str(model), "--batch", "1", "--context", "100,150", "--graph"])

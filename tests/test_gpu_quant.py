@@ -36,17 +36,26 @@ def _weights(fmt, N, K, seed):
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
 def test_decode_kernels(fmt, name, M):
     """quant_linear as the engine calls it at decode sizes, and the alternatives it chose between:
-    every w4a16 FMA config (M <= 4), the w8a16 FMA path at M = 1."""
+    every w4a16 FMA config (M <= 4), every w8a8 candidate, w8a16 and its FMA path at M = 1."""
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES[name]
     w = _weights(fmt, N, K, M)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = linear_ref(x, w)
-    assert _rel(Q.quant_linear(x, w), ref) < TOL
+    if fmt == "w4a16":
+        assert _rel(Q.quant_linear(x, w), ref) < TOL
     if fmt == "w4a16" and M <= Q.W4_FMA_MAX_M:
         for cfg in Q.W4_FMA_CONFIGS[1 << (M - 1).bit_length()]:
             assert _rel(Q.w4a16_gemv_fma(x, w, config=cfg), ref) < TOL, cfg
+    if fmt == "fp8":
+        # w8a8 (the default): its twin to TOL, the unquantized product as prefill's w8a8 (e4m3 x)
+        twin = Q.w8a8_block_ref(x, w.weight, w.scale)
+        assert _rel(Q.quant_linear(x, w), twin) < TOL
+        assert _rel(twin, ref) < 3e-2
+        for cfg in Q._w8a8_candidates(M, N, K, x.device):
+            assert _rel(Q.w8a8_gemv(x, w.weight, w.scale, config=cfg), twin) < TOL, cfg
+        assert _rel(Q.w8a16_gemv(x, w.weight, w.scale), ref) < TOL  # SALASERVE_FP8_DECODE=w8a16
     if fmt == "fp8" and M == 1:
         assert _rel(Q.w8a16_gemv(x, w.weight, w.scale, block_m=1), ref) < TOL
 
@@ -88,3 +97,16 @@ def test_w4a16_calibration_picks_a_valid_config():
         assert cfg in Q.W4_FMA_CONFIGS[m] and split >= 1 and t > 0
         x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
         assert _rel(Q.w4a16_gemv_fma(x, w), linear_ref(x, w)) < TOL
+
+
+def test_w8a8_calibration_records_a_candidate():
+    from salaserve.kernels import quant_gemm as Q
+
+    N, K = SHAPES["o_proj"]
+    w = _weights("fp8", N, K, 12)
+    res = Q.calibrate_w8a8([w], "cuda", m_values=(1, 32))
+    assert set(res) <= {(1, N, K), (32, N, K)}
+    key = (1, N, K, f"cuda:{torch.cuda.current_device()}")
+    assert Q._W8A8_TABLE[key] in Q._w8a8_candidates(1, N, K, torch.device("cuda"))
+    x = torch.randn(3, K, device="cuda").to(torch.bfloat16)
+    assert _rel(Q.w8a8_gemv(x, w.weight, w.scale), Q.w8a8_block_ref(x, w.weight, w.scale)) < TOL

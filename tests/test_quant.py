@@ -296,7 +296,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group", ["w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense", "w8a16", "dispatch"])
+@pytest.mark.parametrize("group", ["w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense", "w8a16", "w8a8", "dispatch"])
 def test_triton_kernels_match_reference_in_interpreter(group):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
@@ -328,6 +328,28 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg):
     kernel = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     assert "ld.global.v4.b32" in kernel.asm["ptx"]
+
+
+def _w8a8_configs():
+    from salaserve.kernels import quant_gemm as qg
+
+    return [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in qg._W8A8_GEMV]
+
+
+@pytest.mark.parametrize("block_n,warps,stages", _w8a8_configs())
+def test_w8a8_gemv_compiles_to_fp8_wgmma_for_sm90(block_n, warps, stages):
+    """Every config of the fp8 x fp8 decode GEMV compiles for the H200 without spills, and its dot
+    is an e4m3 warpgroup MMA (the point of the kernel: no per-weight conversion)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import compile_sm90_without_spills
+    from salaserve.kernels import quant_gemm as qg
+
+    ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+    constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=qg.ACT_BLOCK, SPLIT_K=4, FP8_MAX_C=448.0, INTERPRET=False)
+    kernel = compile_sm90_without_spills(qg._w8a8_gemv_kernel, ptrs, constexprs, warps, num_stages=stages,
+                                         divisible=("N", "K"))
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx
 
 
 def test_backend_finds_every_linear_weight_for_calibration():

@@ -1,18 +1,24 @@
-"""Where a decode (or verify) step's time goes: per-kernel device time of one eager step.
+"""Where a decode (or verify) step's time goes: per-kernel device time of one step.
 
-    python -m salaserve.bench.profile_step [--model DIR] [--batch 1] [--context 131072]
-                                           [--verify-k 0] [--top 25] [--json OUT.json]
+    python -m salaserve.bench.profile_step [--model DIR] [--batch 1] [--context 131072[,4096...]]
+                                           [--verify-k 0] [--graph] [--top 25] [--json OUT.json]
 
-Sequences are set up as in the micro-benchmark (prefilled to the context, random caches), then
-one step runs eagerly under torch.profiler (the kernels are the ones the CUDA graph replays; the
-launch gaps between them are not). Prints the kernels by total device time, with call counts,
-and the total. Without a GPU it profiles the CPU ops instead (for tests of the tool).
+Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
+default one step runs eagerly under torch.profiler: the kernels are the ones the CUDA graph
+replays, but eager kernel times and launch gaps differ from the replay's. With --graph the
+runner's captured decode graph is replayed instead, and the kernel timeline of that replay is
+read back: its span, the time no kernel runs (gaps), the largest gaps with their neighbours, and
+the kernels by total time. Prints the kernels by total device time, with call counts, and the
+total. Without a GPU it profiles the CPU ops instead (for tests of the tool).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -48,31 +54,108 @@ def profile_step(runner: ModelRunner, batch: int, context: int, verify_k: int = 
     return sorted(rows, key=lambda r: -r["total_us"])
 
 
+def kernel_timeline(trace_events: list[dict], top_gaps: int = 15) -> dict:
+    """Summary of one graph replay's kernels from a chrome trace's events: span (first start to
+    last end), busy (union of kernel intervals), idle = span - busy, the kernels in order, and the
+    largest gaps between consecutive kernels with the kernels on either side (times in us)."""
+    ks = sorted((e for e in trace_events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    if not ks:
+        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": [], "sequence": []}
+    t0 = ks[0]["ts"]
+    busy, end, last, gaps, seq = 0.0, t0, None, [], []
+    for e in ks:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if last is not None and start > end:
+            gaps.append({"gap_us": start - end, "after": last, "before": e["name"], "at_us": end - t0})
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, last = stop, e["name"]
+        seq.append({"name": e["name"], "start_us": start - t0, "dur_us": e["dur"]})
+    span = end - t0
+    return {"kernels": len(ks), "span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:top_gaps], "sequence": seq}
+
+
+def profile_graph_replay(runner: ModelRunner, batch: int, context: int) -> dict:
+    """Replay the captured decode graph for `batch` sequences at `context` once under the
+    profiler; kernel_timeline of that replay plus per-kernel totals ({name, total_us, calls})."""
+    from salaserve.bench.micro import step_device_ms
+
+    reqs = fake_decoding_requests(runner, batch, context)
+    b = runner.build_batch([ScheduledWork(r, 1) for r in reqs])
+    if runner.graphs is None or not runner.graphs.can_run(b):
+        release(runner, reqs)
+        raise SystemExit("--graph: no captured decode graph fits this batch (CUDA and the triton backend needed)")
+    device_ms, _ = step_device_ms(runner, b)  # warms up too
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.graphs.run(b)
+        torch.cuda.synchronize()
+    release(runner, reqs)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    tl = kernel_timeline(events)
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for k in tl["sequence"]:
+        totals[k["name"]][0] += k["dur_us"]
+        totals[k["name"]][1] += 1
+    rows = sorted(({"name": n, "total_us": t, "calls": c} for n, (t, c) in totals.items()), key=lambda r: -r["total_us"])
+    return {**tl, "device_ms_events": device_ms, "rows": rows}
+
+
+def _print_rows(rows: list[dict], top: int) -> float:
+    total = sum(r["total_us"] for r in rows)
+    print(f"{'us':>9} {'share':>6} {'calls':>6}  kernel")
+    for r in rows[:top]:
+        print(f"{r['total_us']:>9.1f} {r['total_us'] / total:>6.1%} {r['calls']:>6}  {r['name'][:100]}")
+    return total
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: a full-size config with dummy weights)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--context", default="131072", help="context length(s), comma-separated")
     ap.add_argument("--verify-k", type=int, default=0, help="draft tokens per sequence (0: plain decode)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    contexts = [int(c) for c in a.context.split(",")]
+    if a.graph and a.verify_k:
+        ap.error("--graph profiles plain decode graphs; drop --verify-k")
     model_dir = model_dir_or_full(a.model)
-    tokens = a.batch * (a.context + a.verify_k + 256) + 4096
+    tokens = a.batch * (max(contexts) + a.verify_k + 256) + 4096
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
-                                    max_total_tokens=tokens, context_length=a.context + 1024,
-                                    enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype), model_dir)
-    rows = profile_step(runner, a.batch, a.context, a.verify_k)
-    total = sum(r["total_us"] for r in rows)
-    print(f"batch {a.batch}, context {a.context}, verify k {a.verify_k}: {total / 1e3:.3f} ms of kernels")
-    print(f"{'us':>9} {'share':>6} {'calls':>6}  kernel")
-    for r in rows[: a.top]:
-        print(f"{r['total_us']:>9.1f} {r['total_us'] / total:>6.1%} {r['calls']:>6}  {r['name'][:100]}")
+                                    max_total_tokens=tokens, context_length=max(contexts) + 1024,
+                                    enable_cuda_graph=a.graph, cuda_graph_max_bs=a.batch if a.graph else None,
+                                    kv_cache_dtype=a.kv_cache_dtype), model_dir)
+    results = []
+    for context in contexts:
+        if a.graph:
+            r = profile_graph_replay(runner, a.batch, context)
+            print(f"batch {a.batch}, context {context}, graph replay: {r['device_ms_events']:.3f} ms (CUDA events), "
+                  f"span {r['span_us'] / 1e3:.3f} ms = {r['busy_us'] / 1e3:.3f} ms in {r['kernels']} kernels "
+                  f"+ {r['idle_us'] / 1e3:.3f} ms with no kernel running")
+            _print_rows(r["rows"], a.top)
+            print("largest gaps (us, after -> before):")
+            for g in r["gaps"][:8]:
+                print(f"{g['gap_us']:>9.1f}  {g['after'][:45]} -> {g['before'][:45]}")
+            results.append({"context": context, "total_us": r["busy_us"], "kernels": r["rows"], "graph": r})
+        else:
+            rows = profile_step(runner, a.batch, context, a.verify_k)
+            total = sum(r["total_us"] for r in rows)
+            print(f"batch {a.batch}, context {context}, verify k {a.verify_k}: {total / 1e3:.3f} ms of kernels")
+            _print_rows(rows, a.top)
+            results.append({"context": context, "total_us": total, "kernels": rows})
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"batch": a.batch, "context": a.context, "verify_k": a.verify_k, "total_us": total,
-                       "kernels": rows}, f, indent=2)
+            first = results[0]
+            json.dump({"batch": a.batch, "context": first["context"], "verify_k": a.verify_k, "total_us": first["total_us"],
+                       "kernels": first["kernels"], "runs": results}, f, indent=2)
     return 0
 
 

@@ -6,8 +6,9 @@ Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycl
 >= 256 MB of weight copies (no L2 reuse), and GB/s of weight bytes next to the copy bandwidth:
   w4 old      w4a16_gemv (tl.dot / FMA on the unpacked tile, autotuned)
   w4 fma      w4a16_gemv_fma: calibrate_w4's candidates (config x split), the best kept
-  fp8         w8a16_gemv as dispatched (autotuned; tensor cores at every M), and at M = 1 also
-              its FMA path (block_m=1, the default until it measured slower)
+  fp8         the faster of w8a16_gemv (autotuned; tensor cores at every M, weights converted to
+              bf16) and w8a8_gemv (x quantized per 128 channels, fp8 tensor cores; calibrated),
+              both printed; at M = 1 also w8a16's FMA path (block_m=1)
   bf16        the calibrated bf16 GEMV (reference point)
 Then the sum over the model's linears per decode step (w4: the faster kernel per shape), vs the floor.
 Prefill (M = --prefill-m): bf16 torch.mm, fp8 w8a8 (row quantize + torch._scaled_mm, and the
@@ -67,11 +68,16 @@ def decode_table(shapes, ms, out):
                 bucket = 1 << (M - 1).bit_length()
                 cfg, split, _ = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)[(bucket, N, K)]
                 r["w4_fma"] = {f"{cfg} split{split}": _time(lambda w: Q.w4a16_gemv_fma(x, w), w4s)}
-            r["fp8"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
-            fma8 = ""
+            r["fp8_w8a16"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
+            r["fp8_w8a8"] = None
+            if K % Q.ACT_BLOCK == 0:
+                Q.calibrate_w8a8([f8s[0]], "cuda", m_values=(M,), verbose=M == 1)  # as at start-up
+                r["fp8_w8a8"] = _time(lambda w: Q.w8a8_gemv(x, w.weight, w.scale), f8s)
+            r["fp8"] = min(t for t in (r["fp8_w8a16"], r["fp8_w8a8"]) if t is not None)  # as dispatched, if tuned
+            fma8 = f" (w8a16 {r['fp8_w8a16']:7.1f}, w8a8 {r['fp8_w8a8'] or float('nan'):7.1f})"
             if M == 1:
                 r["fp8_fma"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale, block_m=1), f8s)
-                fma8 = f" (FMA path {r['fp8_fma']:7.1f})"
+                fma8 += f" (FMA path {r['fp8_fma']:7.1f})"
             G.calibrate([(N, K)], "cuda", m_values=(M,))
             r["bf16"] = _time(lambda w: G.linear(x, w), bfs)
             best4 = min([r["w4_old"]] + list(r.get("w4_fma", {}).values()))

@@ -9,9 +9,13 @@
         unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
       - prefill: `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
-  w8a16 (fp8 e4m3 weights, fp32 per-channel scale): split-K GEMV on tensor cores (x padded to 16
-      rows) at every M <= GEMV_MAX_M; above, w8a8 on cuBLAS (`quantize_rows_fp8`, one kernel for
-      the per-token activation scales, then `torch._scaled_mm` with rowwise weight scales).
+  fp8 (e4m3 weights, fp32 per-channel scale):
+      - M <= GEMV_MAX_M: `w8a8_gemv`, x quantized to e4m3 per (token, 128 channels) inside the
+        kernel and an fp8 x fp8 tensor-core dot (SALASERVE_FP8_DECODE=w8a16, or K not a multiple
+        of 128: `w8a16_gemv`, split-K on tensor cores with the weights converted to bf16 and x
+        exact).
+      - above: w8a8 on cuBLAS (`quantize_rows_fp8`, one kernel for the per-token activation
+        scales, then `torch._scaled_mm` with rowwise weight scales).
 
 Split-K reduction is done inside the same launch: every split writes an fp32 partial, bumps a
 per-tile counter, and the last one to arrive sums the partials in split order and writes the
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from salaserve.kernels._triton_utils import round_to_e4m3
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -45,6 +50,11 @@ GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
 SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
 SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# fp8 weights at decode sizes: "w8a8" (x quantized per 128 channels, fp8 tensor cores) or
+# "w8a16" (weights converted to bf16 in the kernel; x exact)
+FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "w8a8")
+if FP8_DECODE not in ("w8a8", "w8a16"):
+    raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8 or w8a16, got {FP8_DECODE!r}")
 
 
 def _configs(configs: list) -> list:
@@ -748,6 +758,175 @@ def w8a16_gemv(
     return out
 
 
+# ---------------------------------------------------------------- w8a8 decode (fp8 tensor cores)
+#
+# The w8a16 GEMV converts every e4m3 weight to bf16 in registers before its dot (two converts per
+# weight, and the tile goes through shared memory on its way to the tensor cores): it reads the
+# weights at ~70% of the copy bandwidth. Here x is quantized instead (e4m3, one scale per token
+# and ACT_BLOCK channels, computed in the kernel from the tile it already holds), and the weights
+# go to an fp8 x fp8 dot untouched. The weight tile is the dot's left operand (BLOCK_N rows: the
+# 64-row minimum of Hopper's wgmma), x^T the right one (16 columns, zero-padded rows).
+
+ACT_BLOCK = 128  # channels per activation scale (= BLOCK_K); a K multiple of it takes this path
+
+
+@triton.jit
+def _w8a8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    INTERPRET: tl.constexpr = False,  # round on the bits and dot in fp32 (the interpreter's fp8 is unreliable)
+):
+    pid_m, pid_n, tile = _tile_ids(M, N, BLOCK_M, BLOCK_N, 1)
+    k_begin, k_end = _split_range(K, SPLIT_K, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # weight [N, K], K contiguous
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        wt = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)  # K % BLOCK_K == 0
+        xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
+        sx = tl.maximum(tl.max(tl.abs(xt), axis=1), 1e-12) * (1.0 / FP8_MAX_C)  # [BM]
+        v = tl.minimum(tl.maximum(tl.math.div_rn(xt, sx[:, None]), -FP8_MAX_C), FP8_MAX_C)
+        if INTERPRET:
+            part = tl.dot(wt.to(tl.float32), tl.trans(round_to_e4m3(v)), input_precision="ieee")
+        else:
+            part = tl.dot(wt, tl.trans(v.to(tl.float8e4nv)))
+        acc += part * sx[None, :]  # a fresh dot per block: its scale, and fp32 promotion every 128
+    acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    _store_output(tl.trans(acc), offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K)
+
+
+_W8A8_GEMV = [
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=6),
+    triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=4),
+]
+
+
+def _w8a8_grid_split(M: int, N: int, K: int, block_n: int, device) -> int:
+    tiles = triton.cdiv(M, 16) * triton.cdiv(N, block_n)
+    want = max(1, SPLIT_K_CTAS_PER_SM * _sm_count(device) // tiles)
+    split = max(1, min(want, K // (2 * ACT_BLOCK), 32))
+    return 1 << (split.bit_length() - 1)
+
+
+def _w8a8_launch(x, w_fp8, scale, out, block_n, split, num_warps, num_stages):
+    M, K = x.shape
+    N = w_fp8.shape[0]
+    tiles = triton.cdiv(M, 16) * triton.cdiv(N, block_n)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    _w8a8_gemv_kernel[(tiles, split)](
+        x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0),
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=ACT_BLOCK, SPLIT_K=split, FP8_MAX_C=FP8_MAX, INTERPRET=_INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
+
+
+# (M bucket, N, K, device) -> (BLOCK_N, split, warps, stages): the fastest config, timed once
+_W8A8_TABLE: dict[tuple, tuple] = {}
+
+
+def w8a8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, *, config: Optional[tuple] = None) -> torch.Tensor:
+    """Decode-sized x [M <= GEMV_MAX_M, K] @ (e4m3 W [N, K] * scale [N])^T -> [M, N] in x.dtype,
+    with x quantized to e4m3 per token and ACT_BLOCK channels on the fly (fp8 tensor cores).
+    K must be a multiple of ACT_BLOCK. config: (BLOCK_N, split, warps, stages); default: the
+    fastest of _W8A8_GEMV (timed at the first call of each shape; outside CUDA-graph capture)."""
+    N, K = w_fp8.shape
+    x = _check_x(x, K)
+    M = x.shape[0]
+    if K % ACT_BLOCK:
+        raise ValueError(f"w8a8_gemv needs K % {ACT_BLOCK} == 0, got K = {K}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    if config is None:
+        key = (triton.cdiv(M, 16), N, K, str(x.device))  # x.device is "cuda:0"-style
+        config = _W8A8_TABLE.get(key)
+        if config is None:
+            config = _W8A8_TABLE[key] = _tune_w8a8(x, w_fp8, scale, out)
+    _w8a8_launch(x, w_fp8, scale, out, *config)
+    return out
+
+
+def _w8a8_candidates(M: int, N: int, K: int, device) -> list[tuple]:
+    """(BLOCK_N, split, warps, stages): each config at its default split and twice / half that."""
+    cands = []
+    for c in _configs(_W8A8_GEMV):
+        bn = c.kwargs["BLOCK_N"]
+        base = _w8a8_grid_split(M, N, K, bn, device)
+        for split in sorted({base, max(1, base // 2), min(32, base * 2)}):
+            if K // split >= ACT_BLOCK:
+                cands.append((bn, split, c.num_warps, c.num_stages))
+    return cands
+
+
+def _tune_w8a8(x, w_fp8, scale, out) -> tuple:
+    """Fallback for shapes calibrate_w8a8 did not see: the fastest candidate by
+    triton.testing.do_bench on these weights (the interpreter takes the first)."""
+    M, K = x.shape
+    cands = _w8a8_candidates(M, w_fp8.shape[0], K, x.device)
+    if _INTERPRET or x.device.type != "cuda" or len(cands) == 1:
+        return cands[0]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("w8a8_gemv: run each shape once before CUDA-graph capture (it times its configs)")
+    times = [triton.testing.do_bench(lambda c=c: _w8a8_launch(x, w_fp8, scale, out, *c), warmup=5, rep=20)
+             for c in cands]
+    return cands[min(range(len(cands)), key=times.__getitem__)]
+
+
+def calibrate_w8a8(weights, device, m_values=(1, 32), verbose: bool = False) -> dict:
+    """Start-up (GPU only): time w8a8_gemv's candidates per (16-row bucket of m, shape) in CUDA
+    graphs of back-to-back calls over L2-busting copies of the fp8 weights, as calibrate_w4 does,
+    and keep the fastest. Returns {(m, N, K): (config, us)}."""
+    from salaserve.kernels.timing import graph_time_us
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    result = {}
+    for w in weights:
+        if w.format != "fp8" or w.in_features % ACT_BLOCK:
+            continue
+        N, K = w.out_features, w.in_features
+        n_copies = min(32, max(2, -(-(256 << 20) // w.weight.nbytes)))
+        copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n_copies)]
+        for m in m_values:
+            key = (triton.cdiv(m, 16), N, K, str(device))
+            if key in _W8A8_TABLE:
+                continue
+            x = torch.randn(m, K, device=device).to(torch.bfloat16)
+            best = None
+            for cfg in _w8a8_candidates(m, N, K, device):
+                t = graph_time_us(lambda i: w8a8_gemv(x, copies[i % n_copies], w.scale, config=cfg),
+                                  calls=max(8, n_copies))
+                if verbose:
+                    print(f"  w8a8 M={m} N={N} K={K} {cfg}: {t:.1f} us")
+                if best is None or t < best[1]:
+                    best = (cfg, t)
+            _W8A8_TABLE[key] = best[0]
+            result[(m, N, K)] = best
+        del copies
+    return result
+
+
+def w8a8_block_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Torch twin of w8a8_gemv: x quantized to e4m3 per (token, ACT_BLOCK channels), then
+    (q * sx) @ (W * scale)^T in fp32, returned in x.dtype."""
+    M, K = x.shape
+    xf = x.float().view(M, K // ACT_BLOCK, ACT_BLOCK)
+    sx = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)
+    q = (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return ((q * sx).view(M, K) @ w_fp8.float().t() * scale.float()).to(x.dtype)
+
+
 @triton.jit
 def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, FP8_MAX_C: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program: s = max(amax|x|, 1e-12) * (1/448), q = clamp(x / s) in e4m3 (two
@@ -815,7 +994,9 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     elif not use_kernels:
         y = linear_ref(x2, w)
     elif w.format == "fp8":
-        if M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
+        if M <= GEMV_MAX_M and FP8_DECODE == "w8a8" and K % ACT_BLOCK == 0:
+            y = w8a8_gemv(x2, w.weight, w.scale)
+        elif M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
             y = w8a16_gemv(x2, w.weight, w.scale)
         elif x2.is_cuda:
             y = fp8_scaled_mm(x2, w.weight, w.scale)

@@ -61,7 +61,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
         sizes and verify row counts (M up to 16), so `linear` takes the faster one (a few seconds,
         before graph capture); int4 weights (in `params`, the model's fused weights): the decode
-        FMA kernel's configs and splits among themselves."""
+        FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's."""
         gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
                            m_values=(1, 2, 4, 8, 16))
         w4 = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
@@ -71,6 +71,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
             unique = {(w.out_features, w.in_features, w.group_size): w for w in w4}
             calibrate_w4(list(unique.values()), device)
+        fp8 = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
+               if isinstance(w, QuantizedLinearWeights) and w.format == "fp8"]
+        if fp8:
+            from salaserve.kernels import quant_gemm
+
+            if quant_gemm.FP8_DECODE == "w8a8":
+                unique = {(w.out_features, w.in_features): w for w in fp8}
+                quant_gemm.calibrate_w8a8(list(unique.values()), device)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes: the GEMV or cuBLAS (calibrated); quantized weights:
