@@ -56,12 +56,14 @@ def test_store_kv_fp8_equals_pool_write():
     cfg = tiny_cfg()
     bs, hkv, d = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator().manual_seed(3)
-    batch = make_batch([(0, 40), (5, 3), (30, 1)], bs, 16, "cpu", seed=3)  # page starts inside and outside
+    # page starts inside and outside the step; a decode token opening a page (32, 1); a chunk
+    # whose last page gets one row (16, 17)
+    batch = make_batch([(0, 40), (5, 3), (30, 1), (32, 1), (16, 17)], bs, 24, "cpu", seed=3)
     n = int(batch.cu_seqlens_q[-1])
     k = torch.randn(n, hkv, d, generator=g) * torch.tensor([1.0, 20.0])[None, :, None]
     v = torch.randn(n, hkv, d, generator=g)
-    ref = KVPool(2, 16, bs, hkv, d, FP8, "cpu", compute_dtype=F32)
-    ours = KVPool(2, 16, bs, hkv, d, FP8, "cpu", compute_dtype=F32)
+    ref = KVPool(2, 24, bs, hkv, d, FP8, "cpu", compute_dtype=F32)
+    ours = KVPool(2, 24, bs, hkv, d, FP8, "cpu", compute_dtype=F32)
     ref.write(1, batch.slot_mapping, k, v)
     A.store_kv(ours, 1, k, v, batch)
     assert torch.equal(ours.k_scale, ref.k_scale) and torch.equal(ours.v_scale, ref.v_scale)

@@ -296,9 +296,12 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group", ["w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense", "w8a16", "w8a8", "dispatch"])
-def test_triton_kernels_match_reference_in_interpreter(group):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense",
+                                                                       "w8a16", "w8a8", "dispatch")]
+                         + [("dispatch", "w8a8")])
+def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
+    env = dict(os.environ, TRITON_INTERPRET="1", SALASERVE_FP8_DECODE=fp8_decode,
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "quant_kernel_checks.py"), group],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
