@@ -208,8 +208,8 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
 
 @pytest.mark.parametrize("width,warps", [(512, 4), (4096, 8), (8192, 8)])
 def test_topk_pages_kernel_compiles_for_sm90_without_spills(width, warps):
-    """The fused top-k kernel sorts a whole row in registers: compiled ahead of time for sm_90 at
-    the graph widths it serves (no GPU needed)."""
+    """The fused top-k kernel holds a whole row in registers: compiled ahead of time for sm_90 at
+    the graph widths it serves, with topk_pages' warp counts (no GPU needed)."""
     from kernel_checks import compile_sm90_without_spills
 
     from salaserve.kernels import sparse as S

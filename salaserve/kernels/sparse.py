@@ -356,10 +356,11 @@ def _topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: 
 # One Triton kernel instead of torch.topk + sort + ~8 small ops per sparse layer and decode step
 # (0.43 ms of a 5.6 ms eager batch-1 step at 128K, profiled). On by default since measured on the
 # H200: equal pages in the GPU tests, 128K graph step 5.890 -> 5.846 ms (docs/perf-notes.md: less
-# than the eager profile promised). SALASERVE_FUSED_TOPK=0 selects the torch path. Rows up to
-# FUSED_TOPK_MAX_BLOCKS blocks wide (a 512K context's 16384-block rows keep the torch path).
+# than the eager profile promised; the graph-replay profile then showed the kernel's row sort at
+# 74 us per call, replaced by a bitwise threshold search). SALASERVE_FUSED_TOPK=0 selects the
+# torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide (wider ones keep the torch path).
 FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
-FUSED_TOPK_MAX_BLOCKS = 8192
+FUSED_TOPK_MAX_BLOCKS = 8192  # W = 16384 (512K rows) spills registers even at 16 warps
 
 
 @triton.jit
@@ -384,10 +385,19 @@ def _topk_pages_kernel(
     keys = tl.load(keys_ptr + g * stride_kg + r.to(tl.int64) * stride_kt + j, mask=ok, other=lowest)
     keys = tl.where(ok, keys, lowest)
     n_ok = tl.sum(ok.to(tl.int32), axis=0)
-    lim = tl.minimum(limit, n_ok)
-    ranked = tl.sort(keys, dim=0, descending=True)
-    thr = tl.sum(tl.where(j == lim - 1, ranked, 0), axis=0)  # the lim-th largest key
-    sel = ok & (keys >= thr)  # lim >= 1: block 0 is always causal
+    lim = tl.minimum(limit, n_ok)  # >= 1: block 0 is always causal
+    # The lim-th largest key, found bit by bit from the top (32 counting passes over the row)
+    # instead of by sorting it: the bitonic tl.sort of a 4096-wide row (128K context) took 74 us
+    # per call on the H200, 0.6 ms of the 128K step. Keys are compared as unsigned after flipping
+    # the sign bit (order-preserving); masked entries become 0 and never reach a candidate (>= 1).
+    # No real key maps to 0 (that is key -2**31: the lowest score bits with block 65535), so
+    # `u >= thr` alone selects causal blocks, and `ok` need not stay live.
+    u = (keys ^ lowest).to(tl.uint32, bitcast=True)
+    thr = tl.sum(tl.zeros([W], dtype=tl.uint32), axis=0)  # 0, as a uint32 scalar
+    for b in tl.static_range(32):
+        cand = thr | (tl.full([], 1, tl.uint32) << (31 - b))
+        thr = tl.where(tl.sum((u >= cand).to(tl.int32), axis=0) >= lim, cand, thr)
+    sel = u >= thr  # exactly lim entries: the keys are unique
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     count = tl.sum(sel.to(tl.int32), axis=0)
     page = tl.load(page_table_ptr + r.to(tl.int64) * stride_pt + j, mask=sel, other=0)
@@ -417,9 +427,18 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     return out, count
 
 
+def decode_select_meta(seq_lens: torch.Tensor) -> tuple:
+    """What select_blocks_decode derives from seq_lens alone (int32 lengths, query positions, one
+    stage-1 tile per row): the same for every sparse layer of a step, so callers may compute it
+    once and pass it as `meta` (4 small kernels per layer otherwise)."""
+    seq_lens = seq_lens.to(torch.int32)
+    ar = torch.arange(seq_lens.shape[0], device=seq_lens.device, dtype=torch.int32)
+    return seq_lens, (seq_lens - 1).to(torch.int64), (ar, ar, torch.ones_like(ar))
+
+
 def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, page_table: torch.Tensor,
                          seq_lens: torch.Tensor, sc: SparseConfig, scale: float, max_sel: int,
-                         block_t: int = 1, bb: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                         block_t: int = 1, bb: int = 16, meta: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks to attend for one decode query per sequence (position seq_len - 1).
 
     q [B, Hq, d] (bf16/fp32); page_table [B, P] int32 (P is the static width, >= every
@@ -434,16 +453,13 @@ def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, p
         max_sel >= ceil((dense_len - 1) / block_size) (128 for the real config); a smaller max_sel
         serves sparse sequences only.
     CUDA-graph capturable: no host sync, every shape depends only on (B, P, max_sel).
+    meta: decode_select_meta(seq_lens), when the caller shares it across layers.
     """
     if max_sel < sc.topk_eff:
         raise ValueError(f"max_sel={max_sel} < topk_eff={sc.topk_eff}")
     B = q.shape[0]
     nb_out = page_table.shape[1]
-    dev = q.device
-    seq_lens = seq_lens.to(torch.int32)
-    positions = (seq_lens - 1).to(torch.int64)
-    ar = torch.arange(B, device=dev, dtype=torch.int32)
-    tiles = (ar, ar, torch.ones_like(ar))
+    seq_lens, positions, tiles = meta if meta is not None else decode_select_meta(seq_lens)
     keys = _stage1_keys(q, comp, layer, page_table, seq_lens, positions, tiles, B, 0, nb_out,
                         scale, block_t, bb)
     if FUSED_DECODE_TOPK and nb_out <= FUSED_TOPK_MAX_BLOCKS:

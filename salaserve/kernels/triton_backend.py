@@ -181,11 +181,17 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sc = cfg.sparse
         return max(sc.topk_eff, -(-(sc.dense_len - 1) // sc.block_size))
 
-    def select_blocks_decode(self, q, comp, layer, page_table, lens, cfg):
+    def select_blocks_decode(self, q, comp, layer, page_table, lens, cfg, derived=None, meta_key="select_meta"):
         """Graph-safe InfLLM-v2 selection for decode queries (its presence tells the graph runner
-        that sparse-mode decode can be captured)."""
+        that sparse-mode decode can be captured). derived: the step's shared dict, where the
+        length-derived metadata is computed once under meta_key."""
+        meta = None
+        if derived is not None:
+            if meta_key not in derived:
+                derived[meta_key] = sparse_ops.decode_select_meta(lens)
+            meta = derived[meta_key]
         return sparse_ops.select_blocks_decode(q, comp, layer, page_table, lens, cfg.sparse,
-                                               cfg.head_dim ** -0.5, self.max_decode_blocks(cfg))
+                                               cfg.head_dim ** -0.5, self.max_decode_blocks(cfg), meta=meta)
 
     def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
         return sparse_ops.sparse_attention(q, kv, comp, layer, batch, cfg)
@@ -204,7 +210,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sc, hkv = cfg.sparse, cfg.num_key_value_heads
         scale = cfg.head_dim ** -0.5
         if sparse:
-            table, count = self.select_blocks_decode(q, comp, layer, page_table, lens, cfg)
+            table, count = self.select_blocks_decode(q, comp, layer, page_table, lens, cfg, derived,
+                                                     f"{table_key}_select_meta")
         else:
             if table_key not in derived:  # once per step, shared by the sparse layers
                 derived[table_key] = attn.dense_block_table(page_table, lens, hkv, sc.block_size)
