@@ -386,7 +386,16 @@ def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_le
 
 
 def _part_topk() -> dict:
-    return {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
+    from salaserve.kernels import sparse as ks
+
+    res = {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
+    chunk = ks.TOPK_CHUNK
+    ks.TOPK_CHUNK = 16  # 40 blocks: the compaction in 4 chunks, as a 512K row runs it
+    try:
+        res.update({f"topk_pages_chunked_{s}": check_topk_pages(s) for s in range(2)})
+    finally:
+        ks.TOPK_CHUNK = chunk
+    return res
 
 
 PARTS = {"select": _part_select, "attention": _part_attention, "topk": _part_topk}

@@ -107,11 +107,13 @@ def test_sparse_attention_matches_torch_backend(interp, name):
     assert r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_fused_topk_pages_equals_torch_path(interp, seed):
+@pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_chunked_0",
+                                  "topk_pages_chunked_1"])
+def test_fused_topk_pages_equals_torch_path(interp, case):
     """The fused decode top-k kernel (SALASERVE_FUSED_TOPK=1) picks the same pages as the torch
-    path: forced and -inf blocks, ties, dense rows and rows shorter than top-k."""
-    r = interp[f"topk_pages_{seed}"]
+    path: forced and -inf blocks, ties, dense rows and rows shorter than top-k; also with the
+    compaction split into chunks (as at 512K)."""
+    r = interp[case]
     assert r["equal"], r
     assert any(c != [8, 8] for c in r["counts"])  # short and dense rows were in the case
 
@@ -206,7 +208,7 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
         assert torch.equal(count, want_count) and torch.equal(table, want_table)
 
 
-@pytest.mark.parametrize("width,warps", [(512, 4), (4096, 8), (8192, 8)])
+@pytest.mark.parametrize("width,warps", [(512, 4), (4096, 8), (8192, 8), (16384, 16)])
 def test_topk_pages_kernel_compiles_for_sm90_without_spills(width, warps):
     """The fused top-k kernel holds a whole row in registers: compiled ahead of time for sm_90 at
     the graph widths it serves, with topk_pages' warp counts (no GPU needed)."""
@@ -216,12 +218,13 @@ def test_topk_pages_kernel_compiles_for_sm90_without_spills(width, warps):
 
     i32 = "*i32"
     ptrs = dict(keys_ptr=i32, page_table_ptr=i32, seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32)
-    compile_sm90_without_spills(S._topk_pages_kernel, ptrs, dict(BS=64, W=width, MAX_SEL=128), warps, fp_fusion=True)
+    compile_sm90_without_spills(S._topk_pages_kernel, ptrs, dict(BS=64, W=width, MAX_SEL=128, CHUNK=min(width, S.TOPK_CHUNK)),
+                                warps, fp_fusion=True)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("nb", [272, 2064, 4112, 8192])
+@pytest.mark.parametrize("nb", [272, 2064, 4112, 8192, 8224])
 def test_gpu_fused_topk_pages(nb):
     """The fused decode top-k kernel at the real config and the graph widths it serves, against
     the torch path (what SALASERVE_FUSED_TOPK=1 switches)."""

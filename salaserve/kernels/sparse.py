@@ -357,10 +357,11 @@ def _topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: 
 # (0.43 ms of a 5.6 ms eager batch-1 step at 128K, profiled). On by default since measured on the
 # H200: equal pages in the GPU tests, 128K graph step 5.890 -> 5.846 ms (docs/perf-notes.md: less
 # than the eager profile promised; the graph-replay profile then showed the kernel's row sort at
-# 74 us per call, replaced by a bitwise threshold search). SALASERVE_FUSED_TOPK=0 selects the
-# torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide (wider ones keep the torch path).
+# 74 us per call, replaced by a bitwise threshold search: 11 us). SALASERVE_FUSED_TOPK=0 selects
+# the torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide (wider ones keep the torch path).
 FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
-FUSED_TOPK_MAX_BLOCKS = 8192  # W = 16384 (512K rows) spills registers even at 16 warps
+FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows (W = 16384 keys over 16 warps)
+TOPK_CHUNK = 4096  # blocks per compaction chunk
 
 
 @triton.jit
@@ -368,7 +369,7 @@ def _topk_pages_kernel(
     keys_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr,
+    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program (row r, KV head g): the packed keys of row r's blocks -> the page ids of its top
     `limit` causal blocks in ascending block order, zero-padded to MAX_SEL, and their count.
@@ -397,12 +398,20 @@ def _topk_pages_kernel(
     for b in tl.static_range(32):
         cand = thr | (tl.full([], 1, tl.uint32) << (31 - b))
         thr = tl.where(tl.sum((u >= cand).to(tl.int32), axis=0) >= lim, cand, thr)
-    sel = u >= thr  # exactly lim entries: the keys are unique
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    count = tl.sum(sel.to(tl.int32), axis=0)
-    page = tl.load(page_table_ptr + r.to(tl.int64) * stride_pt + j, mask=sel, other=0)
+    # Compaction (u >= thr: exactly lim entries, the keys being unique) in chunks of CHUNK blocks,
+    # the keys re-read from L2: at W = 16384 a whole-row cumsum with its 64-bit store addresses
+    # spilled registers.
     out_row = out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh
-    tl.store(out_row + pos, page, mask=sel)
+    count = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
+    for c0 in tl.static_range(0, W, CHUNK):
+        jc = c0 + tl.arange(0, CHUNK)
+        okc = (jc < nb) & (jc <= qb)
+        kc = tl.load(keys_ptr + g * stride_kg + r.to(tl.int64) * stride_kt + jc, mask=okc, other=lowest)
+        sel = (tl.where(okc, kc, lowest) ^ lowest).to(tl.uint32, bitcast=True) >= thr
+        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        page = tl.load(page_table_ptr + r.to(tl.int64) * stride_pt + jc, mask=sel, other=0)
+        tl.store(out_row + pos, page, mask=sel)
+        count += tl.sum(sel.to(tl.int32), axis=0)
     m = tl.arange(0, MAX_SEL)
     tl.store(out_row + m, tl.zeros([MAX_SEL], tl.int32), mask=(m >= count) & (m < max_sel))
     tl.store(count_ptr + r * stride_cb + g, count)
@@ -417,12 +426,13 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     count = torch.empty(B, hkv, dtype=torch.int32, device=keys.device)
     if B == 0:
         return out, count
+    W = triton.next_power_of_2(nb)
     _topk_pages_kernel[(B, hkv)](
         keys, page_table, seq_lens, out, count,
         keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
         nb, sc.dense_len, sc.topk_eff, max_sel,
-        BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=triton.next_power_of_2(max_sel),
-        num_warps=8 if nb > 2048 else 4,
+        BS=sc.block_size, W=W, MAX_SEL=triton.next_power_of_2(max_sel), CHUNK=min(W, TOPK_CHUNK),
+        num_warps=16 if nb > 8192 else 8 if nb > 2048 else 4,
     )
     return out, count
 
