@@ -64,21 +64,18 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's."""
         gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
                            m_values=(1, 2, 4, 8, 16))
-        w4 = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
-              if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16"]
+        quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
+                     if isinstance(w, QuantizedLinearWeights)]
+        if not quantized:
+            return
+        from salaserve.kernels import quant_gemm
+
+        w4 = {(w.out_features, w.in_features, w.group_size): w for w in quantized if w.format == "w4a16"}
         if w4:
-            from salaserve.kernels.quant_gemm import calibrate_w4
-
-            unique = {(w.out_features, w.in_features, w.group_size): w for w in w4}
-            calibrate_w4(list(unique.values()), device)
-        fp8 = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
-               if isinstance(w, QuantizedLinearWeights) and w.format == "fp8"]
-        if fp8:
-            from salaserve.kernels import quant_gemm
-
-            if quant_gemm.FP8_DECODE == "w8a8":
-                unique = {(w.out_features, w.in_features): w for w in fp8}
-                quant_gemm.calibrate_w8a8(list(unique.values()), device)
+            quant_gemm.calibrate_w4(list(w4.values()), device)
+        fp8 = {(w.out_features, w.in_features): w for w in quantized if w.format == "fp8"}
+        if fp8 and quant_gemm.FP8_DECODE == "w8a8":
+            quant_gemm.calibrate_w8a8(list(fp8.values()), device)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes: the GEMV or cuBLAS (calibrated); quantized weights:
