@@ -389,12 +389,12 @@ def _part_topk() -> dict:
     from salaserve.kernels import sparse as ks
 
     res = {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
-    chunk = ks.TOPK_CHUNK
-    ks.TOPK_CHUNK = 16  # 40 blocks: the compaction in 4 chunks, as a 512K row runs it
+    saved = ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT
+    ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = 16, 16  # 40 blocks: 3 segments (+1 empty) and a merge
     try:
-        res.update({f"topk_pages_chunked_{s}": check_topk_pages(s) for s in range(2)})
+        res.update({f"topk_pages_segmented_{s}": check_topk_pages(s) for s in range(2)})
     finally:
-        ks.TOPK_CHUNK = chunk
+        ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = saved
     return res
 
 

@@ -107,12 +107,12 @@ def test_sparse_attention_matches_torch_backend(interp, name):
     assert r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
 
 
-@pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_chunked_0",
-                                  "topk_pages_chunked_1"])
+@pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_segmented_0",
+                                  "topk_pages_segmented_1"])
 def test_fused_topk_pages_equals_torch_path(interp, case):
     """The fused decode top-k kernel (SALASERVE_FUSED_TOPK=1) picks the same pages as the torch
-    path: forced and -inf blocks, ties, dense rows and rows shorter than top-k; also with the
-    compaction split into chunks (as at 512K)."""
+    path: forced and -inf blocks, ties, dense rows and rows shorter than top-k; also through the
+    segment + merge kernels that wide rows (256K-512K contexts) take."""
     r = interp[case]
     assert r["equal"], r
     assert any(c != [8, 8] for c in r["counts"])  # short and dense rows were in the case
@@ -208,18 +208,28 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
         assert torch.equal(count, want_count) and torch.equal(table, want_table)
 
 
-@pytest.mark.parametrize("width,warps", [(512, 4), (4096, 8), (8192, 8), (16384, 16)])
-def test_topk_pages_kernel_compiles_for_sm90_without_spills(width, warps):
-    """The fused top-k kernel holds a whole row in registers: compiled ahead of time for sm_90 at
-    the graph widths it serves, with topk_pages' warp counts (no GPU needed)."""
+@pytest.mark.parametrize("kernel,width,warps", [("one_pass", 512, 4), ("one_pass", 4096, 8), ("segment", 2048, 8),
+                                                ("merge", 8 * 128, 4)])
+def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps):
+    """The fused top-k kernels hold a row (or segment, or the candidates) in registers: compiled
+    ahead of time for sm_90 at the widths topk_pages gives them, with its warp counts (no GPU)."""
     from kernel_checks import compile_sm90_without_spills
 
     from salaserve.kernels import sparse as S
 
     i32 = "*i32"
-    ptrs = dict(keys_ptr=i32, page_table_ptr=i32, seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32)
-    compile_sm90_without_spills(S._topk_pages_kernel, ptrs, dict(BS=64, W=width, MAX_SEL=128, CHUNK=min(width, S.TOPK_CHUNK)),
-                                warps, fp_fusion=True)
+    if kernel == "one_pass":
+        fn, ptrs, consts = S._topk_pages_kernel, dict(keys_ptr=i32, page_table_ptr=i32, seq_lens_ptr=i32,
+                                                       out_ptr=i32, count_ptr=i32), dict(BS=64, W=width, MAX_SEL=128)
+    elif kernel == "segment":
+        fn, ptrs, consts = S._topk_segment_kernel, dict(keys_ptr=i32, seq_lens_ptr=i32, cand_key_ptr=i32,
+                                                         cand_blk_ptr=i32), dict(BS=64, SEG=width, MAX_SEL=128)
+        assert width == S.TOPK_SEGMENT
+    else:
+        fn, ptrs, consts = S._topk_merge_kernel, dict(cand_key_ptr=i32, cand_blk_ptr=i32, page_table_ptr=i32,
+                                                       seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32), \
+            dict(BS=64, N_CAND=width, MAX_SEL=128)
+    compile_sm90_without_spills(fn, ptrs, consts, warps, fp_fusion=True)
 
 
 @pytest.mark.gpu

@@ -360,8 +360,53 @@ def _topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: 
 # 74 us per call, replaced by a bitwise threshold search: 11 us). SALASERVE_FUSED_TOPK=0 selects
 # the torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide (wider ones keep the torch path).
 FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
-FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows (W = 16384 keys over 16 warps)
-TOPK_CHUNK = 4096  # blocks per compaction chunk
+FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
+TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
+TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
+
+
+@triton.jit
+def _kth_largest(u, lim):
+    """The lim-th largest of the uint32 values u (lim >= 1; 0 entries never count), found bit by
+    bit from the top: 32 block-wide counting passes over registers. A bitonic tl.sort of a
+    4096-wide row took 74 us per call on the H200 (0.6 ms of the 128K step); this, 11 us."""
+    thr = tl.sum(tl.zeros_like(u), axis=0)  # 0, as a uint32 scalar
+    for b in tl.static_range(32):
+        cand = thr | (tl.full([], 1, tl.uint32) << (31 - b))
+        thr = tl.where(tl.sum((u >= cand).to(tl.int32), axis=0) >= lim, cand, thr)
+    return thr
+
+
+@triton.jit
+def _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS: tl.constexpr):
+    """(last causal block qb, how many blocks to select) of row r: topk_eff for sparse rows,
+    max_sel (every causal block) for dense ones, at most the causal count."""
+    L = tl.load(seq_lens_ptr + r)
+    qb = (L - 1) // BS
+    limit = tl.where(L >= dense_len, topk_eff, max_sel)
+    return qb, tl.minimum(limit, tl.minimum(nb, qb + 1))
+
+
+@triton.jit
+def _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt):
+    """Row r's keys at blocks j as uint32 in key order (sign bit flipped), 0 where not causal. No
+    real key maps to 0 (that is key -2**31: the lowest score bits with block 65535)."""
+    lowest = -2147483648
+    ok = (j < nb) & (j <= qb)
+    keys = tl.load(keys_ptr + g * stride_kg + r.to(tl.int64) * stride_kt + j, mask=ok, other=lowest)
+    return (tl.where(ok, keys, lowest) ^ lowest).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _write_pages(out_row, count_row, page_row, blk, sel, max_sel, MAX_SEL: tl.constexpr):
+    """The pages of the selected blocks (ascending in the input order) at out_row[0, count), 0
+    up to max_sel, and the count."""
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    count = tl.sum(sel.to(tl.int32), axis=0)
+    tl.store(out_row + pos, tl.load(page_row + blk, mask=sel, other=0), mask=sel)
+    m = tl.arange(0, MAX_SEL)
+    tl.store(out_row + m, tl.zeros([MAX_SEL], tl.int32), mask=(m >= count) & (m < max_sel))
+    tl.store(count_row, count)
 
 
 @triton.jit
@@ -369,7 +414,7 @@ def _topk_pages_kernel(
     keys_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr, CHUNK: tl.constexpr,
+    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr,
 ):
     """Program (row r, KV head g): the packed keys of row r's blocks -> the page ids of its top
     `limit` causal blocks in ascending block order, zero-padded to MAX_SEL, and their count.
@@ -377,62 +422,99 @@ def _topk_pages_kernel(
     choice as _topk_blocks: keys are unique, non-causal blocks rank below every causal one."""
     r = tl.program_id(0)
     g = tl.program_id(1)
-    L = tl.load(seq_lens_ptr + r)
-    qb = (L - 1) // BS
-    limit = tl.where(L >= dense_len, topk_eff, max_sel)
+    qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)  # lim >= 1: block 0 is causal
     j = tl.arange(0, W)
-    ok = (j < nb) & (j <= qb)
-    lowest = -2147483648
-    keys = tl.load(keys_ptr + g * stride_kg + r.to(tl.int64) * stride_kt + j, mask=ok, other=lowest)
-    keys = tl.where(ok, keys, lowest)
-    n_ok = tl.sum(ok.to(tl.int32), axis=0)
-    lim = tl.minimum(limit, n_ok)  # >= 1: block 0 is always causal
-    # The lim-th largest key, found bit by bit from the top (32 counting passes over the row)
-    # instead of by sorting it: the bitonic tl.sort of a 4096-wide row (128K context) took 74 us
-    # per call on the H200, 0.6 ms of the 128K step. Keys are compared as unsigned after flipping
-    # the sign bit (order-preserving); masked entries become 0 and never reach a candidate (>= 1).
-    # No real key maps to 0 (that is key -2**31: the lowest score bits with block 65535), so
-    # `u >= thr` alone selects causal blocks, and `ok` need not stay live.
-    u = (keys ^ lowest).to(tl.uint32, bitcast=True)
-    thr = tl.sum(tl.zeros([W], dtype=tl.uint32), axis=0)  # 0, as a uint32 scalar
-    for b in tl.static_range(32):
-        cand = thr | (tl.full([], 1, tl.uint32) << (31 - b))
-        thr = tl.where(tl.sum((u >= cand).to(tl.int32), axis=0) >= lim, cand, thr)
-    # Compaction (u >= thr: exactly lim entries, the keys being unique) in chunks of CHUNK blocks,
-    # the keys re-read from L2: at W = 16384 a whole-row cumsum with its 64-bit store addresses
-    # spilled registers.
-    out_row = out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh
-    count = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
-    for c0 in tl.static_range(0, W, CHUNK):
-        jc = c0 + tl.arange(0, CHUNK)
-        okc = (jc < nb) & (jc <= qb)
-        kc = tl.load(keys_ptr + g * stride_kg + r.to(tl.int64) * stride_kt + jc, mask=okc, other=lowest)
-        sel = (tl.where(okc, kc, lowest) ^ lowest).to(tl.uint32, bitcast=True) >= thr
-        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        page = tl.load(page_table_ptr + r.to(tl.int64) * stride_pt + jc, mask=sel, other=0)
-        tl.store(out_row + pos, page, mask=sel)
-        count += tl.sum(sel.to(tl.int32), axis=0)
+    u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
+    sel = u >= _kth_largest(u, lim)  # exactly lim entries: the keys are unique
+    _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
+                 page_table_ptr + r.to(tl.int64) * stride_pt, j, sel, max_sel, MAX_SEL)
+
+
+@triton.jit
+def _topk_segment_kernel(
+    keys_ptr, seq_lens_ptr, cand_key_ptr, cand_blk_ptr,
+    stride_kg, stride_kt, stride_cr, stride_cg,
+    nb, dense_len, topk_eff, max_sel,
+    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr,
+):
+    """Wide rows, first step. Program (row r, KV head g, segment s): the top `lim` keys of the
+    segment's blocks (lim as for the whole row; fewer when the segment has fewer causal blocks),
+    in ascending block order, with their block indices, at candidates [s * MAX_SEL, ...); the
+    rest of the segment's slots 0. Every key of the row's top lim is in its segment's top lim."""
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    seg = tl.program_id(2)
+    qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
+    j = seg * SEG + tl.arange(0, SEG)
+    u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
+    # lim_s = 0 only where the segment has no causal block (lim >= 1): then u > 0 selects nothing
+    lim_s = tl.minimum(lim, tl.sum((u > 0).to(tl.int32), axis=0))
+    sel = (u >= _kth_largest(u, tl.maximum(lim_s, 1))) & (u > 0)
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    row = r.to(tl.int64) * stride_cr + g * stride_cg + seg * MAX_SEL
+    tl.store(cand_key_ptr + row + pos, u.to(tl.int32, bitcast=True), mask=sel)
+    tl.store(cand_blk_ptr + row + pos, j, mask=sel)
     m = tl.arange(0, MAX_SEL)
-    tl.store(out_row + m, tl.zeros([MAX_SEL], tl.int32), mask=(m >= count) & (m < max_sel))
-    tl.store(count_ptr + r * stride_cb + g, count)
+    tl.store(cand_key_ptr + row + m, tl.zeros([MAX_SEL], tl.int32), mask=m >= tl.sum(sel.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _topk_merge_kernel(
+    cand_key_ptr, cand_blk_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
+    stride_cr, stride_cg, stride_pt, stride_ob, stride_oh, stride_cb,
+    nb, dense_len, topk_eff, max_sel,
+    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr,
+):
+    """Wide rows, second step. Program (row r, KV head g): the row's top lim among the segments'
+    candidates (segment by segment, each ascending: block order) -> pages, as _topk_pages_kernel."""
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    _, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
+    i = tl.arange(0, N_CAND)
+    row = r.to(tl.int64) * stride_cr + g * stride_cg
+    u = tl.load(cand_key_ptr + row + i).to(tl.uint32, bitcast=True)
+    sel = u >= _kth_largest(u, lim)
+    blk = tl.load(cand_blk_ptr + row + i, mask=sel, other=0)
+    _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
+                 page_table_ptr + r.to(tl.int64) * stride_pt, blk, sel, max_sel, MAX_SEL)
 
 
 def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sc: SparseConfig,
                max_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_blocks_decode's tail in one kernel: keys [Hkv, B, nb] int32 (packed), page_table
-    [B, >= nb] int32, seq_lens [B] -> (page ids [B, Hkv, max_sel] int32, counts [B, Hkv] int32)."""
+    """select_blocks_decode's tail: keys [Hkv, B, nb] int32 (packed), page_table [B, >= nb] int32,
+    seq_lens [B] -> (page ids [B, Hkv, max_sel] int32, counts [B, Hkv] int32). Rows up to
+    TOPK_ONE_PASS_BLOCKS wide in one kernel (one program per row and KV head); wider rows in
+    TOPK_SEGMENT-block segments, each program keeping its segment's best, then a merge: a single
+    program per row took 48 us at 512K (16384-wide rows) where the GPU has 132 SMs."""
     hkv, B, nb = keys.shape
     out = torch.empty(B, hkv, max_sel, dtype=torch.int32, device=keys.device)
     count = torch.empty(B, hkv, dtype=torch.int32, device=keys.device)
     if B == 0:
         return out, count
-    W = triton.next_power_of_2(nb)
-    _topk_pages_kernel[(B, hkv)](
-        keys, page_table, seq_lens, out, count,
-        keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-        nb, sc.dense_len, sc.topk_eff, max_sel,
-        BS=sc.block_size, W=W, MAX_SEL=triton.next_power_of_2(max_sel), CHUNK=min(W, TOPK_CHUNK),
-        num_warps=16 if nb > 8192 else 8 if nb > 2048 else 4,
+    max_sel_p2 = triton.next_power_of_2(max_sel)
+    limits = (nb, sc.dense_len, sc.topk_eff, max_sel)
+    if nb <= TOPK_ONE_PASS_BLOCKS:
+        _topk_pages_kernel[(B, hkv)](
+            keys, page_table, seq_lens, out, count,
+            keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
+            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2,
+            num_warps=8 if nb > 2048 else 4,
+        )
+        return out, count
+    n_seg = triton.next_power_of_2(triton.cdiv(nb, TOPK_SEGMENT))
+    cand_key = torch.empty(B, hkv, n_seg * max_sel_p2, dtype=torch.int32, device=keys.device)
+    cand_blk = torch.empty_like(cand_key)
+    _topk_segment_kernel[(B, hkv, n_seg)](
+        keys, seq_lens, cand_key, cand_blk,
+        keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1),
+        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2,
+        num_warps=8 if TOPK_SEGMENT > 1024 else 4,
+    )
+    _topk_merge_kernel[(B, hkv)](
+        cand_key, cand_blk, page_table, seq_lens, out, count,
+        cand_key.stride(0), cand_key.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
+        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2,
+        num_warps=4,
     )
     return out, count
 
