@@ -251,6 +251,84 @@ def test_cuda_graph_capture(M, pdl):
         assert torch.equal(a, b)
 
 
+def _unfused_chain(seed=0):
+    """The batch-1 engine's chain (the GEMVs do not fuse at one row): gemv -> add_rms_norm ->
+    gemv -> silu_mul -> gemv -> add_rms_norm -> gemv, and rms_norm / sigmoid_mul on the side.
+    Returns run() -> outputs, under whatever PDL switch is set."""
+    from salaserve.kernels import fused
+    from salaserve.kernels import gemv as G
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, device="cuda", generator=g)).to(bf)
+
+    h, a = rnd(1, 4096), rnd(1, 4096)
+    n1, n2 = rnd(4096, s=0.3) + 1, rnd(4096, s=0.3) + 1
+    wo, wgu, wd, wq = rnd(4096, 4096, s=1 / 64), rnd(32768, 4096, s=1 / 64), rnd(4096, 16384, s=1 / 128), \
+        rnd(8704, 4096, s=1 / 64)
+
+    def run():
+        h1, x1 = fused.add_rms_norm(h, G.gemv(a, wo), R, n1, EPS)
+        act = fused.silu_mul(G.gemv(x1, wgu))
+        h2, x2 = fused.add_rms_norm(h1, G.gemv(act, wd), R, n2, EPS)
+        q = G.gemv(x2, wq)
+        return h1, x1, act, h2, x2, q, fused.rms_norm(q[:, :4096], n1, EPS), fused.sigmoid_mul(q[:, :4096], q[:, 4096:8192])
+
+    return run
+
+
+@gpu
+@needs_cuda
+def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
+    """SALASERVE_PDL's switch also launches fused.py's row kernels with PDL: the batch-1 chain of
+    GEMVs and row kernels, captured and replayed with PDL on, equals the eager chain without it,
+    bit for bit (where the GPU cannot launch with PDL, both runs are plain)."""
+    from salaserve.kernels import _triton_utils as U
+
+    run = _unfused_chain()
+    try:
+        U.set_pdl(False)
+        eager = run()
+        U.set_pdl(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = run()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        U.set_pdl(False)
+    for x, y in zip(outs, eager):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", ["_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel"])
+def test_row_kernels_compile_with_and_without_pdl(name):
+    """fused.py's row kernels for sm_90: with PDL they signal and wait on the grid dependency, and
+    without it (the default) their code has neither."""
+    import triton.language as tl
+    from kernel_checks import compile_sm90_without_spills
+
+    from salaserve.kernels import fused
+
+    fn = getattr(fused, name)
+    consts = {"_rms_norm_kernel": dict(BLOCK=4096, X_DT=tl.bfloat16, OUT_DT=tl.bfloat16),
+              "_add_rms_norm_kernel": dict(BLOCK=4096, U_DT=tl.bfloat16, H_DT=tl.bfloat16, OUT_DT=tl.bfloat16),
+              "_silu_mul_kernel": dict(BLOCK=1024, DT=tl.bfloat16),
+              "_sigmoid_mul_kernel": dict(BLOCK=1024, G_DT=tl.bfloat16, OUT_DT=tl.bfloat16)}[name]
+    ptrs = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+    for pdl in (False, True):
+        ptx = compile_sm90_without_spills(fn, ptrs, dict(consts, PDL=pdl), 4).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+
+
 @gpu
 @needs_cuda
 def test_calibrate_and_linear():

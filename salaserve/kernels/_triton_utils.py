@@ -1,6 +1,9 @@
-"""Small helpers shared by the Triton kernels (dtype mapping, exact roundings)."""
+"""Small helpers shared by the Triton kernels (dtype mapping, exact roundings, the PDL switch)."""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -69,3 +72,53 @@ def round_to_e4m3(x):
     sub = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
     # the sign goes back on by its bit, so that values rounding to zero keep it (-0, as torch)
     return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.float32, bitcast=True)
+
+
+# ---- programmatic dependent launch (PDL, sm_90+): off by default, SALASERVE_PDL=1 or set_pdl(True)
+#
+# A kernel launched with PDL may start while the previous kernel in the stream is finishing: its
+# programs signal at their start that the next PDL kernel may launch (griddepcontrol.
+# launch_dependents) and wait (griddepcontrol.wait) before touching anything the previous kernels
+# wrote. The GEMVs load their first weight tile before the wait; the row kernels in fused.py wait
+# first. Kernels launched without it (cuBLAS, torch) keep plain stream order.
+
+_PDL = os.environ.get("SALASERVE_PDL", "0") == "1"
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the PDL-aware kernels (the GEMVs, fused.py's row kernels) with PDL where supported."""
+    global _PDL
+    _PDL = bool(enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: str) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether this device can launch with PDL (sm_90+, not the interpreter)."""
+    return _pdl_capable(str(device))
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches that do not say otherwise use PDL on this device."""
+    return _PDL and pdl_supported(device)
+
+
+def pdl_launch_kwargs(device: torch.device) -> dict:
+    """Launch arguments of a kernel with a `PDL` constexpr that calls pdl_wait_first: PDL on where
+    enabled, nothing otherwise (the constexpr defaults to off)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
+
+
+@triton.jit
+def pdl_wait_first(PDL: tl.constexpr):
+    """At a PDL kernel's start: let the next PDL kernel launch, then wait until the previous
+    kernels' writes are visible (for kernels whose every input may come from them)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -6,7 +6,9 @@
     sigmoid_mul(x, gate)                                x * torch.sigmoid(gate) (sparse o_gate)
 
 Each is one kernel, fp32 math, with the same intermediate roundings to the tensor dtypes as the
-torch expression it replaces (bf16 or fp32 inputs). Inputs are 2-D [N, D] (or anything that reshapes
+torch expression it replaces (bf16 or fp32 inputs). With SALASERVE_PDL=1 they are launched with
+programmatic dependent launch, like the GEMVs around them (_triton_utils: they wait for the
+previous kernels before reading anything). Inputs are 2-D [N, D] (or anything that reshapes
 to it without a copy for the norms) with a unit last-dim stride; rows may be strided (views into
 fused projection outputs). Outputs are new contiguous tensors. No host syncs: graph capturable.
 """
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import NO_FMA, promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import NO_FMA, pdl_launch_kwargs, pdl_wait_first, promote, round_to, rsqrt_rn, tl_dtype
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -47,7 +49,8 @@ def _normalize(h, w_ptr, cols, mask, n_cols, eps, H_DT: tl.constexpr, OUT_DT: tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-                     BLOCK: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr):
+                     BLOCK: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,14 +71,17 @@ def rms_norm(x, w, eps, *, num_warps: int | None = None):
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(n_rows,)](x2, w, out, x2.stride(0), out.stride(0), n_cols, float(eps),
                                     BLOCK=block, X_DT=tl_dtype(x.dtype), OUT_DT=tl_dtype(out_dt),
-                                    num_warps=num_warps or _norm_warps(block), **NO_FMA)
+                                    num_warps=num_warps or _norm_warps(block), **NO_FMA,
+                                    **pdl_launch_kwargs(x2.device))
     return out.view(*x.shape[:-1], n_cols)
 
 
 @triton.jit
 def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, stride_r, stride_u, stride_h, stride_out,
                          n_cols, scale, eps,
-                         BLOCK: tl.constexpr, U_DT: tl.constexpr, H_DT: tl.constexpr, OUT_DT: tl.constexpr):
+                         BLOCK: tl.constexpr, U_DT: tl.constexpr, H_DT: tl.constexpr, OUT_DT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -106,7 +112,8 @@ def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = Non
         _add_rms_norm_kernel[(n_rows,)](
             r2, u2, w, h, out, r2.stride(0), u2.stride(0), h.stride(0), out.stride(0), n_cols,
             float(scale), float(eps), BLOCK=block, U_DT=tl_dtype(update.dtype), H_DT=tl_dtype(h_dt),
-            OUT_DT=tl_dtype(out_dt), num_warps=num_warps or _norm_warps(block), **NO_FMA)
+            OUT_DT=tl_dtype(out_dt), num_warps=num_warps or _norm_warps(block), **NO_FMA,
+            **pdl_launch_kwargs(r2.device))
     shape = (*residual.shape[:-1], n_cols)
     return h.view(shape), out.view(shape)
 
@@ -118,7 +125,8 @@ def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = Non
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols,
-                     BLOCK: tl.constexpr, DT: tl.constexpr):
+                     BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -143,13 +151,14 @@ def silu_mul(gate_up, *, block: int = 1024, num_warps: int = 4):
         block = min(block, triton.next_power_of_2(f))
         _silu_mul_kernel[(n_rows, triton.cdiv(f, block))](
             x2, out, x2.stride(0), out.stride(0), f, BLOCK=block, DT=tl_dtype(gate_up.dtype),
-            num_warps=num_warps, **NO_FMA)
+            num_warps=num_warps, **NO_FMA, **pdl_launch_kwargs(x2.device))
     return out.view(*gate_up.shape[:-1], f)
 
 
 @triton.jit
 def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, stride_x, stride_g, stride_out, n_cols,
-                        BLOCK: tl.constexpr, G_DT: tl.constexpr, OUT_DT: tl.constexpr):
+                        BLOCK: tl.constexpr, G_DT: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -173,7 +182,8 @@ def sigmoid_mul(x, gate, *, block: int = 1024, num_warps: int = 4):
         block = min(block, triton.next_power_of_2(n_cols))
         _sigmoid_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
             x2, g2, out, x2.stride(0), g2.stride(0), out.stride(0), n_cols, BLOCK=block,
-            G_DT=tl_dtype(gate.dtype), OUT_DT=tl_dtype(out_dt), num_warps=num_warps, **NO_FMA)
+            G_DT=tl_dtype(gate.dtype), OUT_DT=tl_dtype(out_dt), num_warps=num_warps, **NO_FMA,
+            **pdl_launch_kwargs(x2.device))
     return out.view(*x.shape[:-1], n_cols)
 
 

@@ -51,9 +51,9 @@ With these, a decode layer's linears chain as gemv_rmsnorm(qkv) | attention | ge
 gemv_rmsnorm(gate_up) -> gemv_silu_mul(down, residual): the add_rms_norm and silu_mul kernels
 disappear (3 of the 7 linear-side kernels per layer).
 
-PDL (programmatic dependent launch, sm_90, off by default; `set_pdl(True)` or
-SALASERVE_GEMV_PDL=1): the kernel is launched so that it may start while the previous kernel in
-the stream is still finishing. The FMA path loads its first W tile (weights never depend on the
+PDL (programmatic dependent launch, sm_90, off by default; `set_pdl(True)` or SALASERVE_PDL=1,
+which also covers fused.py's row kernels): the kernel is launched so that it may start while the
+previous kernel in the stream is still finishing. The FMA path loads its first W tile (weights never depend on the
 previous kernel) and then waits (griddepcontrol.wait) before touching x, the residual, the output
 or the workspace; the DOT path waits first. Each program also signals at its start that the next
 PDL kernel may launch, so back-to-back GEMVs overlap one's ramp-up with the other's tail. The
@@ -76,12 +76,12 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import set_pdl  # noqa: F401  (the switch, shared with fused.py)
 from salaserve.kernels.timing import graph_time_us
 
 GEMV_MAX_M = 16  # largest M the GEMV is ever used for (x rows are all held by one program)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_PDL = os.environ.get("SALASERVE_GEMV_PDL", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)
 _NONE, _RMS, _SILU = 0, 1, 2
@@ -341,21 +341,6 @@ def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
     return FMA_CONFIGS.get(b, ()) + (DOT_CONFIGS if b > 8 else DOT_CONFIGS[:2])
 
 
-def set_pdl(enabled: bool) -> None:
-    """Launch the GEMVs with programmatic dependent launch (sm_90+; off on other GPUs)."""
-    global _PDL
-    _PDL = bool(enabled)
-
-
-def _pdl_supported(device: torch.device) -> bool:
-    return not _INTERPRET and device.type == "cuda" and _device_info(str(device))[1] >= 9
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches with pdl=None use PDL on this device."""
-    return _PDL and _pdl_supported(device)
-
-
 # ---------------------------------------------------------------------------------------------
 # Launch
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +406,7 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     tiles = triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     even_k = K % (split * cfg.block_k) == 0
-    use_pdl = (_PDL if pdl is None else bool(pdl)) and _pdl_supported(x.device)
+    use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
     kw = dict(launch_pdl=True) if use_pdl else {}
     _gemv_kernel[(tiles, split)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w, ws, cnt,
