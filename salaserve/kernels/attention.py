@@ -455,10 +455,7 @@ def _dense_prefill_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    if KV_FP8:
-        q = q.to(COMPUTE_DT)
-    else:
-        q = q.to(K_pool.dtype.element_ty)
+    q = q.to(COMPUTE_DT)  # the pool's dtype, or the dots' dtype for fp8 pools
     pos = cache_len + tok  # absolute position of each row's token
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -563,10 +560,7 @@ def _decode_split_kernel(
     head = g * GROUP + r
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if KV_FP8:
-        q = q.to(COMPUTE_DT)
-    else:
-        q = q.to(K_pool.dtype.element_ty)
+    q = q.to(COMPUTE_DT)  # the pool's dtype, or the dots' dtype for fp8 pools
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)

@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
 
 from salaserve.config import preset_config
 from salaserve.kernels import gemv as G
 from salaserve.kernels import quant_gemm as Q
-from salaserve.kernels.timing import graph_time_us
+from salaserve.kernels.timing import graph_time_us, l2_busting_count
 from salaserve.quant import rtn
 
 BANDWIDTH = 4.27e12
-L2_BUST = 256 << 20
 
 
 def _copies(make, nbytes):
-    return [make(i) for i in range(min(32, max(2, math.ceil(L2_BUST / nbytes))))]
+    return [make(i) for i in range(l2_busting_count(nbytes))]
 
 
 def _w4(N, K, seed):
@@ -164,7 +162,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant needs a CUDA GPU")
     cfg = preset_config("full")
-    shapes = [s for s in G.model_linear_shapes(cfg)]
+    shapes = list(G.model_linear_shapes(cfg))
     out = {"gpu": torch.cuda.get_device_name()}
     check_outputs(out)
     decode_table(shapes, args.m, out)

@@ -51,13 +51,14 @@ With these, a decode layer's linears chain as gemv_rmsnorm(qkv) | attention | ge
 gemv_rmsnorm(gate_up) -> gemv_silu_mul(down, residual): the add_rms_norm and silu_mul kernels
 disappear (3 of the 7 linear-side kernels per layer).
 
-PDL (programmatic dependent launch, sm_90, off by default; `set_pdl(True)` or SALASERVE_PDL=1,
-which also covers fused.py's row kernels): the kernel is launched so that it may start while the
-previous kernel in the stream is still finishing. The FMA path loads its first W tile (weights never depend on the
-previous kernel) and then waits (griddepcontrol.wait) before touching x, the residual, the output
-or the workspace; the DOT path waits first. Each program also signals at its start that the next
-PDL kernel may launch, so back-to-back GEMVs overlap one's ramp-up with the other's tail. The
-benchmark compares with and without.
+PDL (programmatic dependent launch, sm_90, off by default; SALASERVE_PDL=1 or
+`_triton_utils.set_pdl(True)`, which also cover fused.py's row kernels): the kernel is launched
+so that it may start while the previous kernel in the stream is still finishing. The FMA path
+loads its first W tile (weights never depend on the previous kernel) and then waits
+(griddepcontrol.wait) before touching x, the residual, the output or the workspace; the DOT path
+waits first. Each program also signals at its start that the next PDL kernel may launch, so
+back-to-back GEMVs overlap one's ramp-up with the other's tail. The benchmark compares with and
+without.
 
 Numerics: fp32 accumulation (FMA, or the tensor cores' fp32 accumulate), one rounding to bf16 at
 the end; the summation order differs from cuBLAS's, so results differ from `x @ w.t()` by about
@@ -68,7 +69,6 @@ the same config gives the same bits on every run, split-K included.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass, replace
 
@@ -77,8 +77,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn, tl_dtype
-from salaserve.kernels._triton_utils import set_pdl  # noqa: F401  (the switch, shared with fused.py)
-from salaserve.kernels.timing import graph_time_us
+from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M the GEMV is ever used for (x rows are all held by one program)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -508,12 +507,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-L2_BUST_BYTES = 256 << 20  # H200 L2 is 50 MB: cycle through this many bytes of weight copies
-
-
 def weight_copies(N: int, K: int, dtype, device, seed: int = 0) -> list[torch.Tensor]:
     """Enough distinct random [N, K] matrices that cycling through them never hits in L2."""
-    n = min(64, max(1, math.ceil(L2_BUST_BYTES / (N * K * torch.tensor([], dtype=dtype).element_size()))))
+    n = l2_busting_count(N * K * torch.tensor([], dtype=dtype).element_size(), least=1, most=64)
     g = torch.Generator(device=device).manual_seed(seed)
     return [(torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(n)]
 

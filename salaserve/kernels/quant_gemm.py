@@ -403,11 +403,17 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
 _W4_TABLE: dict[tuple, tuple] = {}
 
 
-def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
+def _device_key(device) -> str:
+    """The calibration tables' device name: "cuda" (the runner's device) and x.device ("cuda:0")
+    must meet."""
     d = torch.device(device)
-    if d.type == "cuda" and d.index is None:  # "cuda" (the runner's device) and x.device ("cuda:0") must meet
+    if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
-    return (bucket, w.out_features, w.in_features, w.group_size, str(d))
+    return str(d)
+
+
+def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
+    return (bucket, w.out_features, w.in_features, w.group_size, _device_key(device))
 
 
 def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
@@ -428,7 +434,7 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
     """Time every (config, split) of the decode FMA kernel per (M bucket, shape) in CUDA graphs of
     back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
     for w4a16_gemv_fma (a few seconds at start-up, before graph capture; GPU only)."""
-    from salaserve.kernels.timing import graph_time_us
+    from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
     device = torch.device(device)
     if device.type != "cuda":
@@ -441,7 +447,7 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
         todo = [m for m in m_values if _w4_key(m, w, device) not in _W4_TABLE]
         if not todo:
             continue
-        n_copies = min(32, max(2, -(-(256 << 20) // w.qweight.nbytes)))
+        n_copies = l2_busting_count(w.qweight.nbytes)
         copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1))
                   for _ in range(n_copies)]
         for m in todo:
@@ -813,17 +819,14 @@ _W8A8_GEMV = [
 ]
 
 
-def _w8a8_grid_split(M: int, N: int, K: int, block_n: int, device) -> int:
-    tiles = triton.cdiv(M, 16) * triton.cdiv(N, block_n)
-    want = max(1, SPLIT_K_CTAS_PER_SM * _sm_count(device) // tiles)
-    split = max(1, min(want, K // (2 * ACT_BLOCK), 32))
-    return 1 << (split.bit_length() - 1)
+def _w8a8_tiles(M: int, N: int, block_n: int) -> int:
+    return triton.cdiv(M, 16) * triton.cdiv(N, block_n)
 
 
 def _w8a8_launch(x, w_fp8, scale, out, block_n, split, num_warps, num_stages):
     M, K = x.shape
     N = w_fp8.shape[0]
-    tiles = triton.cdiv(M, 16) * triton.cdiv(N, block_n)
+    tiles = _w8a8_tiles(M, N, block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     _w8a8_gemv_kernel[(tiles, split)](
         x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0),
@@ -833,6 +836,10 @@ def _w8a8_launch(x, w_fp8, scale, out, block_n, split, num_warps, num_stages):
 
 # (M bucket, N, K, device) -> (BLOCK_N, split, warps, stages): the fastest config, timed once
 _W8A8_TABLE: dict[tuple, tuple] = {}
+
+
+def _w8a8_key(M: int, N: int, K: int, device) -> tuple:
+    return (triton.cdiv(M, 16), N, K, _device_key(device))
 
 
 def w8a8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, *, config: Optional[tuple] = None) -> torch.Tensor:
@@ -849,7 +856,7 @@ def w8a8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, *, conf
     if M == 0:
         return out
     if config is None:
-        key = (triton.cdiv(M, 16), N, K, str(x.device))  # x.device is "cuda:0"-style
+        key = _w8a8_key(M, N, K, x.device)
         config = _W8A8_TABLE.get(key)
         if config is None:
             config = _W8A8_TABLE[key] = _tune_w8a8(x, w_fp8, scale, out)
@@ -862,7 +869,7 @@ def _w8a8_candidates(M: int, N: int, K: int, device) -> list[tuple]:
     cands = []
     for c in _configs(_W8A8_GEMV):
         bn = c.kwargs["BLOCK_N"]
-        base = _w8a8_grid_split(M, N, K, bn, device)
+        base = _default_split_k(_w8a8_tiles(M, N, bn), K, device)
         for split in sorted({base, max(1, base // 2), min(32, base * 2)}):
             if K // split >= ACT_BLOCK:
                 cands.append((bn, split, c.num_warps, c.num_stages))
@@ -887,22 +894,20 @@ def calibrate_w8a8(weights, device, m_values=(1, 32), verbose: bool = False) -> 
     """Start-up (GPU only): time w8a8_gemv's candidates per (16-row bucket of m, shape) in CUDA
     graphs of back-to-back calls over L2-busting copies of the fp8 weights, as calibrate_w4 does,
     and keep the fastest. Returns {(m, N, K): (config, us)}."""
-    from salaserve.kernels.timing import graph_time_us
+    from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
     device = torch.device(device)
     if device.type != "cuda":
         return {}
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     result = {}
     for w in weights:
         if w.format != "fp8" or w.in_features % ACT_BLOCK:
             continue
         N, K = w.out_features, w.in_features
-        n_copies = min(32, max(2, -(-(256 << 20) // w.weight.nbytes)))
+        n_copies = l2_busting_count(w.weight.nbytes)
         copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n_copies)]
         for m in m_values:
-            key = (triton.cdiv(m, 16), N, K, str(device))
+            key = _w8a8_key(m, N, K, device)
             if key in _W8A8_TABLE:
                 continue
             x = torch.randn(m, K, device=device).to(torch.bfloat16)

@@ -10,6 +10,14 @@ import statistics
 
 import torch
 
+L2_BUST_BYTES = 256 << 20  # H200 L2 is 50 MB: timed calls cycle through this many bytes of copies
+
+
+def l2_busting_count(nbytes: int, least: int = 2, most: int = 32) -> int:
+    """How many distinct copies of an nbytes operand a timing loop cycles through so that no call
+    finds its operand in L2 (at least `least`, at most `most`)."""
+    return min(most, max(least, -(-L2_BUST_BYTES // nbytes)))
+
 
 def graph_time_us(fn, calls: int = 1, replays: int = 1, repeats: int = 5) -> float:
     """Microseconds per call of fn(i) (i = the call's index in the graph).
