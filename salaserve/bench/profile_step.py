@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             print("largest gaps (us, after -> before):")
             for g in r["gaps"][:8]:
                 print(f"{g['gap_us']:>9.1f}  {g['after'][:45]} -> {g['before'][:45]}")
-            results.append({"context": context, "total_us": r["busy_us"], "kernels": r["rows"], "graph": r})
+            results.append({"context": context, "total_us": r["busy_us"], "kernels": r.pop("rows"), "graph": r})
         else:
             rows = profile_step(runner, a.batch, context, a.verify_k)
             total = sum(r["total_us"] for r in rows)
