@@ -288,6 +288,7 @@ def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
     from salaserve.kernels import _triton_utils as U
 
     run = _unfused_chain()
+    before = U._PDL
     try:
         U.set_pdl(False)
         eager = run()
@@ -304,15 +305,15 @@ def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
             graph.replay()
         torch.cuda.synchronize()
     finally:
-        U.set_pdl(False)
+        U.set_pdl(before)
     for x, y in zip(outs, eager):
         assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("name", ["_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel"])
 def test_row_kernels_compile_with_and_without_pdl(name):
-    """fused.py's row kernels for sm_90: with PDL they signal and wait on the grid dependency, and
-    without it (the default) their code has neither."""
+    """fused.py's row kernels for sm_90: with PDL (the default) they signal and wait on the grid
+    dependency, and without it (SALASERVE_PDL=0) their code has neither."""
     import triton.language as tl
     from kernel_checks import compile_sm90_without_spills
 

@@ -51,8 +51,8 @@ With these, a decode layer's linears chain as gemv_rmsnorm(qkv) | attention | ge
 gemv_rmsnorm(gate_up) -> gemv_silu_mul(down, residual): the add_rms_norm and silu_mul kernels
 disappear (3 of the 7 linear-side kernels per layer).
 
-PDL (programmatic dependent launch, sm_90, off by default; SALASERVE_PDL=1 or
-`_triton_utils.set_pdl(True)`, which also cover fused.py's row kernels): the kernel is launched
+PDL (programmatic dependent launch, sm_90, on by default; SALASERVE_PDL=0 or
+`_triton_utils.set_pdl(False)` turn it off, for fused.py's row kernels too): the kernel is launched
 so that it may start while the previous kernel in the stream is still finishing. The FMA path
 loads its first W tile (weights never depend on the previous kernel) and then waits
 (griddepcontrol.wait) before touching x, the residual, the output or the workspace; the DOT path

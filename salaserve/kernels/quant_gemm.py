@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import round_to_e4m3
+from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_wait_first, round_to_e4m3
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -254,31 +254,58 @@ _w4a16_gemm_tuned = triton.autotune(configs=_configs(_W4_GEMM), key=["m_bucket",
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
 #
 # At M = 1 the int4 GEMV is bound by instruction issue, not only by bytes: 8.9 G nibbles per
-# decode step against ~33 T lane-instructions/s leaves ~4 instructions per nibble for a 1 ms step.
-# The kernel above spends ~5 (shift, and, or, fsub of the zero, fma, plus per-nibble scale work).
-# This one spends ~3: each nibble goes straight into an fp32 mantissa as 1 + q/16,
-#     bits = ((w << (19 - 4j)) & 0x00780000) | 0x3F800000      (shift, one lop3)
-# and is multiplied into the accumulator as is (one fma). The zero point and the 1 come out once
-# per packed row and group:  sum x (q - z) = 16 * sum x (1 + q/16) - (16 + z) * sum x.
-# The subtraction loses a few of fp32's 24 bits (the terms are ~16x the result at worst), far
-# below the bf16 output's 8. GPTQ layout as stored (qweight [K/8, N], 4 columns per 16-byte vector),
-# one group per K tile (BLOCK_R * 8 divides the group size), x read through perm for act-order.
+# decode step against ~33 T lane-instructions/s (4 schedulers x 32 lanes x 132 SMs x ~2 GHz)
+# leaves ~4 instructions per nibble for a 1 ms step. So each nibble goes straight into an fp32
+# mantissa, with no int->float convert and no zero subtraction per weight. A packed word is
+# shifted 4 times (by 8t - 15 bits, t = 0..3) so that nibbles 2t and 2t + 1 land on bits 15..18
+# and 19..22; one lop3 each then makes
+#     lo = 16 + q/16 = (bits & 0x00078000) | 0x41800000,   hi = 1 + q/16 = (bits & 0x00780000) | 0x3F800000
+# and one fma multiplies it into the accumulator: ~2.5 instructions per nibble. The constant
+# parts come out once per packed row and group:
+#     sum x (q - z) = 16 * part - (256 + z) * sum x_lo - (16 + z) * sum x_hi.
+# The subtraction costs ~8 of fp32's 24 bits (terms up to ~256x the result), far below the bf16
+# output's 8. bf16 x is read as int32 pairs (x[k], x[k+1] = lo and hi of the same shift), one
+# load and two bit operations per pair. GPTQ layout as stored (qweight [K/8, N], 4 columns per
+# 16-byte vector), one group per K tile (BLOCK_R * 8 divides the group size), x read through
+# perm for act-order.
 
 
 @triton.jit
-def _w4_row_update(acc, part, xs, zc, s):
-    """acc += s * sum x (q - z) of one row's tile, from part = sum x (1 + q/16) and xs = sum x."""
-    return acc + s[None, :] * (16.0 * part - zc[None, :] * xs[:, None])
+def _x_pair(x_row, x_pairs, rows, t: tl.constexpr, perm_ptr, mask, X_PAIRS: tl.constexpr, X_PERM: tl.constexpr):
+    """x[8r + 2t], x[8r + 2t + 1] of packed rows r as fp32 (through perm when X_PERM)."""
+    if X_PAIRS:  # bf16, contiguous: one int32 holds both; bf16 -> fp32 is a 16-bit shift
+        u = tl.load(x_pairs + rows * 4 + t, mask=mask, other=0)
+        return (u << 16).to(tl.float32, bitcast=True), (u & -65536).to(tl.float32, bitcast=True)
+    ka = rows * 8 + 2 * t
+    kb = ka + 1
+    if X_PERM:
+        ka = tl.load(perm_ptr + ka, mask=mask, other=0)
+        kb = tl.load(perm_ptr + kb, mask=mask, other=0)
+    xa = tl.load(x_row + ka, mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(x_row + kb, mask=mask, other=0.0).to(tl.float32)
+    return xa, xb
+
+
+@triton.jit
+def _w4_row_update(acc, part, xa_sum, xb_sum, zp, s):
+    """acc += s * sum x (q - z) of one x row's tile, from part = sum x_lo (16 + q/16) + x_hi (1 + q/16)
+    and the x sums of the lo and hi nibbles (per packed row)."""
+    c = 256.0 * xa_sum + 16.0 * xb_sum
+    xs = xa_sum + xb_sum
+    return acc + s[None, :] * (16.0 * part - c[:, None] - zp[None, :] * xs[:, None])
 
 
 @triton.jit
 def _w4_gemv_fma_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, perm_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_om, stride_zg,
+    magic_lo, magic_hi,  # W4_MAGIC_LO / W4_MAGIC_HI (runtime values so that they stay in registers)
     GROUP_SIZE: tl.constexpr, X_PERM: tl.constexpr,
+    X_PAIRS: tl.constexpr,  # x is bf16 with even row stride and no perm: read it as int32 pairs
     BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x, each with its own 2-D accumulator
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,  # BLOCK_R packed rows (BLOCK_R * 8 channels) per tile
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     # Everything stays 2-D [BLOCK_R, BLOCK_N] in qweight's layout, and x's values arrive as [BLOCK_R]
     # slices of it: no layout conversion (shared memory) inside the loop.
@@ -291,9 +318,21 @@ def _w4_gemv_fma_kernel(
     n_mask = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
     w_cols = qweight_ptr + offs_n[None, :]  # [1, BN]
-    x_row = x_ptr
+    x0_row = x_ptr
+    x1_row = x_ptr + stride_xm
+    x2_row = x_ptr + 2 * stride_xm
+    x3_row = x_ptr + 3 * stride_xm
+    x0_pairs = x0_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    x1_pairs = x1_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    x2_pairs = x2_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    x3_pairs = x3_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    if PDL:  # the next PDL kernel may start launching now
+        tl.extra.cuda.gdc_launch_dependents()
     rows = r_begin + offs_r
+    # first weight tile before the dependency wait: weights never depend on the previous kernel
     w = tl.load(w_cols + rows[:, None].to(tl.int64) * N, mask=(rows[:, None] < r_end) & n_mask[None, :], other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     acc0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -307,45 +346,55 @@ def _w4_gemv_fma_kernel(
                          other=0)
         g = (r0 * 8) // GROUP_SIZE
         s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        zp = (tl.load(qzeros_ptr + g * stride_zg + offs_n // 8, mask=n_mask, other=0) >> ((offs_n % 8) * 4)) & 0xF
-        zc = 16.0 + zp.to(tl.float32)
+        zp = ((tl.load(qzeros_ptr + g * stride_zg + offs_n // 8, mask=n_mask, other=0) >> ((offs_n % 8) * 4))
+              & 0xF).to(tl.float32)
         part0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         part1 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         part2 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         part3 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        xs0 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        xs1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        xs2 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        xs3 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for j in tl.static_range(8):
-            kk = rows * 8 + j
-            if X_PERM:
-                kk = tl.load(perm_ptr + kk, mask=r_mask, other=0)
-            if 4 * j <= 19:
-                bits = w << (19 - 4 * j)
+        xa0 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xb0 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xa1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xb1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xa2 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xb2 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xa3 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        xb3 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for t in tl.static_range(4):
+            if t < 2:
+                bits = w << (15 - 8 * t)
             else:
-                bits = w >> (4 * j - 19)
-            wj = ((bits & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
-            x0 = tl.load(x_row + kk, mask=r_mask, other=0.0).to(tl.float32)
-            xs0 += x0
-            part0 += x0[:, None] * wj
+                bits = w >> (8 * t - 15)
+            w_lo = ((bits & 0x00078000) | magic_lo).to(tl.float32, bitcast=True)  # 16 + q/16, q = nibble 2t
+            w_hi = ((bits & 0x00780000) | magic_hi).to(tl.float32, bitcast=True)  # 1 + q/16, q = nibble 2t+1
+            xa, xb = _x_pair(x0_row, x0_pairs, rows, t, perm_ptr, r_mask, X_PAIRS, X_PERM)
+            xa0 += xa
+            xb0 += xb
+            part0 += xa[:, None] * w_lo
+            part0 += xb[:, None] * w_hi  # two fmas (a sum of products would add an fadd)
             if BLOCK_M >= 2:
-                x1 = tl.load(x_row + stride_xm + kk, mask=r_mask & (offs_r * 0 + 1 < M), other=0.0).to(tl.float32)
-                xs1 += x1
-                part1 += x1[:, None] * wj
+                xa, xb = _x_pair(x1_row, x1_pairs, rows, t, perm_ptr, r_mask & (offs_r * 0 + 1 < M), X_PAIRS, X_PERM)
+                xa1 += xa
+                xb1 += xb
+                part1 += xa[:, None] * w_lo
+                part1 += xb[:, None] * w_hi  # two fmas (a sum of products would add an fadd)
             if BLOCK_M >= 4:
-                x2 = tl.load(x_row + 2 * stride_xm + kk, mask=r_mask & (offs_r * 0 + 2 < M), other=0.0).to(tl.float32)
-                xs2 += x2
-                part2 += x2[:, None] * wj
-                x3 = tl.load(x_row + 3 * stride_xm + kk, mask=r_mask & (offs_r * 0 + 3 < M), other=0.0).to(tl.float32)
-                xs3 += x3
-                part3 += x3[:, None] * wj
-        acc0 = _w4_row_update(acc0, part0, xs0, zc, s)
+                xa, xb = _x_pair(x2_row, x2_pairs, rows, t, perm_ptr, r_mask & (offs_r * 0 + 2 < M), X_PAIRS, X_PERM)
+                xa2 += xa
+                xb2 += xb
+                part2 += xa[:, None] * w_lo
+                part2 += xb[:, None] * w_hi  # two fmas (a sum of products would add an fadd)
+                xa, xb = _x_pair(x3_row, x3_pairs, rows, t, perm_ptr, r_mask & (offs_r * 0 + 3 < M), X_PAIRS, X_PERM)
+                xa3 += xa
+                xb3 += xb
+                part3 += xa[:, None] * w_lo
+                part3 += xb[:, None] * w_hi  # two fmas (a sum of products would add an fadd)
+        acc0 = _w4_row_update(acc0, part0, xa0, xb0, zp, s)
         if BLOCK_M >= 2:
-            acc1 = _w4_row_update(acc1, part1, xs1, zc, s)
+            acc1 = _w4_row_update(acc1, part1, xa1, xb1, zp, s)
         if BLOCK_M >= 4:
-            acc2 = _w4_row_update(acc2, part2, xs2, zc, s)
-            acc3 = _w4_row_update(acc3, part3, xs3, zc, s)
+            acc2 = _w4_row_update(acc2, part2, xa2, xb2, zp, s)
+            acc3 = _w4_row_update(acc3, part3, xa3, xb3, zp, s)
         w = w_next
     # rows of the output tile: [BLOCK_M, BLOCK_N] from the per-row sums over K
     offs_m = tl.arange(0, BLOCK_M)
@@ -359,10 +408,14 @@ def _w4_gemv_fma_kernel(
     _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
+# fp32 sign/exponent bits of 16 and 1: OR-ed over a nibble at mantissa bits 15..18 / 19..22 they
+# read 16 + q/16 and 1 + q/16. Passed as kernel arguments, not literals: as literals ptxas
+# re-materialises them with a MOV before every lop3 (one more instruction per nibble, sm_90 SASS)
+W4_MAGIC_LO, W4_MAGIC_HI = 0x41800000, 0x3F800000
 W4_FMA_MAX_M = 4  # above, the per-row accumulators crowd the registers: the tl.dot kernel
 # (BLOCK_N, BLOCK_R, num_warps) per M bucket; each checked by an sm_90 compile (no spills)
 W4_FMA_CONFIGS = {
-    1: ((128, 16, 4), (64, 16, 4), (128, 8, 4), (256, 16, 8)),
+    1: ((128, 16, 4), (64, 16, 4), (128, 8, 4), (256, 16, 8), (256, 8, 8)),
     2: ((128, 8, 4), (64, 16, 4)),
     4: ((64, 8, 4), (128, 4, 4)),
 }
@@ -391,11 +444,12 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     split = split_k or _default_split_k(tiles, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    x_pairs = x.dtype == torch.bfloat16 and w.perm is None and x.stride(0) % 2 == 0
     _w4_gemv_fma_kernel[(tiles, split)](
         x, w.qweight, w.qzeros, w.scales, w.perm if w.perm is not None else w.qzeros, out, ws, cnt,
-        M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
-        GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        SPLIT_K=split, num_warps=warps)
+        M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0), W4_MAGIC_LO, W4_MAGIC_HI,
+        GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, X_PAIRS=x_pairs, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=block_r, SPLIT_K=split, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out
 
 
@@ -545,7 +599,9 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs: its tl.dot misreads bf16 operands
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils): wait before any access
 ):
+    pdl_wait_first(PDL)
     pid_m, pid_n, tile = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_begin, k_end = _split_range(K, SPLIT_K, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -758,9 +814,10 @@ def w8a16_gemv(
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=_INTERPRET and block_m > 1)
     grid = (tiles, split)
     if block_k is None:
-        (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta)
+        (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta,
+                                                                                  **pdl_launch_kwargs(x.device))
     else:
-        _w8a16_kernel[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps)
+        _w8a16_kernel[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch_kwargs(x.device))
     return out
 
 
