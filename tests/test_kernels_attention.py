@@ -402,6 +402,14 @@ else:
                                      dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128), num_warps=4)[1])
         for res in results:
             assert "STACK:0 " in res and "LOCAL:0 " in res, res
+        # programmatic dependent launch (on by default): the decode kernels signal and wait
+        dec, _ = _compile_sm90(A._decode_split_kernel, dec_ptrs,
+                               dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
+                                    PDL=True, **fp8_kw), **A.DECODE_CONFIG)
+        red, _ = _compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
+                               dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128, PDL=True), num_warps=4)
+        for k in (dec, red):
+            assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]
 
     def test_attention_kernels_under_interpreter():
         env = dict(os.environ, TRITON_INTERPRET="1")

@@ -82,6 +82,17 @@ def test_kernel_compiles_for_sm90_without_spills(name):
     compile_sm90_without_spills(fn, ptrs, constexprs, warps)
 
 
+@pytest.mark.parametrize("name", ["decode_bv64", "output"])
+def test_decode_kernels_compile_with_pdl(name):
+    """The Lightning decode kernels take part in programmatic dependent launch (on by default):
+    with PDL their sm_90 code signals the next launch and waits on the previous grid."""
+    from kernel_checks import compile_sm90_without_spills
+
+    fn, ptrs, constexprs, warps = _compile_cases()[name]
+    ptx = compile_sm90_without_spills(fn, ptrs, dict(constexprs, PDL=True), warps).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
 # ---------------------------------------------------------------------------------------------
 # gla_prefill glue on CPU, with fla replaced by reference-based fakes
 # ---------------------------------------------------------------------------------------------

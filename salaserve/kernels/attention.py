@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from salaserve.cache.pages import FP8_HEADROOM as _PAGES_FP8_HEADROOM
-from salaserve.kernels._triton_utils import round_to, round_to_e4m3, tl_dtype
+from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_wait_first, round_to, round_to_e4m3, tl_dtype
 
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # largest e4m3 value (constexprs: read inside kernels)
@@ -108,7 +108,9 @@ def _store_kv_kernel(
     K_new, V_new, K_pool, V_pool, slot_mapping,
     stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     # One program per new token: its K and V rows ([Hkv, d] each) go to pool slot
     # `slot_mapping[t]` (= page * block_size + offset). A negative slot marks a padded token of a
     # captured decode batch and is skipped.
@@ -191,7 +193,9 @@ def _store_kv_fp8_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     # One program per new token, KVPool.write's semantics in one launch (graph-safe, no torch ops):
     # a page whose first slot is written in this step gets a fresh scale, per KV head, from the
     # amax of this step's tokens of that page x FP8_HEADROOM / 448. Those tokens are consecutive
@@ -254,14 +258,14 @@ def store_kv(kv_pool, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> No
             k, v, kp, vp, batch.slot_mapping, kv_pool.k_scale[layer], kv_pool.v_scale[layer], n,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_SIZE=kp.shape[1],
-            ROWS=min(16, kp.shape[1]), num_warps=4,
+            ROWS=min(16, kp.shape[1]), num_warps=4, **pdl_launch_kwargs(k.device),
         )
         return
     _store_kv_kernel[(n,)](
         k, v, kp, vp, batch.slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
-        num_warps=1 if hkv * d <= 512 else 4,
+        num_warps=1 if hkv * d <= 512 else 4, **pdl_launch_kwargs(k.device),
     )
 
 
@@ -310,7 +314,9 @@ def _update_compressed_kernel(
     K2: tl.constexpr, S2: tl.constexpr, PER2: tl.constexpr, CH2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     # Grid (B, n_progs): program (b, e) writes the new entries first+e, first+e+n_progs, ... of
     # sequence b at both levels. The grid is fixed; whether there is anything to write is decided
     # here from seq_lens/cache_lens (a decode step writes at most one entry per level).
@@ -367,7 +373,7 @@ def update_compressed(kv_pool, comp_pool, layer: int, batch, max_new_entries: in
         K2=k2, S2=s2, PER2=comp_pool.c2_per_page, CH2=min(triton.next_power_of_2(k2), 32),
         BLOCK_SIZE=block_size, HD=hkv * d, BLOCK_HD=triton.next_power_of_2(hkv * d),
         KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
-        num_warps=4,
+        num_warps=4, **pdl_launch_kwargs(kp.device),
     )
 
 
@@ -539,7 +545,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
     # (b, g) and attends the GROUP query heads of KV head g (rows of an M = BLOCK_G >= 16 tile)
     # over them. With one split it writes the output; otherwise a normalised partial output and
@@ -605,7 +613,9 @@ def _decode_reduce_kernel(
     O_part, LSE_part, Out,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     # Grid (B, Hq): merge the splits of one (sequence, head) by their log2-sum-exp weights.
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -669,7 +679,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
         COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, hq)](
@@ -677,7 +687,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
-            num_warps=4 if d >= 128 else 1,
+            num_warps=4 if d >= 128 else 1, **pdl_launch_kwargs(out.device),
         )
     return out
 

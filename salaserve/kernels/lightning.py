@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import NO_FMA, promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import (NO_FMA, pdl_launch_kwargs, pdl_wait_first, promote, round_to, rsqrt_rn,
+                                             tl_dtype)
 
 # ---------------------------------------------------------------------------------------------
 # RoPE frequencies
@@ -93,7 +94,9 @@ def _decode_step_kernel(
     scale, eps,
     HALF: tl.constexpr, BLOCK_V: tl.constexpr,
     X_DT: tl.constexpr, QN_DT: tl.constexpr, KN_DT: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     # grid (B, H, D // BLOCK_V): each program owns a [D, BLOCK_V] column block of one head's state,
     # so B=1 x 32 heads still spreads over >100 SMs. Every program recomputes the (cheap) full
     # normalised q and k of its head.
@@ -202,7 +205,7 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
         HALF=d // 2, BLOCK_V=bv,
         X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(promote(q.dtype, q_norm_w.dtype)),
         KN_DT=tl_dtype(promote(k.dtype, k_norm_w.dtype)),
-        num_warps=num_warps or _pick_warps(bv), **NO_FMA,
+        num_warps=num_warps or _pick_warps(bv), **NO_FMA, **pdl_launch_kwargs(q.device),
     )
     return o
 
@@ -269,7 +272,9 @@ def _output_kernel(
     o_ptr, w_ptr, z_ptr, out_ptr, stride_o, stride_z, stride_out, n_cols, eps,
     BLOCK: tl.constexpr, O_DT: tl.constexpr, NORM_DT: tl.constexpr, Z_DT: tl.constexpr,
     OUT_DT: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
+    pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -310,6 +315,7 @@ def lightning_output(o, o_norm_w, z, eps, dtype, *, num_warps: int | None = None
         o2, o_norm_w, z, out, o2.stride(0), z.stride(0), out.stride(0), n_cols, float(eps),
         BLOCK=block, O_DT=tl_dtype(dtype), NORM_DT=tl_dtype(norm_dt), Z_DT=tl_dtype(z.dtype),
         OUT_DT=tl_dtype(out_dt), num_warps=num_warps or (8 if block >= 2048 else 4), **NO_FMA,
+        **pdl_launch_kwargs(o2.device),
     )
     return out
 

@@ -38,7 +38,7 @@ from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import ModelConfig, SparseConfig
 from salaserve.engine.batch import ForwardBatch
-from salaserve.kernels._triton_utils import tl_dtype
+from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_wait_first, tl_dtype
 from salaserve.kernels.attention import _load_kv, _pool_args
 
 LOG2E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
@@ -104,10 +104,12 @@ def _stage1_lse_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, K2: tl.constexpr, S2: tl.constexpr, C2PP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Partial log-sum-exp (base 2, online max / sum) of s*q_h.C2[i] over one range of C2 entries,
     for every (token, head) row of a tile and KV head g. Partials are merged by the next kernel,
     so decode at batch 1 can spread a long C2 list over many programs."""
+    pdl_wait_first(PDL)
     pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
         tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
@@ -168,6 +170,7 @@ def _stage1_block_keys_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     BB: tl.constexpr, C1PB: tl.constexpr, PAD: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
     BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Packed block keys [Hkv, tokens, nb_out] for the blocks [pid_split * blocks_per_split, ...)
     of a tile of tokens, KV head g.
@@ -178,6 +181,7 @@ def _stage1_block_keys_kernel(
     of the step only donates those entries. Steps are independent (no carry), which lets decode
     split one sequence's blocks over many programs.
     """
+    pdl_wait_first(PDL)
     pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
         tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
@@ -305,7 +309,7 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
         q.stride(0), q.stride(1), c2.stride(0), c2.stride(1), c2.stride(2), page_table.stride(0),
         m_part.stride(0), m_part.stride(1), qk_scale2, per2, tok_base,
         GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BLOCK_N=block_n2, K2=sc.c2_kernel_size,
-        S2=sc.c2_kernel_stride, C2PP=comp.c2_per_page, DOT_PREC=prec)
+        S2=sc.c2_kernel_stride, C2PP=comp.c2_per_page, DOT_PREC=prec, **pdl_launch_kwargs(q.device))
 
     keys = torch.empty(hkv, n_rows, nb_out, dtype=torch.int32, device=q.device)
     per1, n_split1 = _split(nb_out, n_tiles * hkv, bb - 1)
@@ -316,7 +320,8 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
         qk_scale2, n_split2, nb_out, per1, tok_base, sc.dense_len,
         GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BB=bb, C1PB=c1pb, PAD=sc.pool_padding,
         K1=sc.kernel_size, S1=sc.kernel_stride, BS=sc.block_size, INIT=sc.init_blocks,
-        LOCAL=sc.local_blocks, DOT_PREC=prec, num_warps=8 if block_t * gp * bb * c1pb > 4096 else 4)
+        LOCAL=sc.local_blocks, DOT_PREC=prec, num_warps=8 if block_t * gp * bb * c1pb > 4096 else 4,
+        **pdl_launch_kwargs(q.device))
     return keys
 
 
@@ -415,11 +420,13 @@ def _topk_pages_kernel(
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
     BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Program (row r, KV head g): the packed keys of row r's blocks -> the page ids of its top
     `limit` causal blocks in ascending block order, zero-padded to MAX_SEL, and their count.
     limit = topk_eff for sparse rows, max_sel (every causal block) for dense ones. The same
     choice as _topk_blocks: keys are unique, non-causal blocks rank below every causal one."""
+    pdl_wait_first(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)  # lim >= 1: block 0 is causal
@@ -436,11 +443,13 @@ def _topk_segment_kernel(
     stride_kg, stride_kt, stride_cr, stride_cg,
     nb, dense_len, topk_eff, max_sel,
     BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, first step. Program (row r, KV head g, segment s): the top `lim` keys of the
     segment's blocks (lim as for the whole row; fewer when the segment has fewer causal blocks),
     in ascending block order, with their block indices, at candidates [s * MAX_SEL, ...); the
     rest of the segment's slots 0. Every key of the row's top lim is in its segment's top lim."""
+    pdl_wait_first(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     seg = tl.program_id(2)
@@ -464,9 +473,11 @@ def _topk_merge_kernel(
     stride_cr, stride_cg, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
     BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, second step. Program (row r, KV head g): the row's top lim among the segments'
     candidates (segment by segment, each ascending: block order) -> pages, as _topk_pages_kernel."""
+    pdl_wait_first(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     _, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
@@ -498,7 +509,7 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
             keys, page_table, seq_lens, out, count,
             keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
             *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2,
-            num_warps=8 if nb > 2048 else 4,
+            num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
         )
         return out, count
     n_seg = triton.next_power_of_2(triton.cdiv(nb, TOPK_SEGMENT))
@@ -508,13 +519,13 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
         keys, seq_lens, cand_key, cand_blk,
         keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1),
         *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2,
-        num_warps=8 if TOPK_SEGMENT > 1024 else 4,
+        num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
     )
     _topk_merge_kernel[(B, hkv)](
         cand_key, cand_blk, page_table, seq_lens, out, count,
         cand_key.stride(0), cand_key.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
         *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2,
-        num_warps=4,
+        num_warps=4, **pdl_launch_kwargs(cand_key.device),
     )
     return out, count
 
