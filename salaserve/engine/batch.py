@@ -9,7 +9,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+_GROUPS = ((np.dtype(np.int64), torch.int64), (np.dtype(np.int32), torch.int32), (np.dtype(np.bool_), torch.bool))
+
+
+def to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
+    """The arrays (int64, int32 or bool) as tensors on `device`, through one host buffer (pinned
+    for CUDA) and one copy: a step's metadata is ~10 small arrays, and a copy each cost more host
+    time than the rest of the batch build. The buffer holds the int64 arrays, then the int32
+    ones, then the bool ones; each tensor is a view of the one device buffer."""
+    groups = [[i for i, a in enumerate(arrays) if a.dtype == nd] for nd, _ in _GROUPS]
+    if sum(map(len, groups)) != len(arrays):
+        raise TypeError(f"to_device takes int64, int32 and bool arrays, got {[a.dtype for a in arrays]}")
+    sizes = [[arrays[i].size for i in g] for g in groups]
+    starts, nbytes = [], 0
+    for (nd, _), sz in zip(_GROUPS, sizes):
+        starts.append(nbytes)
+        nbytes += -(-sum(sz) * nd.itemsize // 8) * 8
+    dev = torch.device(device)
+    host = torch.empty(max(nbytes, 8), dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    raw = host.numpy()
+    for (nd, _), g, sz, off in zip(_GROUPS, groups, sizes, starts):
+        if g:
+            np.concatenate([arrays[i].reshape(-1) for i in g],
+                           out=raw[off:off + sum(sz) * nd.itemsize].view(nd))
+    buf = host if dev.type == "cpu" else host.to(dev, non_blocking=True)
+    out = [None] * len(arrays)
+    for (nd, td), g, sz, off in zip(_GROUPS, groups, sizes, starts):
+        if g:
+            for i, t in zip(g, buf[off:off + sum(sz) * nd.itemsize].view(td).split(sz)):
+                out[i] = t if arrays[i].ndim == 1 else t.view(arrays[i].shape)
+    return out
 
 
 @dataclass
@@ -80,47 +112,59 @@ class ForwardBatch:
     def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device,
               pad_slot: int | None = None) -> "ForwardBatch":
         """pad_slot: the KV slot (page * block_size + offset) that filler tokens write."""
-        ids, pos, slot_map, logit_rows = [], [], [], []
-        cu = [0]
-        for w in work:
-            n = len(w.token_ids)
-            ids.extend(w.token_ids)
-            for p in range(w.cache_len, w.seq_len):
-                pos.append(p)
-                slot_map.append(w.pages[p // block_size] * block_size + p % block_size)
-            if w.pad_tokens:
-                if pad_slot is None:
-                    raise ValueError("filler tokens need a pad_slot")
-                pos.extend([w.seq_len - 1] * w.pad_tokens)
-                slot_map.extend([pad_slot] * w.pad_tokens)
-            cu.append(cu[-1] + n)
-            if w.need_logits:
-                logit_rows.extend(range(cu[-1] - w.num_logits, cu[-1]))
-        max_pages = max(len(w.pages) for w in work)
-        table = [w.pages + [0] * (max_pages - len(w.pages)) for w in work]
+        B = len(work)
+        q_lens = [len(w.token_ids) for w in work]
+        cache_lens = [w.cache_len for w in work]
         seq_lens = [w.seq_len for w in work]
+        max_pages = max(len(w.pages) for w in work)
+        table = np.zeros((B, max_pages), dtype=np.int32)
+        for i, w in enumerate(work):
+            table[i, :len(w.pages)] = w.pages
+        cu = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        is_decode = all(n == 1 for n in q_lens)
+        if is_decode and not any(w.pad_tokens for w in work):
+            # the common step, without a Python loop per token
+            ids = np.fromiter((w.token_ids[0] for w in work), dtype=np.int64, count=B)
+            pos = np.array(cache_lens, dtype=np.int64)
+            slot_map = table[np.arange(B), pos // block_size].astype(np.int64) * block_size + pos % block_size
+            logit_rows = np.array([i for i, w in enumerate(work) if w.need_logits], dtype=np.int64)
+        else:
+            ids_l, pos_l, slot_l, rows_l = [], [], [], []
+            for i, w in enumerate(work):
+                ids_l.extend(w.token_ids)
+                for p in range(w.cache_len, w.seq_len):
+                    pos_l.append(p)
+                    slot_l.append(w.pages[p // block_size] * block_size + p % block_size)
+                if w.pad_tokens:
+                    if pad_slot is None:
+                        raise ValueError("filler tokens need a pad_slot")
+                    pos_l.extend([w.seq_len - 1] * w.pad_tokens)
+                    slot_l.extend([pad_slot] * w.pad_tokens)
+                if w.need_logits:
+                    rows_l.extend(range(int(cu[i + 1]) - w.num_logits, int(cu[i + 1])))
+            ids, pos = np.array(ids_l, dtype=np.int64), np.array(pos_l, dtype=np.int64)
+            slot_map, logit_rows = np.array(slot_l, dtype=np.int64), np.array(rows_l, dtype=np.int64)
         sparse = [L >= dense_len for L in seq_lens]
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
+        fields = [ids, pos, cu, np.array(seq_lens, dtype=np.int32), np.array(cache_lens, dtype=np.int32), table,
+                  slot_map, np.array([w.state_slot for w in work], dtype=np.int64), np.array(sparse, dtype=np.bool_),
+                  logit_rows]
         token_seq = seq_modes = None
-        if any(w.verify for w in work):
-            token_seq = t([i for i, w in enumerate(work) for _ in w.token_ids], torch.int64)
+        verify = any(w.verify for w in work)
+        if verify:
+            fields.append(np.repeat(np.arange(B, dtype=np.int64), q_lens))
             # 1 = verify (state read only), 2 = one plain decode token (state written), 0 = a chunk
-            seq_modes = t([1 if w.verify else 2 if len(w.token_ids) == 1 else 0 for w in work], torch.int32)
-
+            fields.append(np.array([1 if w.verify else 2 if len(w.token_ids) == 1 else 0 for w in work],
+                                   dtype=np.int32))
+        out = to_device(fields, device)
+        if verify:
+            token_seq, seq_modes = out[10], out[11]
         return cls(
-            input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), cache_lens=t([w.cache_len for w in work], torch.int32),
-            page_table=t(table, torch.int32), slot_mapping=t(slot_map, torch.int64),
-            state_slots=t([w.state_slot for w in work], torch.int64), is_sparse=t(sparse, torch.bool),
-            logits_indices=t(logit_rows, torch.int64),
-            q_lens_host=[len(w.token_ids) for w in work], seq_lens_host=seq_lens,
-            cache_lens_host=[w.cache_len for w in work], is_sparse_host=sparse,
-            is_decode=all(len(w.token_ids) == 1 for w in work),
-            verify_host=[w.verify for w in work], spec_kv={}, derived={}, token_seq=token_seq,
-            seq_modes=seq_modes,
+            input_ids=out[0], positions=out[1], cu_seqlens_q=out[2], seq_lens=out[3], cache_lens=out[4],
+            page_table=out[5], slot_mapping=out[6], state_slots=out[7], is_sparse=out[8], logits_indices=out[9],
+            q_lens_host=q_lens, seq_lens_host=seq_lens, cache_lens_host=cache_lens, is_sparse_host=sparse,
+            is_decode=is_decode, verify_host=[w.verify for w in work], spec_kv={}, derived={},
+            token_seq=token_seq, seq_modes=seq_modes,
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_wait_first, round_to_e4m3
+from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_supported, pdl_wait_first, round_to_e4m3
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -305,6 +305,7 @@ def _w4_gemv_fma_kernel(
     BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x, each with its own 2-D accumulator
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,  # BLOCK_R packed rows (BLOCK_R * 8 channels) per tile
     SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr = 1,  # weight tiles loaded ahead of the one being consumed: 1 or 2
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     # Everything stays 2-D [BLOCK_R, BLOCK_N] in qweight's layout, and x's values arrive as [BLOCK_R]
@@ -331,6 +332,12 @@ def _w4_gemv_fma_kernel(
     rows = r_begin + offs_r
     # first weight tile before the dependency wait: weights never depend on the previous kernel
     w = tl.load(w_cols + rows[:, None].to(tl.int64) * N, mask=(rows[:, None] < r_end) & n_mask[None, :], other=0)
+    if PREFETCH >= 2:
+        rows = rows + BLOCK_R
+        w1 = tl.load(w_cols + rows[:, None].to(tl.int64) * N, mask=(rows[:, None] < r_end) & n_mask[None, :],
+                     other=0)
+    else:
+        w1 = w  # unused
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -340,8 +347,8 @@ def _w4_gemv_fma_kernel(
     for r0 in range(r_begin, r_end, BLOCK_R):
         rows = r0 + offs_r
         r_mask = rows < r_end
-        nxt = rows + BLOCK_R
-        # the next tile is issued before this one is consumed: two tiles in flight per thread
+        nxt = rows + PREFETCH * BLOCK_R
+        # the tile PREFETCH ahead is issued before this one is consumed: PREFETCH + 1 tiles in flight
         w_next = tl.load(w_cols + nxt[:, None].to(tl.int64) * N, mask=(nxt[:, None] < r_end) & n_mask[None, :],
                          other=0)
         g = (r0 * 8) // GROUP_SIZE
@@ -395,7 +402,11 @@ def _w4_gemv_fma_kernel(
         if BLOCK_M >= 4:
             acc2 = _w4_row_update(acc2, part2, xa2, xb2, zp, s)
             acc3 = _w4_row_update(acc3, part3, xa3, xb3, zp, s)
-        w = w_next
+        if PREFETCH >= 2:
+            w = w1
+            w1 = w_next
+        else:
+            w = w_next
     # rows of the output tile: [BLOCK_M, BLOCK_N] from the per-row sums over K
     offs_m = tl.arange(0, BLOCK_M)
     sel = offs_m[:, None]
@@ -413,11 +424,12 @@ def _w4_gemv_fma_kernel(
 # re-materialises them with a MOV before every lop3 (one more instruction per nibble, sm_90 SASS)
 W4_MAGIC_LO, W4_MAGIC_HI = 0x41800000, 0x3F800000
 W4_FMA_MAX_M = 4  # above, the per-row accumulators crowd the registers: the tl.dot kernel
-# (BLOCK_N, BLOCK_R, num_warps) per M bucket; each checked by an sm_90 compile (no spills)
+# (BLOCK_N, BLOCK_R, num_warps, tiles prefetched) per M bucket; each checked by an sm_90 compile
+# (no spills). Run 14 (M = 1): 64-column tiles won at every shape but lm_head.
 W4_FMA_CONFIGS = {
-    1: ((128, 16, 4), (64, 16, 4), (128, 8, 4), (256, 16, 8), (256, 8, 8)),
-    2: ((128, 8, 4), (64, 16, 4)),
-    4: ((64, 8, 4), (128, 4, 4)),
+    1: ((64, 16, 4, 1), (64, 16, 4, 2), (64, 8, 4, 2), (128, 16, 4, 1), (128, 8, 4, 2), (256, 8, 8, 1)),
+    2: ((128, 8, 4, 1), (64, 16, 4, 1)),
+    4: ((64, 8, 4, 1), (128, 4, 4, 1)),
 }
 # the longest K tile of those configs: a group size it divides fits every config
 W4_FMA_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_FMA_CONFIGS.values() for cfg in cfgs)
@@ -426,7 +438,8 @@ W4_FMA_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_FMA_CONFIGS.values() for c
 def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
                    split_k: Optional[int] = None) -> torch.Tensor:
     """Decode-sized x [M <= W4_FMA_MAX_M, K] @ int4 weights (trivial g_idx, or reordered with perm)
-    -> [M, N] in x.dtype. config: (BLOCK_N, BLOCK_R, num_warps), default the bucket's first."""
+    -> [M, N] in x.dtype. config: (BLOCK_N, BLOCK_R, num_warps[, tiles prefetched]), default the
+    bucket's first."""
     K, N = w.in_features, w.out_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -437,7 +450,8 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     block_m = triton.next_power_of_2(M)  # 1, 2 or 4
     if config is None:
         config, split_k = _W4_TABLE.get(_w4_key(block_m, w, x.device), (W4_FMA_CONFIGS[block_m][0], split_k))
-    block_n, block_r, warps = config
+    block_n, block_r, warps, *more = config
+    prefetch = more[0] if more else 1
     if w.group_size % (block_r * 8) or K % 8:
         raise ValueError(f"group size {w.group_size} must be a multiple of the K tile {block_r * 8}")
     tiles = triton.cdiv(N, block_n)
@@ -449,11 +463,11 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
         x, w.qweight, w.qzeros, w.scales, w.perm if w.perm is not None else w.qzeros, out, ws, cnt,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0), W4_MAGIC_LO, W4_MAGIC_HI,
         GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, X_PAIRS=x_pairs, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=block_r, SPLIT_K=split, num_warps=warps, **pdl_launch_kwargs(x.device))
+        BLOCK_R=block_r, SPLIT_K=split, PREFETCH=prefetch, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out
 
 
-# (bucket, N, K, group size, device) -> ((BLOCK_N, BLOCK_R, warps), split), filled by calibrate_w4
+# (bucket, N, K, group size, device) -> ((BLOCK_N, BLOCK_R, warps, prefetch), split), filled by calibrate_w4
 _W4_TABLE: dict[tuple, tuple] = {}
 
 
@@ -599,7 +613,10 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs: its tl.dot misreads bf16 operands
-    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils): wait before any access
+    # programmatic dependent launch, waiting first; w8a16_gemv leaves it off: in run 14 (the only
+    # change to the kernel since run 8) the large shapes measured ~30% slower with it (gate_up
+    # 36.9 -> 48.6 us). scripts/gpu_pdl_ab.sh times both.
+    PDL: tl.constexpr = False,
 ):
     pdl_wait_first(PDL)
     pid_m, pid_n, tile = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -796,11 +813,13 @@ def w8a16_gemv(
     block_k: Optional[int] = None,
     num_warps: int = 4,
     block_m: Optional[int] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Small-M x [M, K] @ (fp8 e4m3 W [N, K] * scale [N])^T -> [M, N] in x.dtype.
     block_m None: the tensor-core path (x padded to 16 rows) at every M, also M = 1, where it
     measured faster than the FMA path (block_m=1) on the H200: 3.02 vs 3.48 ms for all the decode
-    step's linears (bench_quant, BENCHMARKS.md)."""
+    step's linears (bench_quant, BENCHMARKS.md). pdl: launch with programmatic dependent launch
+    (off by default, see the kernel; for A/B timing)."""
     N, K = w_fp8.shape
     x = _check_x(x, K)
     M = x.shape[0]
@@ -813,11 +832,12 @@ def w8a16_gemv(
     args = (x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=_INTERPRET and block_m > 1)
     grid = (tiles, split)
+    if pdl and pdl_supported(x.device):
+        meta.update(PDL=True, launch_pdl=True)
     if block_k is None:
-        (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta,
-                                                                                  **pdl_launch_kwargs(x.device))
+        (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta)
     else:
-        _w8a16_kernel[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch_kwargs(x.device))
+        _w8a16_kernel[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
