@@ -308,6 +308,24 @@ def test_profile_step_tool_runs_on_cpu(tmp_path, kv):
     assert any("mm" in k["name"] or "linear" in k["name"] for k in data["kernels"])
 
 
+def test_profile_step_prefill_mode_runs_on_cpu(tmp_path):
+    """--prefill profiles one chunked prompt (CPU ops without a GPU) and writes its rows."""
+    import json
+
+    from salaserve.bench.profile_step import main
+    from salaserve.model.checkpoint import write_checkpoint
+
+    model = tmp_path / "tiny"
+    write_checkpoint(str(model), "tiny", weights=False)
+    out = tmp_path / "prefill.json"
+    assert main(["--model", str(model), "--prefill", "300", "--top", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["prefill"] == 300 and data["seconds"] > 0 and data["total_us"] > 0
+    assert any("mm" in k["name"] or "linear" in k["name"] for k in data["kernels"])
+    with pytest.raises(SystemExit):
+        main(["--model", str(model), "--prefill", "300", "--graph"])
+
+
 def test_kernel_timeline_span_busy_and_gaps():
     """Graph-replay timeline: overlapping kernels count once, gaps run from the end of everything so
     far (named by the kernel that ended last) to the next start, and non-kernel events are ignored."""

@@ -116,13 +116,14 @@ def time_prefill(runner: ModelRunner, tokens: int) -> float:
     ids = torch.randint(3, runner.cfg.vocab_size - 8, (tokens,), generator=g).tolist()
     r = Request(rid="p", prompt_ids=ids, params=SamplingParams(max_new_tokens=1))
     r.pages, r.state_slot, r.status = pages, slot, Status.RUNNING
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     while r.num_computed < tokens:
         n = min(chunk, tokens - r.num_computed)
         runner.forward([ScheduledWork(r, n)])
         r.num_computed += n
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
     caches.kv.allocator.free(pages)
     caches.states.free(slot)

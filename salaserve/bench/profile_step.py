@@ -2,6 +2,7 @@
 
     python -m salaserve.bench.profile_step [--model DIR] [--batch 1] [--context 131072[,4096...]]
                                            [--verify-k 0] [--graph] [--top 25] [--json OUT.json]
+    python -m salaserve.bench.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
 
 Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
 default one step runs eagerly under torch.profiler: the kernels are the ones the CUDA graph
@@ -9,7 +10,9 @@ replays, but eager kernel times and launch gaps differ from the replay's. With -
 runner's captured decode graph is replayed instead, and the kernel timeline of that replay is
 read back: its span, the time no kernel runs (gaps), the largest gaps with their neighbours, and
 the kernels by total time. Prints the kernels by total device time, with call counts, and the
-total. Without a GPU it profiles the CPU ops instead (for tests of the tool).
+total. With --prefill N it profiles one whole N-token prompt instead, chunked as the engine
+chunks it (the micro-benchmark's prefill): kernels by total time over all chunks. Without a GPU it
+profiles the CPU ops instead (for tests of the tool).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from salaserve.bench.micro import fake_decoding_requests, model_dir_or_full, release
+from salaserve.bench.micro import fake_decoding_requests, model_dir_or_full, release, time_prefill
 from salaserve.config import EngineArgs
 from salaserve.engine.runner import ModelRunner
 from salaserve.engine.scheduler import ScheduledWork
@@ -46,12 +49,28 @@ def profile_step(runner: ModelRunner, batch: int, context: int, verify_k: int = 
         if cuda:
             torch.cuda.synchronize()
     release(runner, reqs)
+    return _kernel_rows(prof, cuda, iters)
+
+
+def _kernel_rows(prof, cuda: bool, iters: int = 1) -> list[dict]:
+    """[{name, total_us, calls}] per run of the profiled region, largest first: device kernels on
+    a GPU, CPU ops elsewhere."""
     rows = []
     for e in prof.key_averages():
         us = (e.device_time_total if cuda else e.self_cpu_time_total) / iters
         if us > 0 and (not cuda or e.device_type.name == "CUDA"):
             rows.append({"name": e.key, "total_us": us, "calls": e.count // iters})
     return sorted(rows, key=lambda r: -r["total_us"])
+
+
+def profile_prefill(runner: ModelRunner, tokens: int) -> tuple[list[dict], float]:
+    """Kernel rows of one `tokens`-long prompt prefilled in the engine's chunks, and its wall
+    seconds under the profiler (a first, shorter prompt compiles and autotunes outside it)."""
+    cuda = runner.device.type == "cuda"
+    time_prefill(runner, min(2 * runner.args.chunked_prefill_size, tokens))
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        seconds = time_prefill(runner, tokens)
+    return _kernel_rows(prof, cuda), seconds
 
 
 def kernel_timeline(trace_events: list[dict], top_gaps: int = 15) -> dict:
@@ -121,13 +140,28 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-k", type=int, default=0, help="draft tokens per sequence (0: plain decode)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     contexts = [int(c) for c in a.context.split(",")]
     if a.graph and a.verify_k:
         ap.error("--graph profiles plain decode graphs; drop --verify-k")
+    if a.prefill and (a.graph or a.verify_k):
+        ap.error("--prefill profiles a prompt; drop --graph / --verify-k")
     model_dir = model_dir_or_full(a.model)
+    if a.prefill:
+        runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=1,
+                                        max_total_tokens=a.prefill + 4096, context_length=a.prefill + 1024,
+                                        enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype), model_dir)
+        rows, seconds = profile_prefill(runner, a.prefill)
+        total = sum(r["total_us"] for r in rows)
+        print(f"prefill of {a.prefill} tokens: {seconds:.3f} s under the profiler, {total / 1e6:.3f} s of kernels")
+        _print_rows(rows, a.top)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"prefill": a.prefill, "seconds": seconds, "total_us": total, "kernels": rows}, f, indent=2)
+        return 0
     tokens = a.batch * (max(contexts) + a.verify_k + 256) + 4096
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
                                     max_total_tokens=tokens, context_length=max(contexts) + 1024,
