@@ -15,33 +15,81 @@ import torch
 _GROUPS = ((np.dtype(np.int64), torch.int64), (np.dtype(np.int32), torch.int32), (np.dtype(np.bool_), torch.bool))
 
 
-def to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
-    """The arrays (int64, int32 or bool) as tensors on `device`, through one host buffer (pinned
-    for CUDA) and one copy: a step's metadata is ~10 small arrays, and a copy each cost more host
-    time than the rest of the batch build. The buffer holds the int64 arrays, then the int32
-    ones, then the bool ones; each tensor is a view of the one device buffer."""
+class _PinnedRing:
+    """Pinned host buffers reused across steps (allocating pinned memory per step cost more than
+    the copy itself). A buffer is written again only after the copy that read it has finished
+    (an event recorded behind it): builds may run ahead of the GPU, e.g. prefill chunks."""
+
+    def __init__(self, slots: int = 8):
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+        self.events: list[torch.cuda.Event | None] = [None] * slots
+        self.next = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        i = self.next
+        self.next = (i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        if self.bufs[i] is None or self.bufs[i].numel() < nbytes:
+            self.bufs[i] = torch.empty(max(2 * nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        return i, self.bufs[i][:nbytes]
+
+    def copied(self, i: int) -> None:
+        if self.events[i] is None:
+            self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+
+
+_RING = _PinnedRing()
+
+
+def staged_layout(arrays: list[np.ndarray]) -> tuple[list, int]:
+    """Where each array goes in one byte buffer: per dtype group (int64, int32, bool) the group's
+    arrays back to back from an 8-byte aligned start. Returns ([(group index list, sizes, start
+    byte)] per group, total bytes)."""
     groups = [[i for i, a in enumerate(arrays) if a.dtype == nd] for nd, _ in _GROUPS]
     if sum(map(len, groups)) != len(arrays):
         raise TypeError(f"to_device takes int64, int32 and bool arrays, got {[a.dtype for a in arrays]}")
-    sizes = [[arrays[i].size for i in g] for g in groups]
-    starts, nbytes = [], 0
-    for (nd, _), sz in zip(_GROUPS, sizes):
-        starts.append(nbytes)
-        nbytes += -(-sum(sz) * nd.itemsize // 8) * 8
-    dev = torch.device(device)
-    host = torch.empty(max(nbytes, 8), dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    raw = host.numpy()
-    for (nd, _), g, sz, off in zip(_GROUPS, groups, sizes, starts):
+    layout, nbytes = [], 0
+    for (nd, _), g in zip(_GROUPS, groups):
+        sizes = [arrays[i].size for i in g]
+        layout.append((g, sizes, nbytes))
+        nbytes += -(-sum(sizes) * nd.itemsize // 8) * 8
+    return layout, max(nbytes, 8)
+
+
+def pack_staged(arrays: list[np.ndarray], layout: list, raw: np.ndarray) -> None:
+    """Write the arrays into the uint8 buffer `raw` at their places in `layout`."""
+    for (nd, _), (g, sizes, start) in zip(_GROUPS, layout):
         if g:
             np.concatenate([arrays[i].reshape(-1) for i in g],
-                           out=raw[off:off + sum(sz) * nd.itemsize].view(nd))
-    buf = host if dev.type == "cpu" else host.to(dev, non_blocking=True)
+                           out=raw[start:start + sum(sizes) * nd.itemsize].view(nd))
+
+
+def staged_views(buf: torch.Tensor, arrays: list[np.ndarray], layout: list) -> list[torch.Tensor]:
+    """The arrays as views of the uint8 tensor `buf` (a copy of the packed buffer), in their shapes."""
     out = [None] * len(arrays)
-    for (nd, td), g, sz, off in zip(_GROUPS, groups, sizes, starts):
+    for (nd, td), (g, sizes, start) in zip(_GROUPS, layout):
         if g:
-            for i, t in zip(g, buf[off:off + sum(sz) * nd.itemsize].view(td).split(sz)):
+            for i, t in zip(g, buf[start:start + sum(sizes) * nd.itemsize].view(td).split(sizes)):
                 out[i] = t if arrays[i].ndim == 1 else t.view(arrays[i].shape)
     return out
+
+
+def to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
+    """The arrays (int64, int32 or bool) as tensors on `device`. On a GPU through one pinned host
+    buffer and one copy: a step's metadata is ~10 small arrays, and a copy each cost more host
+    time than the rest of the batch build; each tensor is a view of the one device buffer. On
+    the CPU the arrays are shared as they are."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    layout, nbytes = staged_layout(arrays)
+    slot, host = _RING.take(nbytes)
+    pack_staged(arrays, layout, host.numpy())
+    buf = host.to(dev, non_blocking=True)
+    _RING.copied(slot)
+    return staged_views(buf, arrays, layout)
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""ForwardBatch.build: the per-step metadata, and the one-buffer staging its GPU path copies."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from salaserve.engine.batch import ForwardBatch, SeqWork, pack_staged, staged_layout, staged_views
+
+
+def _reference_fields(work, block, dense_len, pad_slot=None):
+    """The fields written out one token at a time (the construction build replaced)."""
+    ids, pos, slots, rows, cu = [], [], [], [], [0]
+    for w in work:
+        ids += w.token_ids
+        for p in range(w.cache_len, w.seq_len):
+            pos.append(p)
+            slots.append(w.pages[p // block] * block + p % block)
+        pos += [w.seq_len - 1] * w.pad_tokens
+        slots += [pad_slot] * w.pad_tokens
+        cu.append(cu[-1] + len(w.token_ids))
+        if w.need_logits:
+            rows += range(cu[-1] - w.num_logits, cu[-1])
+    width = max(len(w.pages) for w in work)
+    table = [w.pages + [0] * (width - len(w.pages)) for w in work]
+    return dict(input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=rows, cu_seqlens_q=cu,
+                page_table=table, seq_lens=[w.seq_len for w in work], cache_lens=[w.cache_len for w in work],
+                state_slots=[w.state_slot for w in work], is_sparse=[w.seq_len >= dense_len for w in work])
+
+
+def _random_work(rng, n, decode):
+    work = []
+    for i in range(n):
+        cache = rng.randrange(0, 500)
+        new = 1 if decode else rng.randrange(1, 90)
+        pages = rng.sample(range(10_000), -(-(cache + new) // 64) + rng.randrange(0, 2))
+        work.append(SeqWork(state_slot=rng.randrange(64), pages=pages, cache_len=cache,
+                            token_ids=[rng.randrange(1000) for _ in range(new)], need_logits=rng.random() < 0.8))
+    return work
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_build_fields_match_token_by_token_reference(decode):
+    rng = random.Random(7 if decode else 8)
+    for n in (1, 3, 17):
+        work = _random_work(rng, n, decode)
+        b = ForwardBatch.build(work, 64, 300, "cpu")
+        ref = _reference_fields(work, 64, 300)
+        for name, want in ref.items():
+            got = getattr(b, name)
+            assert got.tolist() == want, name
+        assert b.input_ids.dtype == b.positions.dtype == b.slot_mapping.dtype == torch.int64
+        assert b.page_table.dtype == b.seq_lens.dtype == b.cu_seqlens_q.dtype == torch.int32
+        assert b.is_decode == decode and b.token_seq is None
+
+
+def test_build_verify_rows_and_filler():
+    rng = random.Random(3)
+    work = _random_work(rng, 3, True)
+    for w in work:
+        w.pages = w.pages + [rng.randrange(10_000)]  # room for the drafts and filler
+        w.token_ids = w.token_ids + [5, 6]
+        w.verify, w.num_logits, w.need_logits = True, 3, True
+    work[1].token_ids += [6, 6]
+    work[1].pad_tokens, work[1].num_logits = 2, 5
+    b = ForwardBatch.build(work, 64, 300, "cpu", pad_slot=999)
+    ref = _reference_fields(work, 64, 300, pad_slot=999)
+    for name, want in ref.items():
+        assert getattr(b, name).tolist() == want, name
+    assert b.token_seq.tolist() == [0] * 3 + [1] * 5 + [2] * 3
+    assert b.seq_modes.tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match="pad_slot"):
+        ForwardBatch.build(work, 64, 300, "cpu")
+
+
+def test_staged_buffer_round_trip():
+    """The GPU path's packing: every dtype group 8-byte aligned in one byte buffer, each array a
+    view of it with its dtype and shape (checked here on a CPU buffer)."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-2**40, 2**40, 5), rng.integers(-9, 9, (3, 7)).astype(np.int32),
+              rng.random(3) < 0.5, rng.integers(0, 9, 0), rng.integers(0, 2**31 - 1, 1).astype(np.int32)]
+    layout, nbytes = staged_layout(arrays)
+    raw = np.zeros(nbytes, dtype=np.uint8)
+    pack_staged(arrays, layout, raw)
+    views = staged_views(torch.from_numpy(raw), arrays, layout)
+    for a, v in zip(arrays, views):
+        assert v.shape == a.shape and v.numpy().dtype == a.dtype and (v.numpy() == a).all()
+    assert all(start % 8 == 0 for _, _, start in layout)
+    with pytest.raises(TypeError):
+        staged_layout([np.zeros(2, dtype=np.float32)])
