@@ -53,6 +53,7 @@ def _compile_cases():
     dec = dict(HALF=64, X_DT=tl.bfloat16, QN_DT=tl.bfloat16, KN_DT=tl.bfloat16)
     b16 = tl.bfloat16
     return {
+        "decode_bv16": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=16), L._pick_warps(16)),
         "decode_bv32": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=32), L._pick_warps(32)),
         "decode_bv64": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=64), L._pick_warps(64)),
         "decode_fp32": (L._decode_step_kernel, dict(pos_ptr=i64, slot_ptr=i64),
@@ -71,7 +72,7 @@ def _compile_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["decode_bv32", "decode_bv64", "decode_fp32", "qk_norm_rope", "output",
+@pytest.mark.parametrize("name", ["decode_bv16", "decode_bv32", "decode_bv64", "decode_fp32", "qk_norm_rope", "output",
                                   "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul"])
 def test_kernel_compiles_for_sm90_without_spills(name):
     """Ahead-of-time compile for sm_90 at the real shapes (no GPU needed): the interpreter does not

@@ -138,15 +138,17 @@ def _check_rows(name, x, n, H, d):
 
 
 def _pick_block_v(num_rows: int, heads: int, d: int) -> int:
-    # Enough programs to cover the H200's 132 SMs a few times over; 32-column blocks are the
-    # smallest that still read whole 128-byte lines of the fp32 state. (bench_lightning sweeps it.)
-    bv = 32 if num_rows * heads < 512 else 64
+    # bench_lightning's sweep on the H200 (BENCHMARKS run 16, 24 layers, us per layer): batch 1
+    # best at 16-column blocks (4.7; 32: 5.0), batch 128 at 32 (170.9; 64 with 8 warps: 229.0).
+    # Small programs with few warps keep many state tiles in flight per SM.
+    bv = 16 if num_rows * heads < 512 else 32
     return max(1, min(bv, d))
 
 
 def _pick_warps(block_v: int) -> int:
-    # ~16 state values per thread per key half; more (bv 64 at 4 warps) spills on sm_90
-    return 4 if block_v <= 32 else 8
+    # the same sweep: 2 warps at 16-32 columns (<= 64 state values per thread); wider blocks need
+    # more warps or they spill on sm_90
+    return 2 if block_v <= 32 else 4 if block_v <= 64 else 8
 
 
 def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, layer, log_decay,
