@@ -93,7 +93,7 @@ def test_decode_selection_matches_reference(interp):
     assert r["layout_ok"] and r["dense_rows_ok"], r
 
 
-@pytest.mark.parametrize("name", ["attention", "attention_shuffled"])
+@pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_tiles4", "attention_tiles2_shuffled"])
 def test_sparse_prefill_attention_matches_twin(interp, name):
     r = interp[name]
     assert r["dtype_ok"] and r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
@@ -184,6 +184,19 @@ def test_gpu_sparse_attention_chunk_2048_at_16k():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("tile_tokens", [4, 8])
+def test_gpu_sparse_attention_tile_kernel(tile_tokens):
+    """The tile kernel (SALASERVE_SPARSE_ATTN_TILE) against the torch twin at the real shapes, bf16,
+    on the kernel's own selection; same bound as the per-token kernel's test."""
+    C, case = _real_case([(16384, 2048), (9000, 300)], seed=23)
+    r = C.check_attention(case, tile_tokens=tile_tokens)
+    assert r["dtype_ok"] and r["rel"] < 1e-2, r
+    r = C.check_attention(case, shuffle=True, tile_tokens=tile_tokens)
+    assert r["dtype_ok"] and r["rel"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_decode_selection_replays_in_cuda_graph():
     """select_blocks_decode captured once, replayed on new queries / lengths (same shapes), equals
     the eager call: no host sync, no data-dependent shape."""
@@ -230,6 +243,25 @@ def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps
                                                        seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32), \
             dict(BS=64, N_CAND=width, MAX_SEL=128)
     compile_sm90_without_spills(fn, ptrs, consts, warps, fp_fusion=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_attention_tile_kernel_compiles_for_sm90_without_spills(fp8):
+    """The tile kernel (a data-dependent while loop over the union of the tokens' blocks) at the
+    real shapes: 4 tokens x 16 query heads of a KV group, head dim 128, 64-token blocks."""
+    from kernel_checks import compile_sm90_without_spills
+
+    import triton.language as tl
+
+    from salaserve.kernels import sparse as S
+
+    pool = "*fp8e4nv" if fp8 else "*bf16"
+    ptrs = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",
+                positions_ptr="*i64", tile_seq_ptr="*i32", tile_tok0_ptr="*i32", tile_ntok_ptr="*i32",
+                k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    consts = dict(GROUP=16, GP=16, D=128, BS=64, BLOCK_T=4, DOT_PREC=None, KV_FP8=fp8, COMPUTE_DT=tl.bfloat16, HKV=2)
+    ptx = compile_sm90_without_spills(S._sparse_prefill_attn_tile_kernel, ptrs, consts, 4, fp_fusion=True).asm["ptx"]
+    assert "mma" in ptx  # both dots on tensor cores
 
 
 @pytest.mark.gpu

@@ -1,12 +1,13 @@
 """Time InfLLM-v2 selection and sparse prefill attention on the GPU next to their floors.
 
-    python -m salaserve.kernels.bench_sparse [--reps 20] [--quick]
+    python -m salaserve.kernels.bench_sparse [--reps 20] [--quick] [--prefill-only]
 
 Real config (block 64, C1 32/16, C2 128/64, topk_eff 96, 32 query / 2 KV heads x 128), one sparse
 layer, random bf16 caches (timings do not depend on the values), pages scattered over the pool.
 Floors (shared/reference/anchors.md): decode selection reads every C1 and C2 entry once,
 bytes / 4.27 TB/s; prefill selection and attention are tl.dot work, FLOPs / 700 TFLOP/s (the bf16
-dense rate is ~790; 700 is what a good attention kernel reaches). Decode selection is also timed
+dense rate is ~790; 700 is what a good attention kernel reaches). Prefill attention is timed with
+the per-token kernel (tile 0) and the tile kernel (4 and 8 tokens per program). Decode selection is also timed
 replayed from a CUDA graph, as the engine runs it.
 """
 
@@ -110,7 +111,8 @@ def bench_prefill_select(cfg, cache_len: int, chunk: int, reps: int, gen) -> lis
             dict(op="prefill select: + top-k", shape=shape, us=total, floor_us=floor, floor="flops")]
 
 
-def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen) -> dict:
+def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen, tiles=(0, 4, 8)) -> list[dict]:
+    """The per-token kernel (tile 0) and the tile kernel at each tile size, on one selection."""
     sc = cfg.sparse
     comp, kv, batch, q = _prefill_setup(cfg, cache_len, chunk, gen, with_kv=True)
     scale = cfg.head_dim ** -0.5
@@ -121,15 +123,19 @@ def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen) -> 
     keys = ((nblk - 1) * sc.block_size + in_cur[None]).sum()
     group = cfg.gqa_group_size
     flops = float(4 * group * cfg.head_dim * keys)
-    us = _time_us(lambda: ks.sparse_prefill_attention(q, kv, 0, batch, idx, scale), reps)
-    return dict(op="sparse prefill attention", shape=f"chunk {chunk} at {(cache_len + chunk) // 1024}K", us=us,
-                floor_us=flops / DOT_FLOPS_PER_S * 1e6, floor="flops")
+    rows = []
+    for tile in tiles:
+        us = _time_us(lambda: ks.sparse_prefill_attention(q, kv, 0, batch, idx, scale, tile_tokens=tile), reps)
+        rows.append(dict(op=f"sparse prefill attn, tile {tile}", shape=f"chunk {chunk} at {(cache_len + chunk) // 1024}K",
+                         us=us, floor_us=flops / DOT_FLOPS_PER_S * 1e6, floor="flops"))
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sparse needs a CUDA GPU")
@@ -138,14 +144,14 @@ def main() -> None:
     K = 1024
     rows = []
     contexts = [32 * K] if args.quick else [32 * K, 128 * K, 512 * K]
-    for ctx in contexts:
+    for ctx in [] if args.prefill_only else contexts:
         for b in (1, 8):
             rows.append(bench_decode(cfg, ctx, b, args.reps, gen))
     chunk, total = (2048, 16 * K) if args.quick else (8192, 128 * K)
     rows += bench_prefill_select(cfg, total - chunk, chunk, args.reps, gen)
-    rows.append(bench_prefill_attention(cfg, total - chunk, chunk, args.reps, gen))
+    rows += bench_prefill_attention(cfg, total - chunk, chunk, args.reps, gen)
     if not args.quick:
-        rows.append(bench_prefill_attention(cfg, 16 * K, 2048, args.reps, gen))
+        rows += bench_prefill_attention(cfg, 16 * K, 2048, args.reps, gen)
 
     print(f"{'op':28s} {'shape':20s} {'us':>10s} {'graph us':>10s} {'floor us':>10s} {'floor':>6s} {'floor/us':>9s}")
     for r in rows:

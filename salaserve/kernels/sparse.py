@@ -712,11 +712,102 @@ def _sparse_prefill_attn_kernel(
              o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
+@triton.jit
+def _sparse_prefill_attn_tile_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, block_idx_ptr, page_table_ptr, positions_ptr,
+    tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+    stride_bg, stride_bt, stride_pt,
+    scale2, W,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
+):
+    """One program per (tile of BLOCK_T consecutive tokens of one sequence, KV head g): the rows
+    of tl.dot are (token, head-in-group) pairs, and the program walks the union of the tokens'
+    selected blocks in ascending order, reading each block's K/V once for the whole tile. Every
+    token's list must be ascending (valid entries first, -1 after). Each row keeps a cursor into
+    its token's list; a step takes the smallest current block, and rows whose token did not
+    select it are masked out of the scores, which leaves their softmax state bit for bit as it
+    was. Per row the arithmetic is the per-token kernel's over the same blocks in the same order.
+    """
+    pid_tile, g = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + pid_tile)
+    tok0 = tl.load(tile_tok0_ptr + pid_tile)
+    ntok = tl.load(tile_ntok_ptr + pid_tile)
+    r = tl.arange(0, BLOCK_T * GP)
+    t_of_r = r // GP
+    h_of_r = r % GP
+    tok_ok = t_of_r < ntok
+    row_ok = tok_ok & (h_of_r < GROUP)
+    tok_r = tok0 + t_of_r
+    pos_r = tl.load(positions_ptr + tok_r, mask=tok_ok, other=0)
+    d = tl.arange(0, D)
+    s_off = tl.arange(0, BS)
+    q = tl.load(q_ptr + tok_r[:, None] * stride_qt + (g * GROUP + h_of_r)[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    NONE: tl.constexpr = 1 << 30  # cursor past the end of a list
+    lists = block_idx_ptr + g * stride_bg + tok_r * stride_bt  # [rows]: the row's token's list
+    at = tl.zeros([BLOCK_T * GP], tl.int32)
+    cur = tl.load(lists, mask=tok_ok, other=-1)
+    cur = tl.where(cur < 0, NONE, cur)
+    b = tl.min(cur, axis=0)
+
+    m = tl.full([BLOCK_T * GP], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T * GP], tl.float32)
+    acc = tl.zeros([BLOCK_T * GP, D], tl.float32)
+    while b < NONE:
+        active = cur == b
+        page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
+        kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
+        k = _load_kv(k_ptr + kv_off, KV_FP8, COMPUTE_DT)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
+        if KV_FP8:  # fp8 pages: the page's scales on the scores and on the probabilities
+            s = s * tl.load(k_scale_ptr + page * HKV + g)
+        s = tl.where(active[:, None] & ((b * BS + s_off)[None, :] <= pos_r[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose list has not started yet
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = _load_kv(v_ptr + kv_off, KV_FP8, COMPUTE_DT)
+        if KV_FP8:
+            p = p * tl.load(v_scale_ptr + page * HKV + g)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m = m_new
+        # the rows that took this block move to their next entry
+        at = at + active.to(tl.int32)
+        nxt = tl.load(lists + at, mask=tok_ok & active & (at < W), other=-1)
+        cur = tl.where(active, tl.where(nxt < 0, NONE, nxt), cur)
+        b = tl.min(cur, axis=0)
+    o = acc / l[:, None]
+    tl.store(o_ptr + tok_r[:, None] * stride_ot + (g * GROUP + h_of_r)[:, None] * stride_oh + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# Tokens per program of the tile kernel (0: the per-token kernel). Off until measured on the GPU:
+# the tile kernel reads a block's K/V once per tile instead of once per token (perf notes).
+SPARSE_ATTN_TILE = int(os.environ.get("SALASERVE_SPARSE_ATTN_TILE", "0"))
+
+
+def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
+    """block_idx rows sorted ascending with the -1 padding kept at the end."""
+    big = torch.iinfo(block_idx.dtype).max
+    key = torch.where(block_idx < 0, big, block_idx).sort(dim=-1).values
+    return torch.where(key == big, -1, key)
+
+
 def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch,
-                             block_idx: torch.Tensor, scale: float) -> torch.Tensor:
+                             block_idx: torch.Tensor, scale: float, tile_tokens: int | None = None) -> torch.Tensor:
     """q [N, Hq, d]; block_idx [Hkv, N, W] int32 (ascending or not, valid entries first, -1 after).
     Each query attends to the keys of its selected blocks that are <= its position. Returns
-    [N, Hq, d] in q.dtype. Graph-safe in itself (grid = (N, Hkv)), but the callers are not."""
+    [N, Hq, d] in q.dtype. tile_tokens (default SPARSE_ATTN_TILE): > 0 runs the tile kernel with
+    that many consecutive tokens per program, 0 the per-token kernel (grid (N, Hkv), graph-safe in
+    itself; the callers are not)."""
+    tile = SPARSE_ATTN_TILE if tile_tokens is None else tile_tokens
+    if tile > 0:
+        return _sparse_prefill_attention_tiles(q, kv, layer, batch, block_idx, scale, tile)
     N, Hq, D = q.shape
     hkv = kv.k.shape[3]
     group = Hq // hkv
@@ -740,6 +831,38 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         scale * LOG2E,
         GROUP=group, GP=max(16, _pow2(group)), D=D, BS=kv.block_size, W=block_idx.shape[-1],
         DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
+    return out
+
+
+def _sparse_prefill_attention_tiles(q, kv: KVPool, layer: int, batch: ForwardBatch, block_idx: torch.Tensor,
+                                    scale: float, block_t: int) -> torch.Tensor:
+    """sparse_prefill_attention through the tile kernel (block_t tokens of one sequence each)."""
+    N, Hq, D = q.shape
+    hkv = kv.k.shape[3]
+    group = Hq // hkv
+    k, v = kv.k[layer], kv.v[layer]  # [pages, block_size, Hkv, D]
+    pa = _pool_args(kv, layer)
+    if pa["compute"] != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV cache computes in {pa['compute']}")
+    if block_t & (block_t - 1):
+        raise ValueError(f"tile_tokens must be a power of two, got {block_t}")
+    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    block_idx = _ascending_lists(block_idx).contiguous()
+    seqs, tok0s, ntoks = _prefill_tiles(batch, block_t)
+    tile_seq, tile_tok0, tile_ntok = (torch.tensor(x, dtype=torch.int32).to(q.device, non_blocking=True)
+                                      for x in (seqs, tok0s, ntoks))
+    gp = max(16, _pow2(group))
+    _sparse_prefill_attn_tile_kernel[(len(seqs), hkv)](
+        q, k, v, out, block_idx, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
+        pa["k_scale"], pa["v_scale"],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0),
+        scale * LOG2E, block_idx.shape[-1],
+        GROUP=group, GP=gp, D=D, BS=kv.block_size, BLOCK_T=block_t,
+        DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
+        num_warps=4 if block_t * gp <= 64 else 8)
     return out
 
 
