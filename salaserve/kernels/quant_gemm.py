@@ -3,8 +3,8 @@
 
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
       - M <= W4_FMA_MAX_M (decode): `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
-        1 + q/16 (shift + lop3 + fma per weight); config and split-K per shape from
-        `calibrate_w4` at start-up.
+        16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble); config
+        and split-K per shape from `calibrate_w4` at start-up.
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
         unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
       - prefill: `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
@@ -613,9 +613,9 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs: its tl.dot misreads bf16 operands
-    # programmatic dependent launch, waiting first; w8a16_gemv leaves it off: in run 14 (the only
-    # change to the kernel since run 8) the large shapes measured ~30% slower with it (gate_up
-    # 36.9 -> 48.6 us). scripts/gpu_pdl_ab.sh times both.
+    # programmatic dependent launch, waiting first; w8a16_gemv leaves it off: the large shapes
+    # measured up to 30% slower with it (run 15's A/B, same config: gate_up 36.2 us plain, 47.1
+    # with PDL). scripts/pdl_ab_quant.py times both.
     PDL: tl.constexpr = False,
 ):
     pdl_wait_first(PDL)
