@@ -658,6 +658,30 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
 
 
 @triton.jit
+def _softmax_block(q, k_ptrs, v_ptrs, visible, scale_off, k_scale_ptr, v_scale_ptr, m, l, acc, scale2,
+                   KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One K/V block of the online softmax (base 2) of the rows q: scores outside `visible`
+    [rows, BS] are -inf; fp8 pages take their (page, KV head) scales at scale_off on the scores and
+    on the probabilities. A row that sees nothing in this block keeps (m, l, acc) exactly; one
+    that has seen nothing yet keeps m = -inf, l = 0, acc = 0. Returns the new (m, l, acc)."""
+    k = _load_kv(k_ptrs, KV_FP8, COMPUTE_DT)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
+    if KV_FP8:
+        s = s * tl.load(k_scale_ptr + scale_off)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = _load_kv(v_ptrs, KV_FP8, COMPUTE_DT)
+    if KV_FP8:
+        p = p * tl.load(v_scale_ptr + scale_off)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l, acc
+
+
+@triton.jit
 def _sparse_prefill_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_idx_ptr, page_table_ptr, tok_seq_ptr, positions_ptr,
     k_scale_ptr, v_scale_ptr,
@@ -692,21 +716,10 @@ def _sparse_prefill_attn_kernel(
         b = tl.load(row + i)
         page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
         kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
-        k = _load_kv(k_ptr + kv_off, KV_FP8, COMPUTE_DT)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
-        if KV_FP8:  # fp8 pages: the page's scales on the scores and on the probabilities
-            s = s * tl.load(k_scale_ptr + page * HKV + g)
         # every selected block is <= the query's block, so each has a visible key: m stays finite
-        s = tl.where((b * BS + s_off)[None, :] <= pos, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = _load_kv(v_ptr + kv_off, KV_FP8, COMPUTE_DT)
-        if KV_FP8:
-            p = p * tl.load(v_scale_ptr + page * HKV + g)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
+        m, l, acc = _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, (b * BS + s_off)[None, :] <= pos,
+                                   page * HKV + g, k_scale_ptr, v_scale_ptr, m, l, acc, scale2,
+                                   KV_FP8, COMPUTE_DT, DOT_PREC)
     o = acc / l[:, None]
     tl.store(o_ptr + tok * stride_ot + (g * GROUP + h)[:, None] * stride_oh + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
@@ -732,20 +745,13 @@ def _sparse_prefill_attn_tile_kernel(
     was. Per row the arithmetic is the per-token kernel's over the same blocks in the same order.
     """
     pid_tile, g = tl.program_id(0), tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + pid_tile)
-    tok0 = tl.load(tile_tok0_ptr + pid_tile)
-    ntok = tl.load(tile_ntok_ptr + pid_tile)
-    r = tl.arange(0, BLOCK_T * GP)
-    t_of_r = r // GP
-    h_of_r = r % GP
+    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
+        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
     tok_ok = t_of_r < ntok
     row_ok = tok_ok & (h_of_r < GROUP)
-    tok_r = tok0 + t_of_r
-    pos_r = tl.load(positions_ptr + tok_r, mask=tok_ok, other=0)
+    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
     d = tl.arange(0, D)
     s_off = tl.arange(0, BS)
-    q = tl.load(q_ptr + tok_r[:, None] * stride_qt + (g * GROUP + h_of_r)[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
 
     NONE: tl.constexpr = 1 << 30  # cursor past the end of a list
     lists = block_idx_ptr + g * stride_bg + tok_r * stride_bt  # [rows]: the row's token's list
@@ -761,21 +767,9 @@ def _sparse_prefill_attn_tile_kernel(
         active = cur == b
         page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
         kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
-        k = _load_kv(k_ptr + kv_off, KV_FP8, COMPUTE_DT)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
-        if KV_FP8:  # fp8 pages: the page's scales on the scores and on the probabilities
-            s = s * tl.load(k_scale_ptr + page * HKV + g)
-        s = tl.where(active[:, None] & ((b * BS + s_off)[None, :] <= pos_r[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose list has not started yet
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = _load_kv(v_ptr + kv_off, KV_FP8, COMPUTE_DT)
-        if KV_FP8:
-            p = p * tl.load(v_scale_ptr + page * HKV + g)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
+        visible = active[:, None] & ((b * BS + s_off)[None, :] <= pos_r[:, None])
+        m, l, acc = _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, visible, page * HKV + g, k_scale_ptr,
+                                   v_scale_ptr, m, l, acc, scale2, KV_FP8, COMPUTE_DT, DOT_PREC)
         # the rows that took this block move to their next entry
         at = at + active.to(tl.int32)
         nxt = tl.load(lists + at, mask=tok_ok & active & (at < W), other=-1)
@@ -802,21 +796,36 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
                              block_idx: torch.Tensor, scale: float, tile_tokens: int | None = None) -> torch.Tensor:
     """q [N, Hq, d]; block_idx [Hkv, N, W] int32 (ascending or not, valid entries first, -1 after).
     Each query attends to the keys of its selected blocks that are <= its position. Returns
-    [N, Hq, d] in q.dtype. tile_tokens (default SPARSE_ATTN_TILE): > 0 runs the tile kernel with
-    that many consecutive tokens per program, 0 the per-token kernel (grid (N, Hkv), graph-safe in
-    itself; the callers are not)."""
+    [N, Hq, d] in q.dtype. tile_tokens (default SPARSE_ATTN_TILE, a power of two): > 0 runs the
+    tile kernel with that many consecutive tokens per program, 0 the per-token kernel (grid
+    (N, Hkv), graph-safe in itself; the callers are not)."""
     tile = SPARSE_ATTN_TILE if tile_tokens is None else tile_tokens
-    if tile > 0:
-        return _sparse_prefill_attention_tiles(q, kv, layer, batch, block_idx, scale, tile)
+    if tile < 0 or tile & (tile - 1):
+        raise ValueError(f"tile_tokens must be 0 or a power of two, got {tile}")
     N, Hq, D = q.shape
     hkv = kv.k.shape[3]
     group = Hq // hkv
+    gp = max(16, _pow2(group))
     k, v = kv.k[layer], kv.v[layer]  # [pages, block_size, Hkv, D]
     pa = _pool_args(kv, layer)
     if pa["compute"] != q.dtype:
         raise ValueError(f"q is {q.dtype} but the KV cache computes in {pa['compute']}")
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     if N == 0:
+        return out
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2))
+    consts = dict(GROUP=group, GP=gp, D=D, BS=kv.block_size, DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"],
+                  COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
+    if tile:
+        block_idx = _ascending_lists(block_idx).contiguous()
+        seqs, tok0s, ntoks = _prefill_tiles(batch, tile)
+        tile_seq, tile_tok0, tile_ntok = (torch.tensor(x, dtype=torch.int32).to(q.device, non_blocking=True)
+                                          for x in (seqs, tok0s, ntoks))
+        _sparse_prefill_attn_tile_kernel[(len(seqs), hkv)](
+            q, k, v, out, block_idx, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
+            pa["k_scale"], pa["v_scale"], *strides, block_idx.stride(0), block_idx.stride(1),
+            batch.page_table.stride(0), scale * LOG2E, block_idx.shape[-1],
+            BLOCK_T=tile, num_warps=4 if tile * gp <= 64 else 8, **consts)
         return out
     width = block_idx.shape[-1]
     if width & (width - 1):  # the kernel reads a power-of-two row to count valid entries
@@ -826,43 +835,8 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
                                       batch.cu_seqlens_q.diff(), output_size=N)
     _sparse_prefill_attn_kernel[(N, hkv)](
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0),
-        scale * LOG2E,
-        GROUP=group, GP=max(16, _pow2(group)), D=D, BS=kv.block_size, W=block_idx.shape[-1],
-        DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
-    return out
-
-
-def _sparse_prefill_attention_tiles(q, kv: KVPool, layer: int, batch: ForwardBatch, block_idx: torch.Tensor,
-                                    scale: float, block_t: int) -> torch.Tensor:
-    """sparse_prefill_attention through the tile kernel (block_t tokens of one sequence each)."""
-    N, Hq, D = q.shape
-    hkv = kv.k.shape[3]
-    group = Hq // hkv
-    k, v = kv.k[layer], kv.v[layer]  # [pages, block_size, Hkv, D]
-    pa = _pool_args(kv, layer)
-    if pa["compute"] != q.dtype:
-        raise ValueError(f"q is {q.dtype} but the KV cache computes in {pa['compute']}")
-    if block_t & (block_t - 1):
-        raise ValueError(f"tile_tokens must be a power of two, got {block_t}")
-    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
-    if N == 0:
-        return out
-    block_idx = _ascending_lists(block_idx).contiguous()
-    seqs, tok0s, ntoks = _prefill_tiles(batch, block_t)
-    tile_seq, tile_tok0, tile_ntok = (torch.tensor(x, dtype=torch.int32).to(q.device, non_blocking=True)
-                                      for x in (seqs, tok0s, ntoks))
-    gp = max(16, _pow2(group))
-    _sparse_prefill_attn_tile_kernel[(len(seqs), hkv)](
-        q, k, v, out, block_idx, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
-        pa["k_scale"], pa["v_scale"],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0),
-        scale * LOG2E, block_idx.shape[-1],
-        GROUP=group, GP=gp, D=D, BS=kv.block_size, BLOCK_T=block_t,
-        DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
-        num_warps=4 if block_t * gp <= 64 else 8)
+        *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
+        W=block_idx.shape[-1], **consts)
     return out
 
 
