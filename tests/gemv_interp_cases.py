@@ -260,3 +260,48 @@ def test_backend_junction_ops_match_torch(silu, last):
     first = tb.norm_linear(h, nw, EPS, w_in)
     ref = TB.norm_linear(h, nw, EPS, w_in)
     assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+# ---- fp8 weights (gemv_fp8): e4m3 codes with a per-output-channel fp32 scale
+
+FP8_CONFIGS = [G.GemvConfig(16, 64, 1), G.GemvConfig(8, 128, 1, split_k=2), G.GemvConfig(4, 32, 1, split_k=4)]
+
+
+def _fp8_weights(N, K, seed):
+    from salaserve.quant.formats import quantize_fp8_per_channel
+
+    g = torch.Generator().manual_seed(seed)
+    return quantize_fp8_per_channel(torch.randn(N, K, generator=g) * K ** -0.5)
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+@pytest.mark.parametrize("N,K", [(64, 64), (96, 128), (64, 96)])
+def test_gemv_fp8_matches_reference(M, N, K):
+    """fp8 weights against quant.matmul.fp8_matmul_ref (dequantize in fp32, then x @ W^T): fp32 x to
+    ~1e-5, bf16 x within one bf16 ulp of the fp64 product of the same values."""
+    from salaserve.quant.matmul import fp8_matmul_ref
+
+    w8, scale = _fp8_weights(N, K, seed=N + K + M)
+    g = torch.Generator().manual_seed(M)
+    for dtype in (torch.float32, bf16):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        exact = x.double() @ (w8.double() * scale.double()[:, None]).t()
+        for cfg in FP8_CONFIGS:
+            y = G.gemv_fp8(x, w8, scale, cfg)
+            assert y.shape == (M, N) and y.dtype == dtype
+            if dtype == torch.float32:
+                _close(y, exact)
+                _close(y, fp8_matmul_ref(x, w8, scale).double())
+            else:
+                assert_within_ulps(y, exact.to(bf16), max_ulps=1, max_frac=0.05)
+
+
+def test_gemv_fp8_refuses_bad_input():
+    w8, scale = _fp8_weights(64, 64, seed=1)
+    x = torch.randn(1, 64)
+    with pytest.raises(TypeError, match="w_scale"):
+        G.gemv_fp8(x, w8, scale.half(), FP8_CONFIGS[0])
+    with pytest.raises(TypeError, match="w_scale"):
+        G.gemv_fp8(x, w8.float(), scale, FP8_CONFIGS[0])
+    with pytest.raises(ValueError, match="FMA configs"):
+        G.gemv_fp8(x, w8, scale, DOT[0])

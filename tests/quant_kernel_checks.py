@@ -249,6 +249,14 @@ def dispatch_checks(gen):
         "w4a16-g128": rtn.quantize_w4a16_rtn(W, 128),  # decode M <= 4: the FMA kernel
         "w4a16-act-order": random_w4a16(256, 96, 64, True, gen),
     }
+    gemv_calls = []
+    if qg.FP8_DECODE == "gemv":  # as if the start-up calibration had picked the fp8 FMA GEMV
+        from salaserve.kernels import gemv as G
+
+        for m in (1, 2, 4, 8):
+            qg._FP8_GEMV_TABLE[qg._fp8_gemv_key(m, variants["fp8"], "cpu")] = G.GemvConfig(16, 64, 1, split_k=2)
+        real = G.gemv_fp8
+        G.gemv_fp8 = lambda *a, **k: gemv_calls.append(a[0].shape[0]) or real(*a, **k)
     for name, w in variants.items():
         for lead in ((1,), (2, 3), (qg.GEMV_MAX_M + 5,)):
             x = torch.randn(*lead, 256, generator=gen)
@@ -269,6 +277,9 @@ def dispatch_checks(gen):
         y = qg.quant_linear(x, f, backend="triton")
         ref = qg.w8a8_block_ref(x, f.weight, f.scale) if qg.FP8_DECODE == "w8a8" else linear_ref(x, f)
         check(f"quant_linear[fp8, {qg.FP8_DECODE}] bf16 x{tuple(x.shape)}", y, ref, 2 ** -7)
+    if qg.FP8_DECODE == "gemv":  # the decode sizes went through it, the prefill size did not
+        assert sorted(set(gemv_calls)) == [1, 5, 6], gemv_calls
+        print("ok  fp8 decode sizes through gemv_fp8:", sorted(set(gemv_calls)))
     counters_rearmed()
 
 

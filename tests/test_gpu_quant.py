@@ -110,3 +110,42 @@ def test_w8a8_calibration_records_a_candidate():
     assert Q._W8A8_TABLE[key] in Q._w8a8_candidates(1, N, K, torch.device("cuda"))
     x = torch.randn(3, K, device="cuda").to(torch.bfloat16)
     assert _rel(Q.w8a8_gemv(x, w.weight, w.scale), Q.w8a8_block_ref(x, w.weight, w.scale)) < TOL
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("M", [1, 2, 8])
+def test_fp8_fma_gemv_every_config(name, M):
+    """gemv.gemv_fp8 (SALASERVE_FP8_DECODE=gemv) with every FP8_FMA_CONFIGS config of the M bucket
+    against the dequantize-then-matmul reference at the real shapes."""
+    from salaserve.kernels import gemv as G
+
+    N, K = SHAPES[name]
+    w = _weights("fp8", N, K, 20 + M)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    ref = linear_ref(x, w)
+    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)]:
+        assert _rel(G.gemv_fp8(x, w.weight, w.scale, cfg), ref) < TOL, cfg
+
+
+def test_fp8_gemv_calibration_records_a_choice():
+    """calibrate_fp8_gemv times w8a16 and the fp8 FMA configs; quant_linear then follows the table
+    (set to the GEMV by FP8_DECODE = "gemv") and still equals the reference."""
+    from salaserve.kernels import quant_gemm as Q
+
+    N, K = SHAPES["o_proj"]
+    w = _weights("fp8", N, K, 13)
+    res = Q.calibrate_fp8_gemv([w], "cuda", m_values=(1, 8))
+    assert set(res) == {(1, N, K), (8, N, K)}
+    for m in (1, 8):
+        cfg, t, t_ref = res[(m, N, K)]
+        assert t > 0 and t_ref > 0 and (cfg is None or cfg.block_k == 512 * cfg.num_warps)
+        assert (cfg is None) == (t == t_ref)
+    old = Q.FP8_DECODE
+    try:
+        Q.FP8_DECODE = "gemv"
+        for m in (1, 8):
+            x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+            assert _rel(Q.quant_linear(x, w), linear_ref(x, w)) < TOL
+        assert Q.fp8_gemv_choice(1, w, "cuda") is res[(1, N, K)][0]
+    finally:
+        Q.FP8_DECODE = old

@@ -56,6 +56,9 @@ def _aot_cases():
         cases[f"{name}-silu-residual-split4"] = (cfg, bm, dict(PROLOGUE=2, RESIDUAL=True, SPLIT_K=4))
         cases[f"{name}-pdl-split2"] = (cfg, bm, dict(PDL=True, SPLIT_K=2))
         cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
+    for bucket, cfgs in G.FP8_FMA_CONFIGS.items():  # fp8 weights with their scales (gemv_fp8)
+        for cfg in cfgs:
+            cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, PDL=True, SPLIT_K=2))
     return cases
 
 
@@ -79,7 +82,8 @@ def test_gemv_compiles_for_sm90(name):
 
     cfg, block_m, extra = _aot_cases()[name]
     bf = "*bf16"
-    ptrs = dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, res_ptr=bf, nw_ptr=bf, ws_ptr="*fp32", cnt_ptr="*i32")
+    ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv" if extra.get("W_SCALE") else bf, out_ptr=bf, res_ptr=bf, nw_ptr=bf,
+                ws_ptr="*fp32", cnt_ptr="*i32", w_scale_ptr="*fp32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, EVEN_K=True,
                       DOT=cfg.dot, PROLOGUE=0, RESIDUAL=False, X_DT=tl.bfloat16, XN_DT=tl.bfloat16,
                       Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False)
@@ -95,6 +99,9 @@ def test_gemv_compiles_for_sm90(name):
         # W streamed into shared memory by 16-byte async copies (Triton's pipeliner)
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte cp.async"
         assert "wgmma" in ptx or "mma.sync" in ptx
+    elif extra.get("W_SCALE"):  # fp8: one 16-byte vector of 16 weights per thread and row
+        assert cfg.block_k == 512 * cfg.num_warps
+        assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)) >= cfg.block_n, "W not read in 16-byte vectors"
     else:
         assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)) >= cfg.block_n, "W not read in 16-byte vectors"
         main = [b for b in _loops(ptx) if "fma.rn.f32" in b and "ld.global" in b]

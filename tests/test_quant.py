@@ -298,7 +298,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 
 @pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense",
                                                                        "w8a16", "w8a8", "dispatch")]
-                         + [("dispatch", "w8a8")])
+                         + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
     env = dict(os.environ, TRITON_INTERPRET="1", SALASERVE_FP8_DECODE=fp8_decode,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -150,7 +150,7 @@ def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scal
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr, w_scale_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K == SPLIT_K * (a multiple of BLOCK_K): no K masks at all
@@ -163,6 +163,7 @@ def _gemv_kernel(
     OUT_DT: tl.constexpr,  # stored dtype (promote(residual, y) with the epilogue)
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs only
+    W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA path)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -233,6 +234,8 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * x  # x broadcasts over W's rows, W over x's rows
             w = w_next
         y = tl.sum(acc, axis=2)  # [BM, BN]
+        if W_SCALE:  # per output channel; a partial's scaled sum adds up like the unscaled ones
+            y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
 
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -286,6 +289,14 @@ FMA_CONFIGS = {  # M bucket -> configs; sm_90 registers per thread in the commen
     8: (GemvConfig(1, 1024, 4),),  # 102
 }
 FMA_MAX_M = 8  # above, the register accumulators get too many: tensor cores only
+# fp8 weights (gemv_fp8): 16 weights per 16-byte vector, so BLOCK_K = 512 * num_warps gives one
+# vector per thread and W row (sm_90 registers per thread in the comments; (2, 2048, 4) spills)
+FP8_FMA_CONFIGS = {
+    1: (GemvConfig(1, 2048, 4), GemvConfig(2, 4096, 8), GemvConfig(1, 4096, 8)),  # 48, 99, -
+    2: (GemvConfig(1, 2048, 4),),
+    4: (GemvConfig(1, 2048, 4),),
+    8: (GemvConfig(1, 2048, 4),),
+}
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
     GemvConfig(64, 128, 4, 4, dot=True),  # 48 registers, 80 KB shared memory
     GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB
@@ -373,7 +384,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, prologue=_NONE,
-            config: GemvConfig | None = None, pdl: bool | None = None):
+            config: GemvConfig | None = None, pdl: bool | None = None, w_scale=None):
     w = _rows(w, "w")
     N, K = w.shape
     x = _rows(x, "x")
@@ -383,9 +394,14 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     if not 0 < M <= GEMV_MAX_M:
         raise ValueError(f"gemv handles 1 <= M <= {GEMV_MAX_M}, got M = {M}")
     xn_dt = promote(x.dtype, norm_w.dtype) if prologue == _RMS else x.dtype
-    if xn_dt != w.dtype:
+    if w_scale is not None:
+        if w.dtype != torch.float8_e4m3fn or w_scale.shape != (N,) or w_scale.dtype != torch.float32:
+            raise TypeError(f"w_scale [N] fp32 goes with e4m3 weights, got {w.dtype} and "
+                            f"{w_scale.dtype} {tuple(w_scale.shape)}")
+        w_scale = w_scale.contiguous()
+    elif xn_dt != w.dtype:
         raise TypeError(f"GEMV input dtype {xn_dt} must match the weight dtype {w.dtype}")
-    y_dt = w.dtype
+    y_dt = xn_dt if w_scale is not None else w.dtype
     out_dt = y_dt
     if residual is not None:
         residual = _rows(residual, "residual")
@@ -400,6 +416,8 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     cfg = config or choose_config(M, N, K, x.device)
     if not cfg.dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
+    if w_scale is not None and cfg.dot:
+        raise ValueError(f"fp8 weights take the FMA configs, got {cfg}")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
     block_m = 16 if cfg.dot else _bucket(M)
     tiles = triton.cdiv(N, cfg.block_n)
@@ -409,11 +427,12 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     kw = dict(launch_pdl=True) if use_pdl else {}
     _gemv_kernel[(tiles, split)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w, ws, cnt,
+        w_scale if w_scale is not None else ws,
         M, N, K, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
         float(scale), float(eps),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
-        Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET,
+        Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
 
@@ -422,6 +441,13 @@ def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None =
     """x [M, K] @ w[N, K]^T -> [M, N] in w's dtype (x.dtype == w.dtype), fp32 accumulation,
     1 <= M <= 16. config None: the calibrated (else default) config for this shape."""
     return _launch(x, w, out=out, config=config, pdl=pdl)
+
+
+def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | None = None):
+    """x [M, K] @ (w_fp8 [N, K] e4m3 * w_scale [N] fp32)^T -> [M, N] in x.dtype (weight-only fp8,
+    quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config: each thread
+    streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs."""
+    return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale)
 
 
 def gemv_residual(x, w, residual, scale, out=None, *, config=None, pdl=None):

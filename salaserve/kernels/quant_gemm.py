@@ -11,7 +11,9 @@
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
       - M <= GEMV_MAX_M: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows) with the
-        weights converted to bf16 and x exact; or with SALASERVE_FP8_DECODE=w8a8 (and K a
+        weights converted to bf16 and x exact; with SALASERVE_FP8_DECODE=gemv (M <= 8) gemv.py's
+        FMA GEMV on the fp8 codes where `calibrate_fp8_gemv` measured it faster; or with
+        SALASERVE_FP8_DECODE=w8a8 (and K a
         multiple of 128) `w8a8_gemv`: x quantized to e4m3 per (token, 128 channels) inside the
         kernel and an fp8 x fp8 tensor-core dot.
       - above: w8a8 on cuBLAS (`quantize_rows_fp8`, one kernel for the per-token activation
@@ -53,8 +55,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # fp8 weights at decode sizes: "w8a16" (weights converted to bf16 in the kernel; x exact) or
 # "w8a8" (x quantized per 128 channels, fp8 tensor cores): w8a16 measured faster so far (perf notes)
 FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "w8a16")
-if FP8_DECODE not in ("w8a8", "w8a16"):
-    raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8 or w8a16, got {FP8_DECODE!r}")
+# "gemv": gemv.py's FMA GEMV with fp8 weights (16 per 16-byte vector) wherever the start-up
+# calibration measures it faster than w8a16 (M <= 8); not yet measured on a GPU, so opt-in
+if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
+    raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
 
 
 def _configs(configs: list) -> list:
@@ -1002,6 +1006,63 @@ def calibrate_w8a8(weights, device, m_values=(1, 32), verbose: bool = False) -> 
     return result
 
 
+# (M bucket, N, K, device) -> the gemv.FP8_FMA_CONFIGS config that beat w8a16_gemv at start-up,
+# or None where w8a16 stayed faster; filled by calibrate_fp8_gemv (SALASERVE_FP8_DECODE=gemv)
+_FP8_GEMV_TABLE: dict[tuple, object] = {}
+
+
+def _fp8_gemv_key(M: int, w: QuantizedLinearWeights, device) -> tuple:
+    from salaserve.kernels import gemv as G
+
+    return (G._bucket(M), w.out_features, w.in_features, _device_key(device))
+
+
+def fp8_gemv_choice(M: int, w: QuantizedLinearWeights, device):
+    """The calibrated gemv_fp8 config for this decode size and shape, or None (w8a16)."""
+    from salaserve.kernels import gemv as G
+
+    if not 1 <= M <= G.FMA_MAX_M:
+        return None
+    return _FP8_GEMV_TABLE.get(_fp8_gemv_key(M, w, device))
+
+
+def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False) -> dict:
+    """Per (M bucket, fp8 shape): time w8a16_gemv and every gemv.FP8_FMA_CONFIGS config (CUDA graphs
+    of back-to-back calls over L2-busting random weights) and record the faster for quant_linear.
+    Returns {(M, N, K): (config or None, its us, w8a16 us)}. GPU only."""
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.timing import graph_time_us, l2_busting_count
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    result = {}
+    for w in weights:
+        if w.format != "fp8":
+            continue
+        N, K = w.out_features, w.in_features
+        todo = [m for m in m_values if _fp8_gemv_key(m, w, device) not in _FP8_GEMV_TABLE]
+        if not todo:
+            continue
+        n = l2_busting_count(w.weight.nbytes)
+        copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n)]
+        for m in todo:
+            x = torch.randn(G._bucket(m), K, device=device).to(torch.bfloat16)
+            t_ref = graph_time_us(lambda i: w8a16_gemv(x, copies[i % n], w.scale), calls=max(8, n))
+            best = (None, t_ref)
+            for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)]:
+                cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
+                t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg), calls=max(8, n))
+                if verbose:
+                    print(f"  fp8 gemv M={m} N={N} K={K} {cfg}: {t:.1f} us (w8a16 {t_ref:.1f})")
+                if t < best[1]:
+                    best = (cfg, t)
+            _FP8_GEMV_TABLE[_fp8_gemv_key(m, w, device)] = best[0]
+            result[(m, N, K)] = (best[0], best[1], t_ref)
+        del copies
+    return result
+
+
 def w8a8_block_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Torch twin of w8a8_gemv: x quantized to e4m3 per (token, ACT_BLOCK channels), then
     (q * sx) @ (W * scale)^T in fp32, returned in x.dtype."""
@@ -1081,6 +1142,10 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     elif w.format == "fp8":
         if M <= GEMV_MAX_M and FP8_DECODE == "w8a8" and K % ACT_BLOCK == 0:
             y = w8a8_gemv(x2, w.weight, w.scale)
+        elif FP8_DECODE == "gemv" and (cfg := fp8_gemv_choice(M, w, x2.device)) is not None:
+            from salaserve.kernels import gemv as G
+
+            y = G.gemv_fp8(x2, w.weight, w.scale, cfg)
         elif M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
             y = w8a16_gemv(x2, w.weight, w.scale)
         elif x2.is_cuda:

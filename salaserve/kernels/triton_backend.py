@@ -61,7 +61,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
         sizes and verify row counts (M up to 16), so `linear` takes the faster one (a few seconds,
         before graph capture); int4 weights (in `params`, the model's fused weights): the decode
-        FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's."""
+        FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's, or
+        (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16."""
         gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
                            m_values=(1, 2, 4, 8, 16))
         quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
@@ -76,6 +77,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         fp8 = {(w.out_features, w.in_features): w for w in quantized if w.format == "fp8"}
         if fp8 and quant_gemm.FP8_DECODE == "w8a8":
             quant_gemm.calibrate_w8a8(list(fp8.values()), device)
+        if fp8 and quant_gemm.FP8_DECODE == "gemv":
+            quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes: the GEMV or cuBLAS (calibrated); quantized weights:
