@@ -141,6 +141,13 @@ def _stage1_lse_kernel(
 
 
 @triton.jit
+def _shift_combine(a_prev, a_last, a_n, b_prev, b_last, b_n):
+    """Scan operator whose inclusive scan yields, at slot k, the value at slot k - 1: a segment is
+    (its second-to-last value, its last value, its length)."""
+    return tl.where(b_n == 1, a_last, b_prev), b_last, a_n + b_n
+
+
+@triton.jit
 def _round_bf16(x):
     """fp32 -> nearest bf16 (ties to even), kept in fp32. Spelled out on the bits because the
     Triton interpreter's bf16 cast truncates; finite and +-inf inputs (NaN never reaches here)."""
@@ -217,7 +224,6 @@ def _stage1_block_keys_kernel(
     e_blk, e_slot = e // C1PB, e % C1PB
     u = tl.arange(0, C1PB)
     d = tl.arange(0, D)
-    shift = (k[:, None] - 1) == k[None, :]  # [BB, BB]: slot k takes from slot k - 1
 
     b_lo = pid_split * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, nb_out)
@@ -241,9 +247,11 @@ def _stage1_block_keys_kernel(
         s3 = tl.reshape(s, (BLOCK_T, BB, C1PB))
         own = tl.max(s3, axis=2)
         tail = tl.max(tl.where(u[None, None, :] >= C1PB - PAD, s3, float("-inf")), axis=2)
-        # tail of the previous block, tail[:, k - 1]: a shift along the block axis, written as a
-        # masked max over [BLOCK_T, BB, BB] (plain ops only; tl.gather lowering is fragile)
-        prev = tl.max(tl.where(shift[None, :, :], tail[:, None, :], float("-inf")), axis=2)
+        # tail of the previous block, tail[:, k - 1]: a shift along the block axis, as a scan (plain
+        # ops only; tl.gather lowering is fragile). Slot 0 gets -inf (it only donates its tail).
+        ones = tl.full([BLOCK_T, BB], 1, tl.int32)
+        prev, _, _ = tl.associative_scan((tl.full([BLOCK_T, BB], float("-inf"), tl.float32), tail, ones), 1,
+                                         _shift_combine)
         _store_keys(keys_ptr, tl.maximum(own, prev), b0, b_hi, qb, dense, tok_ok, t, tok0 - tok_base, g,
                     stride_kg, stride_kt, BB, INIT, LOCAL)
     rest = b_lo + tl.cdiv(score_hi - b_lo, BB - 1) * (BB - 1)  # where the first loop stopped
