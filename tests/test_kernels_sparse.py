@@ -51,7 +51,7 @@ def interp():
     return results
 
 
-SELECT_CASES = ["select_oneshot_struct", "select_oneshot_noise", "select_chunked_struct", "select_chunked_noise",
+SELECT_CASES = ["select_long_interior", "select_oneshot_struct", "select_oneshot_noise", "select_chunked_struct", "select_chunked_noise",
                 "select_mixed", "select_small_topk", "select_splits"]
 
 
@@ -71,6 +71,14 @@ def test_prefill_selection_matches_reference(interp, name):
     _assert_selection(r, name)
     assert r["sorted_ok"] and r["dense_rows_ok"], r
     assert r["rows"] > 0
+
+
+@pytest.mark.parametrize("name", ["interior_fast_t4_bb4", "interior_fast_t8_bb8"])
+def test_stage1_interior_steps_equal_masked_steps(interp, name):
+    """The unmasked path for interior steps of long prompts writes exactly the keys that the
+    fully masked path writes."""
+    r = interp[name]
+    assert r["equal"] and r["keys"] > 0 and r["blocks"] >= 40, r
 
 
 def test_prefill_selection_width_grows_for_dense_sequences(interp):

@@ -48,6 +48,7 @@ _TARGET_PROGRAMS = 528  # ~4 programs per SM on an H200 (132 SMs): enough to fil
 _LSE_BLOCK_N = 64  # C2 entries per tl.dot in the lse pass (also the unit of its splits)
 _SELECT_BUFFER_BYTES = 256 << 20  # bound on the int32 key buffer of one prefill selection chunk
 _MAX_BLOCKS = 1 << 16  # the packed key keeps the block index in 16 bits
+_STAGE1_INTERIOR_FAST = True  # stage-1 keys: unmasked interior steps (tests compare with False)
 
 
 def _pow2(n: int) -> int:
@@ -167,6 +168,43 @@ def _pack_key(score, blk):
 
 
 @triton.jit
+def _pooled_block_scores(q, lse2, c1_ptr, page_row, eb, e_slot, j_ok, keep, g, stride_c1p, stride_c1s, stride_c1h,
+                         qk_scale2, BLOCK_T: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BB: tl.constexpr,
+                         C1PB: tl.constexpr, PAD: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Pooled stage-1 block scores [BLOCK_T, BB] of one step (slot k: block b0 - 1 + k): the step's
+    C1 entries scored by the group's heads, exp2 against lse2, summed over the heads, rounded to
+    bf16, max-pooled over each block's entries and the previous block's last PAD. MASKED: entries
+    outside j_ok [entries] pad the pooling with -inf and (row, entry) pairs outside keep [rows,
+    entries] score 0; not MASKED: the step is interior and every entry and pair counts."""
+    d = tl.arange(0, D)
+    if MASKED:
+        page = tl.load(page_row + eb, mask=j_ok, other=0).to(tl.int64)
+        c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s + g * stride_c1h + d[None, :],
+                    mask=j_ok[:, None], other=0.0)
+    else:
+        page = tl.load(page_row + eb).to(tl.int64)
+        c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s + g * stride_c1h + d[None, :])
+    a2 = tl.dot(q, tl.trans(c), input_precision=DOT_PREC) * qk_scale2
+    p = tl.exp2(a2 - lse2[:, None])
+    p = tl.where(p < float("inf"), p, 0.0)  # the reference's nan_to_num(nan=0, posinf=0)
+    if MASKED:
+        p = tl.where(keep, p, 0.0)
+    s = tl.sum(tl.reshape(p, (BLOCK_T, GP, BB * C1PB)), axis=1)  # sum over the group's heads
+    s = _round_bf16(s)  # InfLLM-v2 stores stage-1 scores in bf16
+    if MASKED:
+        s = tl.where(j_ok[None, :], s, float("-inf"))  # pooling pads past the entries with -inf
+    s3 = tl.reshape(s, (BLOCK_T, BB, C1PB))
+    own = tl.max(s3, axis=2)
+    u = tl.arange(0, C1PB)
+    tail = tl.max(tl.where(u[None, None, :] >= C1PB - PAD, s3, float("-inf")), axis=2)
+    # tail of the previous block, tail[:, k - 1]: a shift along the block axis, as a scan (plain
+    # ops only; tl.gather lowering is fragile). Slot 0 gets -inf (it only donates its tail).
+    prev, _, _ = tl.associative_scan((tl.full([BLOCK_T, BB], float("-inf"), tl.float32), tail,
+                                      tl.full([BLOCK_T, BB], 1, tl.int32)), 1, _shift_combine)
+    return tl.maximum(own, prev)
+
+
+@triton.jit
 def _stage1_block_keys_kernel(
     q_ptr, c1_ptr, page_table_ptr, seq_lens_ptr, positions_ptr,
     tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
@@ -178,6 +216,7 @@ def _stage1_block_keys_kernel(
     BB: tl.constexpr, C1PB: tl.constexpr, PAD: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
     BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+    INTERIOR_FAST: tl.constexpr = True,  # interior steps skip the masks (False: every step masked)
 ):
     """Packed block keys [Hkv, tokens, nb_out] for the blocks [pid_split * blocks_per_split, ...)
     of a tile of tokens, KV head g.
@@ -187,6 +226,10 @@ def _stage1_block_keys_kernel(
     last PAD entries of block b-1 (windows that start before b but overlap it), so the first block
     of the step only donates those entries. Steps are independent (no carry), which lets decode
     split one sequence's blocks over many programs.
+
+    Most steps of a long prompt are interior: every entry of the step visible to every row, and all the step's output blocks past the init blocks and before every token's
+    local window. Those take an unmasked path (no visibility, padding or forcing masks), which
+    computes the same keys with fewer instructions.
     """
     pdl_wait_first(PDL)
     pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -222,8 +265,13 @@ def _stage1_block_keys_kernel(
     k = tl.arange(0, BB)  # block slot in a step; slot 0 only donates its tail entries
     e = tl.arange(0, BB * C1PB)  # C1 entry slot in a step, block-major
     e_blk, e_slot = e // C1PB, e % C1PB
-    u = tl.arange(0, C1PB)
-    d = tl.arange(0, D)
+    page_row = page_table_ptr + seq * stride_pt
+    row0 = tok0 - tok_base
+    # bounds of the interior steps: every row sees the entries below vis_min, and every token's
+    # local window starts at or after local_min. (Padding rows need no mask: their q is 0 and
+    # their lse2 -inf, so exp2 gives +inf, which the nan_to_num rule turns into 0.)
+    vis_min = tl.min(tl.where(row_ok, vis1, 1 << 30), axis=0)
+    local_min = tl.min(tl.where(tok_ok, qb - LOCAL, 1 << 30), axis=0)
 
     b_lo = pid_split * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, nb_out)
@@ -233,31 +281,27 @@ def _stage1_block_keys_kernel(
     for b0 in range(b_lo, score_hi, BB - 1):
         eb = b0 - 1 + e_blk  # block (= page) holding each entry
         j = eb * C1PB + e_slot  # C1 entry index; negative before block 0
-        j_ok = (eb >= 0) & (j < n1)
-        page = tl.load(page_table_ptr + seq * stride_pt + eb, mask=j_ok, other=0).to(tl.int64)
-        c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s
-                    + g * stride_c1h + d[None, :], mask=j_ok[:, None], other=0.0)
-        a2 = tl.dot(q, tl.trans(c), input_precision=DOT_PREC) * qk_scale2
-        p = tl.exp2(a2 - lse2[:, None])
-        p = tl.where((p == float("inf")) | (p != p), 0.0, p)  # reference: nan_to_num(nan=0, posinf=0)
-        p = tl.where(row_ok[:, None] & (j[None, :] < vis1[:, None]), p, 0.0)
-        s = tl.sum(tl.reshape(p, (BLOCK_T, GP, BB * C1PB)), axis=1)  # sum over the group's heads
-        s = _round_bf16(s)  # InfLLM-v2 stores stage-1 scores in bf16
-        s = tl.where(j_ok[None, :], s, float("-inf"))  # pooling pads past the entries with -inf
-        s3 = tl.reshape(s, (BLOCK_T, BB, C1PB))
-        own = tl.max(s3, axis=2)
-        tail = tl.max(tl.where(u[None, None, :] >= C1PB - PAD, s3, float("-inf")), axis=2)
-        # tail of the previous block, tail[:, k - 1]: a shift along the block axis, as a scan (plain
-        # ops only; tl.gather lowering is fragile). Slot 0 gets -inf (it only donates its tail).
-        ones = tl.full([BLOCK_T, BB], 1, tl.int32)
-        prev, _, _ = tl.associative_scan((tl.full([BLOCK_T, BB], float("-inf"), tl.float32), tail, ones), 1,
-                                         _shift_combine)
-        _store_keys(keys_ptr, tl.maximum(own, prev), b0, b_hi, qb, dense, tok_ok, t, tok0 - tok_base, g,
-                    stride_kg, stride_kt, BB, INIT, LOCAL)
+        j_end = (b0 - 1 + BB) * C1PB  # past the step's last entry
+        interior = (INTERIOR_FAST & (b0 >= 1) & (b0 >= INIT) & (j_end <= n1) & (j_end <= vis_min)
+                    & (b0 + BB - 2 < local_min) & (b0 + BB - 1 <= b_hi))
+        if interior:
+            pooled = _pooled_block_scores(q, lse2, c1_ptr, page_row, eb, e_slot, j, j, g, stride_c1p, stride_c1s,
+                                          stride_c1h, qk_scale2, BLOCK_T, GP, D, BB, C1PB, PAD, DOT_PREC, False)
+            blk = b0 - 1 + k
+            ptrs = keys_ptr + g * stride_kg + (row0 + t)[:, None] * stride_kt + blk[None, :]
+            tl.store(ptrs, _pack_key(pooled, blk[None, :]), mask=(k >= 1)[None, :] & tok_ok[:, None])
+        else:
+            j_ok = (eb >= 0) & (j < n1)
+            keep = row_ok[:, None] & (j[None, :] < vis1[:, None])
+            pooled = _pooled_block_scores(q, lse2, c1_ptr, page_row, eb, e_slot, j_ok, keep, g, stride_c1p,
+                                          stride_c1s, stride_c1h, qk_scale2, BLOCK_T, GP, D, BB, C1PB, PAD, DOT_PREC,
+                                          True)
+            _store_keys(keys_ptr, pooled, b0, b_hi, qb, dense, tok_ok, t, row0, g, stride_kg, stride_kt, BB, INIT,
+                        LOCAL)
     rest = b_lo + tl.cdiv(score_hi - b_lo, BB - 1) * (BB - 1)  # where the first loop stopped
     for b0 in range(rest, b_hi, BB - 1):
         _store_keys(keys_ptr, tl.zeros([BLOCK_T, BB], tl.float32), b0, b_hi, qb, dense, tok_ok, t,
-                    tok0 - tok_base, g, stride_kg, stride_kt, BB, INIT, LOCAL)
+                    row0, g, stride_kg, stride_kt, BB, INIT, LOCAL)
 
 
 @triton.jit
@@ -328,7 +372,8 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
         qk_scale2, n_split2, nb_out, per1, tok_base, sc.dense_len,
         GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BB=bb, C1PB=c1pb, PAD=sc.pool_padding,
         K1=sc.kernel_size, S1=sc.kernel_stride, BS=sc.block_size, INIT=sc.init_blocks,
-        LOCAL=sc.local_blocks, DOT_PREC=prec, num_warps=8 if block_t * gp * bb * c1pb > 4096 else 4,
+        LOCAL=sc.local_blocks, DOT_PREC=prec, INTERIOR_FAST=_STAGE1_INTERIOR_FAST,
+        num_warps=8 if block_t * gp * bb * c1pb > 4096 else 4,
         **pdl_launch_kwargs(q.device))
     return keys
 
