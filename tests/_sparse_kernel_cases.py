@@ -300,9 +300,10 @@ class _knobs:
             setattr(self.ks, k, v)
 
 
-def check_interior_fast(case: dict, block_t: int, bb: int) -> dict:
-    """Stage-1 keys with the unmasked interior steps against every step masked: equal bit for bit
-    (the interior conditions only skip masks that cannot change a key)."""
+def check_stage1_fast(case: dict, block_t: int, bb: int) -> dict:
+    """Stage-1 keys with SALASERVE_STAGE1_FAST's variant (scan shift, unmasked interior steps)
+    against the default one: equal bit for bit (the interior conditions only skip masks that
+    cannot change a key)."""
     from salaserve.kernels import sparse as ks
 
     cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
@@ -311,8 +312,9 @@ def check_interior_fast(case: dict, block_t: int, bb: int) -> dict:
     tiles = tuple(torch.tensor(x, dtype=torch.int32) for x in ks._prefill_tiles(batch, block_t))
     args = (q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles, batch.num_tokens, 0, nb,
             cfg.head_dim ** -0.5, block_t, bb)
-    fast = ks._stage1_keys(*args)
-    with _knobs(_STAGE1_INTERIOR_FAST=False):
+    with _knobs(_STAGE1_FAST=True):
+        fast = ks._stage1_keys(*args)
+    with _knobs(_STAGE1_FAST=False):
         masked = ks._stage1_keys(*args)
     qb = (batch.positions // sc.block_size).max()
     return dict(equal=bool(torch.equal(fast, masked)), keys=fast.numel(), blocks=nb, qb_max=int(qb))
@@ -346,9 +348,14 @@ def _part_select() -> dict:
             make_case(tiny_cfg(topk=3, window_size=32), [(0, 150), (200, 40)], seed=7), block_t=8, bb=4)
     # long prompts, where most steps are interior (full tiles and a ragged last one; bb 4 and 8)
     long_case = make_case(cfg, [(700, 13), (420, 8)], seed=14)
-    res["interior_fast_t4_bb4"] = check_interior_fast(long_case, block_t=4, bb=4)
-    res["interior_fast_t8_bb8"] = check_interior_fast(long_case, block_t=8, bb=8)
+    res["interior_fast_t4_bb4"] = check_stage1_fast(long_case, block_t=4, bb=4)
+    res["interior_fast_t8_bb8"] = check_stage1_fast(long_case, block_t=8, bb=8)
     res["select_long_interior"] = check_prefill_selection(long_case, block_t=4, bb=4)
+    with _knobs(_STAGE1_FAST=True):  # the fast variant against the reference too
+        res["select_long_interior_fast"] = check_prefill_selection(long_case, block_t=4, bb=4)
+        res["select_chunked_struct_fast"] = check_prefill_selection(make_case(cfg, chunked, seed=3), block_t=8, bb=4)
+        res["decode_fast"] = check_decode_selection(
+            make_case(cfg, [(130, 1), (255, 1), (1000, 1)], seed=15), max_sel=16, bb=4)
     # several programs per tile: split C2 (lse partials merged) and split block ranges
     with _knobs(_TARGET_PROGRAMS=64, _LSE_BLOCK_N=16):
         res["select_splits"] = check_prefill_selection(

@@ -51,7 +51,8 @@ def interp():
     return results
 
 
-SELECT_CASES = ["select_long_interior", "select_oneshot_struct", "select_oneshot_noise", "select_chunked_struct", "select_chunked_noise",
+SELECT_CASES = ["select_long_interior", "select_long_interior_fast", "select_chunked_struct_fast",
+                "select_oneshot_struct", "select_oneshot_noise", "select_chunked_struct", "select_chunked_noise",
                 "select_mixed", "select_small_topk", "select_splits"]
 
 
@@ -74,11 +75,17 @@ def test_prefill_selection_matches_reference(interp, name):
 
 
 @pytest.mark.parametrize("name", ["interior_fast_t4_bb4", "interior_fast_t8_bb8"])
-def test_stage1_interior_steps_equal_masked_steps(interp, name):
-    """The unmasked path for interior steps of long prompts writes exactly the keys that the
-    fully masked path writes."""
+def test_stage1_fast_variant_equals_default(interp, name):
+    """SALASERVE_STAGE1_FAST's variant (scan shift, unmasked interior steps of long prompts) writes
+    exactly the keys of the default kernel."""
     r = interp[name]
     assert r["equal"] and r["keys"] > 0 and r["blocks"] >= 40, r
+
+
+def test_stage1_fast_variant_decode_matches_reference(interp):
+    r = interp["decode_fast"]
+    _assert_selection(r, "decode_fast")
+    assert r["layout_ok"] and r["dense_rows_ok"], r
 
 
 def test_prefill_selection_width_grows_for_dense_sequences(interp):
@@ -251,6 +258,32 @@ def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps
                                                        seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32), \
             dict(BS=64, N_CAND=width, MAX_SEL=128)
     compile_sm90_without_spills(fn, ptrs, consts, warps, fp_fusion=True)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("block_t,bb,warps", [(4, 32, 8), (1, 16, 4)])
+def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps):
+    """The stage-1 kernels at the real shapes (16 query heads per KV group, head dim 128, C1 4 per
+    64-token block), as prefill (4 tokens, 32 blocks per step) and decode (1 token, 16) launch them,
+    default and SALASERVE_STAGE1_FAST variants: both dots on tensor cores, nothing spilled."""
+    from kernel_checks import compile_sm90_without_spills
+
+    from salaserve.kernels import sparse as S
+
+    i32 = "*i32"
+    ptrs = dict(q_ptr="*bf16", c1_ptr="*bf16", c2_ptr="*bf16", page_table_ptr=i32, seq_lens_ptr=i32,
+                positions_ptr="*i64", tile_seq_ptr=i32, tile_tok0_ptr=i32, tile_ntok_ptr=i32, m_part_ptr="*fp32",
+                l_part_ptr="*fp32", keys_ptr=i32)
+    keys = compile_sm90_without_spills(
+        S._stage1_block_keys_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BB=bb, C1PB=4, PAD=1, K1=32,
+                                                S1=16, BS=64, INIT=1, LOCAL=2, DOT_PREC=None, FAST=fast), warps,
+        fp_fusion=True)
+    assert "wgmma" in keys.asm["ptx"] or "mma.sync" in keys.asm["ptx"]
+    if not fast:
+        lse = compile_sm90_without_spills(
+            S._stage1_lse_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BLOCK_N=64, K2=128, S2=64,
+                                             C2PP=1, DOT_PREC=None), 4, fp_fusion=True)
+        assert "wgmma" in lse.asm["ptx"] or "mma.sync" in lse.asm["ptx"]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
