@@ -484,6 +484,19 @@ def _device_key(device) -> str:
     return str(d)
 
 
+def _to_calibrate(weights, device, m_values, usable, key, table):
+    """The start-up calibrations' work list: (weight, its M values not yet in `table`) for each
+    weight `usable` accepts; nothing off the GPU. key(m, w, device) is the table's key."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    for w in weights:
+        if usable(w):
+            todo = [m for m in m_values if key(m, w, device) not in table]
+            if todo:
+                yield w, todo
+
+
 def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
     return (bucket, w.out_features, w.in_features, w.group_size, _device_key(device))
 
@@ -512,13 +525,12 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
     if device.type != "cuda":
         return {}
     result = {}
-    for w in weights:
-        if w.format != "w4a16" or not w.g_idx_trivial or w.group_size % W4_FMA_GROUP_MULTIPLE:
-            continue
+
+    def usable(w):
+        return w.format == "w4a16" and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0
+
+    for w, todo in _to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE):
         N, K = w.out_features, w.in_features
-        todo = [m for m in m_values if _w4_key(m, w, device) not in _W4_TABLE]
-        if not todo:
-            continue
         n_copies = l2_busting_count(w.qweight.nbytes)
         copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1))
                   for _ in range(n_copies)]
@@ -1034,16 +1046,10 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
     from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
     device = torch.device(device)
-    if device.type != "cuda":
-        return {}
     result = {}
-    for w in weights:
-        if w.format != "fp8":
-            continue
+    for w, todo in _to_calibrate(weights, device, m_values, lambda w: w.format == "fp8", _fp8_gemv_key,
+                                 _FP8_GEMV_TABLE):
         N, K = w.out_features, w.in_features
-        todo = [m for m in m_values if _fp8_gemv_key(m, w, device) not in _FP8_GEMV_TABLE]
-        if not todo:
-            continue
         n = l2_busting_count(w.weight.nbytes)
         copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n)]
         for m in todo:

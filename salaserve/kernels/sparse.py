@@ -236,9 +236,10 @@ def _stage1_block_keys_kernel(
     of the step only donates those entries. Steps are independent (no carry), which lets decode
     split one sequence's blocks over many programs.
 
-    With FAST, most steps of a long prompt are interior: every entry of the step visible to every row, and all the step's output blocks past the init blocks and before every token's
-    local window. Those take an unmasked path (no visibility, padding or forcing masks), which
-    computes the same keys with fewer instructions.
+    With FAST, most steps of a long prompt are interior: every entry of the step visible to every
+    row, and all the step's output blocks past the init blocks and before every token's local
+    window. Those take an unmasked path (no visibility, padding or forcing masks), which computes
+    the same keys with fewer instructions.
     """
     pdl_wait_first(PDL)
     pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
