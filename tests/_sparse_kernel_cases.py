@@ -156,8 +156,7 @@ def check_prefill_selection(case: dict, block_t: int = 4, bb: int = 32) -> dict:
     sc, scale = cfg.sparse, cfg.head_dim ** -0.5
     idx = ks.select_blocks_prefill(q, comp, LAYER, batch, sc, scale, block_t=block_t, bb=bb)
     nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
-    tiles = ks._prefill_tiles(batch, block_t)
-    tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device) for x in tiles)
+    tiles = ks.tile_tensors(ks._prefill_tiles(batch, block_t), q.device)
     keys = ks._stage1_keys(q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles,
                            batch.num_tokens, 0, nb_out, scale, block_t, bb)
     kscores, kblocks = ks.unpack_keys(keys)
@@ -309,7 +308,7 @@ def check_stage1_fast(case: dict, block_t: int, bb: int) -> dict:
     cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
     sc = cfg.sparse
     nb = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
-    tiles = tuple(torch.tensor(x, dtype=torch.int32) for x in ks._prefill_tiles(batch, block_t))
+    tiles = ks.tile_tensors(ks._prefill_tiles(batch, block_t), q.device)
     args = (q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles, batch.num_tokens, 0, nb,
             cfg.head_dim ** -0.5, block_t, bb)
     with _knobs(_STAGE1_FAST=True):

@@ -75,13 +75,15 @@ def round_to_e4m3(x):
 
 
 # ---- programmatic dependent launch (PDL, sm_90+): on by default; SALASERVE_PDL=0 or set_pdl(False) turns
-# it off. Measured on the H200: batch-1 decode 5.154 -> 4.970 ms at 4K (BENCHMARKS run 13).
+# it off. Measured on the H200: batch-1 decode at 4K 5.154 -> 4.970 ms with the GEMVs and row
+# kernels (BENCHMARKS run 13), -> 4.846 ms with the rest of the decode chain (run 15).
 #
 # A kernel launched with PDL may start while the previous kernel in the stream is finishing: its
 # programs signal at their start that the next PDL kernel may launch (griddepcontrol.
 # launch_dependents) and wait (griddepcontrol.wait) before touching anything the previous kernels
-# wrote. The GEMVs load their first weight tile before the wait; the row kernels in fused.py wait
-# first. Kernels launched without it (cuBLAS, torch) keep plain stream order.
+# wrote. The bf16 and w4 GEMVs load their first weight tile before the wait; the other kernels
+# (fused.py's row kernels, Lightning, attention, selection) wait first. Kernels launched without
+# it (cuBLAS, torch, the w8a16 GEMV, which measured slower with it) keep plain stream order.
 
 _PDL = os.environ.get("SALASERVE_PDL", "1") != "0"
 

@@ -99,7 +99,7 @@ def bench_prefill_select(cfg, cache_len: int, chunk: int, reps: int, gen) -> lis
     floor = flops / DOT_FLOPS_PER_S * 1e6
     shape = f"chunk {chunk} at {(cache_len + chunk) // 1024}K"
     nb = -(-batch.seq_lens_host[0] // sc.block_size)
-    tiles = tuple(torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ks._prefill_tiles(batch, 4))
+    tiles = ks.tile_tensors(ks._prefill_tiles(batch, 4), DEVICE)
 
     def scores_only():  # the two stage-1 kernels, without top-k (one chunk: fits the key buffer)
         ks._stage1_keys(q, comp, 0, batch.page_table, batch.seq_lens, batch.positions, tiles, chunk, 0, nb,

@@ -664,6 +664,11 @@ def _prefill_tiles(batch: ForwardBatch, block_t: int):
     return seqs, tok0s, ntoks
 
 
+def tile_tensors(tiles, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_prefill_tiles' (sequence, first token, token count) lists as int32 tensors on `device`."""
+    return tuple(torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True) for x in tiles)
+
+
 def prefill_width(batch: ForwardBatch, sc: SparseConfig) -> int:
     """Width of select_blocks_prefill's output: topk_eff, or more when a dense sequence needs all
     of its blocks listed."""
@@ -688,8 +693,7 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
     width = prefill_width(batch, sc)
     nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
     seqs, tok0s, ntoks = _prefill_tiles(batch, block_t)
-    as_t = lambda x: torch.tensor(x, dtype=torch.int32).to(dev, non_blocking=True)  # noqa: E731
-    tile_seq, tile_tok0, tile_ntok = as_t(seqs), as_t(tok0s), as_t(ntoks)
+    tile_seq, tile_tok0, tile_ntok = tile_tensors((seqs, tok0s, ntoks), dev)
     if all(batch.is_sparse_host):
         limit = sc.topk_eff  # = width: the top-k needs no ranks
     else:
@@ -881,10 +885,9 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
                   COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
     if tile:
         block_idx = _ascending_lists(block_idx).contiguous()
-        seqs, tok0s, ntoks = _prefill_tiles(batch, tile)
-        tile_seq, tile_tok0, tile_ntok = (torch.tensor(x, dtype=torch.int32).to(q.device, non_blocking=True)
-                                          for x in (seqs, tok0s, ntoks))
-        _sparse_prefill_attn_tile_kernel[(len(seqs), hkv)](
+        tiles = _prefill_tiles(batch, tile)
+        tile_seq, tile_tok0, tile_ntok = tile_tensors(tiles, q.device)
+        _sparse_prefill_attn_tile_kernel[(len(tiles[0]), hkv)](
             q, k, v, out, block_idx, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
             pa["k_scale"], pa["v_scale"], *strides, block_idx.stride(0), block_idx.stride(1),
             batch.page_table.stride(0), scale * LOG2E, block_idx.shape[-1],
