@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model dir (default: a full-size config with dummy weights)")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,32768,131072,524288")
-    ap.add_argument("--prefill", default="8192,32768,131072")
+    ap.add_argument("--prefill", default="8192,32768,131072", help='"" skips the prefill rows')
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"], help="quantize the weights on load")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
     model_dir = model_dir_or_full(a.model)
     batches, contexts, prefills = _ints(a.batches), _ints(a.contexts), _ints(a.prefill)
-    cfg_tokens = max(max(contexts) + 128, max(prefills) + 128)
+    cfg_tokens = max(max(contexts) + 128, max(prefills, default=0) + 128)
     kv_tokens = int(a.max_kv_gib * 2**30 / 8704)  # ~8.5 KiB per token incl. compressed keys
     args = EngineArgs(model=model_dir, backend=a.backend, load_format="dummy", dtype="bfloat16",
                       max_running_requests=max(batches), max_total_tokens=max(kv_tokens, cfg_tokens),
@@ -185,8 +185,9 @@ def main(argv=None) -> int:
             print(f"{'':>8} {b:>6} {ctx:>8} {t['device_ms']:>10.3f} {t['step_ms']:>8.3f} {floor_ms:>9.3f} "
                   f"{row['achieved_over_floor']:>9.2f} {row['tokens_per_s']:>9.0f}")
     # first calls compile kernels and run fla's autotuner (tens of seconds): not part of a prefill
-    time_prefill(runner, min(2 * runner.args.chunked_prefill_size, max(prefills)))
-    print(f"{'prefill':>8} {'tokens':>8} {'seconds':>8} {'floor s':>8} {'floor/ach':>9} {'tok/s':>9}")
+    if prefills:
+        time_prefill(runner, min(2 * runner.args.chunked_prefill_size, max(prefills)))
+        print(f"{'prefill':>8} {'tokens':>8} {'seconds':>8} {'floor s':>8} {'floor/ach':>9} {'tok/s':>9}")
     for n in prefills:
         dt = time_prefill(runner, n)
         floor_s = prefill_flops(cfg, n) / (ceil.matmul_tflops * 1e12)
