@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from salaserve.engine.batch import ForwardBatch, SeqWork, pack_staged, staged_layout, staged_views
+from salaserve.engine.batch import ForwardBatch, PageTableMirror, SeqWork, pack_staged, staged_layout, staged_views
 
 
 def _reference_fields(work, block, dense_len, pad_slot=None):
@@ -89,3 +89,32 @@ def test_staged_buffer_round_trip():
     assert all(start % 8 == 0 for _, _, start in layout)
     with pytest.raises(TypeError):
         staged_layout([np.zeros(2, dtype=np.float32)])
+
+
+def test_page_mirror_table_matches_per_row_fill():
+    """The runner's page mirror across steps: lists that grow, a slot handed to a new request
+    (a new, shorter list), rows wider than planned; every step's table equals the plain fill."""
+    rng = random.Random(11)
+    mirror = PageTableMirror(num_slots=8, max_pages=3)
+    lists = {s: rng.sample(range(10_000), rng.randrange(1, 4)) for s in range(8)}
+    for step in range(40):
+        for s in range(8):
+            r = rng.random()
+            if r < 0.15:  # the request in this slot ended; a new one takes it
+                lists[s] = rng.sample(range(10_000), rng.randrange(1, 3))
+            elif r < 0.6:
+                lists[s].extend(rng.sample(range(10_000), rng.randrange(1, 3)))
+        slots = rng.sample(range(8), rng.randrange(1, 9))
+        work = [SeqWork(state_slot=s, pages=lists[s], cache_len=len(lists[s]) * 64 - 1, token_ids=[1],
+                        need_logits=True) for s in slots]
+        with_mirror = ForwardBatch.build(work, 64, 300, "cpu", pages=mirror)
+        plain = ForwardBatch.build(work, 64, 300, "cpu")
+        assert with_mirror.page_table.tolist() == plain.page_table.tolist(), step
+        assert with_mirror.slot_mapping.tolist() == plain.slot_mapping.tolist(), step
+    assert mirror.rows.shape[1] > 3  # some list outgrew the planned width
+
+
+def test_page_mirror_skipped_for_slots_it_does_not_cover():
+    mirror = PageTableMirror(num_slots=2, max_pages=4)
+    work = [SeqWork(state_slot=5, pages=[3, 4], cache_len=70, token_ids=[1], need_logits=True)]
+    assert ForwardBatch.build(work, 64, 300, "cpu", pages=mirror).page_table.tolist() == [[3, 4]]

@@ -92,6 +92,44 @@ def to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     return staged_views(buf, arrays, layout)
 
 
+class PageTableMirror:
+    """Every state slot's page list as a row of one int32 array, kept up to date with what each
+    request appended since its last step. A step's page table is then one fancy index over the
+    rows instead of a list-to-array copy per sequence (~1 us each; 0.1-0.2 ms a step at batch 128).
+
+    It relies on how the scheduler treats page lists: a request's list only grows (extend), and a
+    request that frees its pages gets a new list. A row is re-written from the start whenever its
+    slot shows a different list object than last time (held here, so its id cannot be reused) or
+    a shorter one."""
+
+    def __init__(self, num_slots: int, max_pages: int):
+        self.rows = np.zeros((num_slots, max(max_pages, 1)), dtype=np.int32)
+        self.owner: list[list[int] | None] = [None] * num_slots
+        self.synced = [0] * num_slots  # entries of owner[slot] already in rows[slot]
+
+    def covers(self, work: list["SeqWork"]) -> bool:
+        return all(0 <= w.state_slot < len(self.owner) for w in work)
+
+    def table(self, work: list["SeqWork"], width: int) -> np.ndarray:
+        """[len(work), width] int32, row i = work[i].pages padded with 0."""
+        for w in work:
+            s, pages = w.state_slot, w.pages
+            n = len(pages)
+            if self.owner[s] is not pages or self.synced[s] > n:
+                self.rows[s, :self.synced[s]] = 0  # the padding past a row's pages stays 0
+                self.owner[s], self.synced[s] = pages, 0
+            k = self.synced[s]
+            if k < n:
+                if n > self.rows.shape[1]:  # longer than planned (e.g. pages for draft tokens)
+                    grown = np.zeros((self.rows.shape[0], max(n, 2 * self.rows.shape[1])), dtype=np.int32)
+                    grown[:, :self.rows.shape[1]] = self.rows
+                    self.rows = grown
+                self.rows[s, k:n] = pages[k:n]
+                self.synced[s] = n
+        slots = np.fromiter((w.state_slot for w in work), dtype=np.int64, count=len(work))
+        return self.rows[slots, :width]
+
+
 @dataclass
 class SeqWork:
     """One sequence's share of a step (host side, built by the scheduler)."""
@@ -158,16 +196,20 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, work: list[SeqWork], block_size: int, dense_len: int, device,
-              pad_slot: int | None = None) -> "ForwardBatch":
-        """pad_slot: the KV slot (page * block_size + offset) that filler tokens write."""
+              pad_slot: int | None = None, pages: PageTableMirror | None = None) -> "ForwardBatch":
+        """pad_slot: the KV slot (page * block_size + offset) that filler tokens write. pages: the
+        runner's mirror of the page lists, which makes the page table without a copy per sequence."""
         B = len(work)
         q_lens = [len(w.token_ids) for w in work]
         cache_lens = [w.cache_len for w in work]
         seq_lens = [w.seq_len for w in work]
         max_pages = max(len(w.pages) for w in work)
-        table = np.zeros((B, max_pages), dtype=np.int32)
-        for i, w in enumerate(work):
-            table[i, :len(w.pages)] = w.pages
+        if pages is not None and pages.covers(work):
+            table = pages.table(work, max_pages)
+        else:
+            table = np.zeros((B, max_pages), dtype=np.int32)
+            for i, w in enumerate(work):
+                table[i, :len(w.pages)] = w.pages
         cu = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         is_decode = all(n == 1 for n in q_lens)

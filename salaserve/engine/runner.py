@@ -12,7 +12,7 @@ from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import EngineArgs, ModelConfig
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.engine.batch import ForwardBatch, PageTableMirror, SeqWork
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.kernels import get_backend, resolve_backend_name
 from salaserve.model.loader import load_state_dict
@@ -70,6 +70,9 @@ class ModelRunner:
                  self.device, str(self.dtype).replace("torch.", ""), self.backend_name,
                  self.plan.describe(sc.block_size))
         self.context_length = args.context_length or cfg.max_position_embeddings
+        # rows grow on demand past 1024 pages (64K tokens at 64 per page), so a 1M context with
+        # many slots does not reserve its full width up front
+        self.page_mirror = PageTableMirror(self.plan.num_slots, min(1024, -(-self.context_length // sc.block_size)))
         self.graphs = None
         self.scratch = None
         # Tokens per sequence that verify steps are padded up to (the captured verify graphs);
@@ -175,7 +178,8 @@ class ModelRunner:
         padded = any(s.pad_tokens for s in seqs)
         pad_slot = self._scratch()[0] * sc.block_size if padded else None
         self.real_rows = torch.tensor(real_rows, device=self.device) if padded else None
-        return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot)
+        return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
+                                  pages=self.page_mirror)
 
     def forward(self, work: list[ScheduledWork]) -> torch.Tensor:
         """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order
