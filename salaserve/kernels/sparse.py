@@ -48,10 +48,11 @@ _TARGET_PROGRAMS = 528  # ~4 programs per SM on an H200 (132 SMs): enough to fil
 _LSE_BLOCK_N = 64  # C2 entries per tl.dot in the lse pass (also the unit of its splits)
 _SELECT_BUFFER_BYTES = 256 << 20  # bound on the int32 key buffer of one prefill selection chunk
 _MAX_BLOCKS = 1 << 16  # the packed key keeps the block index in 16 bits
-# Stage-1 keys, prepared and not yet measured on a GPU (so off by default): the previous block's
-# tail by a scan instead of a [BLOCK_T, BB, BB] masked max, and unmasked interior steps. sm_90
-# SASS per scoring step: 1261 instructions -> 1103 (masked steps) and ~600 (interior steps).
-_STAGE1_FAST = os.environ.get("SALASERVE_STAGE1_FAST", "0") == "1"
+# Stage-1 keys: the previous block's tail by a scan instead of a [BLOCK_T, BB, BB] masked max,
+# and unmasked interior steps. sm_90 SASS per scoring step: 1261 instructions -> 1103 (masked
+# steps) and ~600 (interior steps); measured (run 19): the selection kernels of an 8K chunk at
+# 128K 7.54 -> 5.51 ms, the 128K prefill 5.99 -> 5.41 s. SALASERVE_STAGE1_FAST=0: the first kernel.
+_STAGE1_FAST = os.environ.get("SALASERVE_STAGE1_FAST", "1") == "1"
 
 
 def _pow2(n: int) -> int:
@@ -847,8 +848,10 @@ def _sparse_prefill_attn_tile_kernel(
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# Tokens per program of the tile kernel (0: the per-token kernel). Off until measured on the GPU:
-# the tile kernel reads a block's K/V once per tile instead of once per token (perf notes).
+# Tokens per program of the tile kernel (0: the per-token kernel). The tile kernel reads a block's
+# K/V once per tile instead of once per token, but walks the union of the tile's lists: on dummy
+# weights (adjacent tokens select unrelated blocks) tile 4 measured 1.5x slower (run 18), so it
+# is off; real weights, whose neighbours share most blocks, may differ (perf notes).
 SPARSE_ATTN_TILE = int(os.environ.get("SALASERVE_SPARSE_ATTN_TILE", "0"))
 
 
