@@ -449,6 +449,7 @@ class EngineArgs:
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 1
     enable_cuda_graph: bool = True
+    overlap_schedule: bool = True  # launch step N+1 before step N's tokens reach the host
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     log_level: str = "info"
 

@@ -148,7 +148,7 @@ def greedy_outputs_and_logits(eng, prompts, new_tokens: int):
 
     initial = eng.resource_counters()
     rows, fwd = [], eng.runner.forward
-    eng.runner.forward = lambda work: (lambda out: (rows.append(out.clone()), out)[1])(fwd(work))
+    eng.runner.forward = lambda work, **kw: (lambda out: (rows.append(out.clone()), out)[1])(fwd(work, **kw))
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
     outs = {}

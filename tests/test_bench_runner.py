@@ -353,3 +353,19 @@ def test_profile_step_graph_mode_needs_captured_graphs(tmp_path):
     write_checkpoint(str(model), "tiny", weights=False)
     with pytest.raises(SystemExit, match="no captured decode graph"):
         main(["--model", str(model), "--batch", "1", "--context", "100,150", "--graph"])
+
+
+def test_micro_engine_decode_timing_returns_every_resource(tiny_model_dir):
+    """micro's engine-loop timing (fake prefilled requests driven by Engine.step, overlap on and
+    off) runs on the CPU too and gives back every page, slot and compressed entry."""
+    from salaserve.bench.micro import time_engine_decode
+    from salaserve.engine.engine import Engine
+
+    engine = Engine(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch", max_running_requests=4)
+    initial = engine.resource_counters()
+    for overlap in (True, False):
+        ms = time_engine_decode(engine, batch=3, context=40, overlap=overlap, steps=4)
+        assert ms > 0
+        assert engine.resource_counters() == initial and not engine.has_unfinished()
+    # 9 steps each; with overlap the last step's tokens were still in flight at the abort: dropped
+    assert engine.stats["generated_tokens"] == 3 * (5 + 4 - 1) + 3 * (5 + 4)

@@ -35,8 +35,8 @@ def capture_logits(engine):
     seen = {}
     forward = engine.runner.forward
 
-    def wrapped(work):
-        logits = forward(work)
+    def wrapped(work, **kw):
+        logits = forward(work, **kw)
         rows = [w.req for w in work if w.req.num_computed + w.num_tokens == len(w.req.tokens)]
         for req, row in zip(rows, logits):
             seen.setdefault(req.rid, []).append(row.clone())
@@ -258,3 +258,75 @@ def test_requests_compare_by_identity():
     a = Request(rid="x", prompt_ids=[1, 2, 3], params=SamplingParams())
     b = Request(rid="x", prompt_ids=[1, 2, 3], params=SamplingParams())
     assert a != b and a == a and b not in [a] and len({a, b}) == 2
+
+
+def test_overlap_schedule_matches_serial_steps(tiny_model_dir):
+    """Overlap scheduling (step N+1 launched before step N's tokens are read) against serial
+    steps on one mixed workload: greedy rows with stop tokens found mid-stream, seeded sampling,
+    penalties, logprobs and min_new_tokens (rows sampled with the host in step), staggered
+    arrivals, an abort, and preemption in a small page pool. Every stream, finish reason and
+    output count must match, placeholders must have been used, and every resource comes back."""
+    vocab = None
+
+    def workload(engine):
+        nonlocal vocab
+        vocab = engine.cfg.vocab_size
+        r = random.Random(6)
+        prompts = random_prompts(9, vocab, r, [40, 90, 7, 120, 60, 33, 150, 20, 75])
+        params = [SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True) for _ in range(9)]
+        params[2] = SamplingParams(temperature=0.9, seed=11, max_new_tokens=25, ignore_eos=True)
+        params[3] = SamplingParams(temperature=0.0, max_new_tokens=28, frequency_penalty=0.5, ignore_eos=True)
+        params[4] = SamplingParams(temperature=0.0, max_new_tokens=20, logprobs=True, top_logprobs=2, ignore_eos=True)
+        params[5] = SamplingParams(temperature=0.0, max_new_tokens=22, min_new_tokens=5, ignore_eos=True)
+        return prompts, params
+
+    def run(overlap, stop_at=None):
+        engine = make_engine(tiny_model_dir, chunked_prefill_size=64, max_running_requests=6, max_total_tokens=560,
+                             overlap_schedule=overlap)
+        initial = engine.resource_counters()
+        prompts, params = workload(engine)
+        if stop_at:  # greedy rows that end on a token they produce mid-stream
+            for i, tok in stop_at.items():
+                params[i] = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[tok])
+        deferred = []
+        fwd = engine.runner.forward
+
+        def wrapped(work, **kw):
+            deferred.append(kw.get("prev_tokens") is not None)
+            return fwd(work, **kw)
+
+        engine.runner.forward = wrapped
+        outs = {}
+        for step in range(100000):
+            if step < 9:
+                engine.add_request(f"r{step}", prompts[step], params[step])
+            if step == 14:
+                assert engine.abort("r8")
+            if step >= 9 and not engine.has_unfinished():
+                break
+            for o in engine.step():
+                outs.setdefault(o.rid, []).append(o)
+        streams = {rid: [t for o in os_ for t in o.new_token_ids] for rid, os_ in outs.items()}
+        ends = {rid: (os_[-1].finish_reason, os_[-1].num_output) for rid, os_ in outs.items() if os_[-1].finished}
+        lps = {rid: [o.logprobs for o in os_ if o.new_token_ids] for rid, os_ in outs.items()}
+        assert engine.resource_counters() == initial
+        return streams, ends, lps, engine, deferred
+
+    serial, _, _, _, _ = run(False)
+    # stop tokens taken from the serial run's own streams, so they are met mid-stream
+    stop_at = {0: serial["r0"][6], 7: serial["r7"][10]}
+    want, want_ends, want_lps, eng_serial, deferred_serial = run(False, stop_at)
+    got, got_ends, got_lps, eng_overlap, deferred = run(True, stop_at)
+    assert not any(deferred_serial) and any(deferred)
+    assert eng_overlap.scheduler.num_preemptions > 0
+    for i in (0, 7):
+        assert want_ends[f"r{i}"][0]["type"] == "stop"
+    assert got == want
+    assert got_ends == want_ends
+    for rid in want_lps:
+        for a, b in zip(got_lps[rid], want_lps[rid]):
+            if a is None or b is None:
+                assert a == b
+                continue
+            assert abs(a[0][0] - b[0][0]) <= 1e-5 and [t for t, _ in a[0][1]] == [t for t, _ in b[0][1]]
+    assert eng_overlap.stats["generated_tokens"] == eng_serial.stats["generated_tokens"]

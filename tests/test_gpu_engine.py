@@ -42,8 +42,8 @@ def greedy_run(engine, rid, prompt, new_tokens):
     records = []
     fwd = engine.runner.forward
 
-    def wrapped(work):
-        out = fwd(work)
+    def wrapped(work, **kw):
+        out = fwd(work, **kw)
         records.append(([list(w.draft) for w in work], out.float().clone()))
         return out
 

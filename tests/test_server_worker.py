@@ -79,11 +79,11 @@ def test_step_error_aborts_running_requests_and_keeps_serving(worker):
     forward = engine.runner.forward
     calls = {"n": 0}
 
-    def flaky(work):
+    def flaky(work, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated kernel failure")
-        return forward(work)
+        return forward(work, **kw)
 
     engine.runner.forward = flaky
     inbox.send((w.ADD, "a", [1, 5, 6], greedy(20), 0))

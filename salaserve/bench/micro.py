@@ -7,8 +7,9 @@ length, each next to its floor (measured copy bandwidth and matmul rate, same ru
 Decode: sequences are set up as if already prefilled to the context length (pages allocated and
 filled with random keys/values, random Lightning states), then one decode step is timed as the
 engine runs it (CUDA-graph replay when available) and, separately, the whole engine-side step
-(metadata build + copy + replay). Prefill: one request of the given length through the engine's
-chunked prefill, timed end to end.
+(metadata build + copy + replay), and the engine's own loop (`Engine.step`: scheduling, build,
+forward, greedy sampling, outputs) with overlap scheduling and with serial steps. Prefill: one
+request of the given length through the engine's chunked prefill, timed end to end.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import torch
 
 from salaserve.bench.floors import Ceilings, decode_bytes, measure_ceilings, prefill_flops
 from salaserve.config import EngineArgs
+from salaserve.engine.engine import Engine
 from salaserve.engine.request import Request, Status
 from salaserve.engine.runner import ModelRunner
+from salaserve.engine.sampler import SamplingState
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
 
@@ -120,6 +123,33 @@ def time_decode(runner: ModelRunner, batch: int, context: int, iters: int = 30) 
             "host_build_ms": statistics.median(build), "host_launch_ms": statistics.median(launch)}
 
 
+def time_engine_decode(engine: Engine, batch: int, context: int, overlap: bool, steps: int = 30) -> float:
+    """ms per `Engine.step` with `batch` greedy requests decoding at `context` (after 5 warm-up
+    steps), with overlap scheduling on or off. The requests are aborted afterwards."""
+    reqs = fake_decoding_requests(engine.runner, batch, context)
+    for r in reqs:
+        r.params = SamplingParams(temperature=0.0, max_new_tokens=1 << 30, ignore_eos=True)
+        r.sampling = SamplingState(r.params, r.prompt_ids)
+        engine.requests[r.rid] = r
+        engine.scheduler.running.append(r)
+        engine.scheduler.compressed.on_extend(0, r.num_computed)  # as if prefilled (accounting)
+    engine.overlap = overlap
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    for _ in range(5):
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    for r in reqs:
+        engine.abort(r.rid)
+    while engine.has_unfinished():  # the step still in flight
+        engine.step()
+    return ms
+
+
 def time_prefill(runner: ModelRunner, tokens: int) -> float:
     caches = runner.caches
     block = caches.kv.block_size
@@ -169,7 +199,8 @@ def main(argv=None) -> int:
                       enable_cuda_graph=not a.no_cuda_graph, context_length=max(contexts) + 1024,
                       quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     t0 = time.perf_counter()
-    runner = ModelRunner(args, model_dir)
+    engine = Engine(args)
+    runner = engine.runner
     startup = time.perf_counter() - t0
     ceil: Ceilings = measure_ceilings()
     cfg = runner.cfg
@@ -184,7 +215,8 @@ def main(argv=None) -> int:
     print(f"GPU {result['gpu']}: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s; "
           f"backend {runner.backend_name}, graphs {result['cuda_graphs']}, start-up {startup:.1f} s, "
           f"KV cache {a.kv_cache_dtype}")
-    print(f"{'decode':>8} {'batch':>6} {'context':>8} {'device ms':>10} {'step ms':>8} {'floor ms':>9} {'floor/dev':>9} {'tok/s':>9} {'build ms':>8} {'launch ms':>9}")
+    print(f"{'decode':>8} {'batch':>6} {'context':>8} {'device ms':>10} {'step ms':>8} {'floor ms':>9} {'floor/dev':>9} {'tok/s':>9} {'build ms':>8} {'launch ms':>9} "
+          f"{'eng ms':>7} {'eng tok/s':>9} {'serial ms':>9}")
     free_tokens = runner.caches.kv.allocator.num_free * runner.caches.kv.block_size
     for ctx in contexts:
         for b in batches:
@@ -192,14 +224,18 @@ def main(argv=None) -> int:
                 print(f"{'':>8} {b:>6} {ctx:>8}  skipped: KV for {b}x{ctx} tokens exceeds the pool")
                 continue
             t = time_decode(runner, b, ctx)
+            t["engine_overlap_ms"] = time_engine_decode(engine, b, ctx, overlap=True)
+            t["engine_serial_ms"] = time_engine_decode(engine, b, ctx, overlap=False)
             wbytes = {None: 2.0, "fp8": 1.0, "w4a16": 0.5 + 2 / 128}[a.quantization]  # + group scales
             floor_ms = decode_bytes(cfg, b, ctx, weight_bytes_per_param=wbytes) / gbps * 1e3
             row = {"batch": b, "context": ctx, **t, "floor_ms": floor_ms,
-                   "achieved_over_floor": floor_ms / t["device_ms"], "tokens_per_s": b / t["step_ms"] * 1e3}
+                   "achieved_over_floor": floor_ms / t["device_ms"], "tokens_per_s": b / t["step_ms"] * 1e3,
+                   "engine_tokens_per_s": b / t["engine_overlap_ms"] * 1e3}
             result["decode"].append(row)
             print(f"{'':>8} {b:>6} {ctx:>8} {t['device_ms']:>10.3f} {t['step_ms']:>8.3f} {floor_ms:>9.3f} "
                   f"{row['achieved_over_floor']:>9.2f} {row['tokens_per_s']:>9.0f} {t['host_build_ms']:>8.3f} "
-                  f"{t['host_launch_ms']:>9.3f}")
+                  f"{t['host_launch_ms']:>9.3f} {t['engine_overlap_ms']:>7.3f} {row['engine_tokens_per_s']:>9.0f} "
+                  f"{t['engine_serial_ms']:>9.3f}")
     # first calls compile kernels and run fla's autotuner (tens of seconds): not part of a prefill
     if prefills:
         time_prefill(runner, min(2 * runner.args.chunked_prefill_size, max(prefills)))

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+
+import torch
 
 from salaserve.config import EngineArgs
 from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
-from salaserve.engine.runner import ModelRunner
-from salaserve.engine.sampler import Sampler, SamplingState
+from salaserve.engine.runner import ModelRunner, placeholder
+from salaserve.engine.sampler import Sampler, SamplingState, needs_history
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import Scheduler
 from salaserve.model.default import default_model_dir
@@ -22,6 +25,18 @@ from salaserve.spec.ngram import NgramDrafter
 from salaserve.spec.tree import DraftTree
 
 log = logging.getLogger("salaserve")
+
+
+@dataclass
+class _InFlight:
+    """A step whose sampled token ids are still on their way to the host (overlap scheduling).
+    Each request's token stands in req.tokens as placeholder(row) at `positions` until resolved."""
+
+    reqs: list[Request]
+    positions: list[int]  # index of each request's placeholder in req.tokens
+    tokens: torch.Tensor  # [M] int64 on the device: what the next step's placeholders read
+    host: torch.Tensor  # [M] int64 on the host, filled by a non-blocking copy
+    copied: torch.cuda.Event | None  # recorded after that copy (None on the CPU)
 
 
 class Engine:
@@ -43,6 +58,12 @@ class Engine:
                       "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         if args.speculative_algorithm == "NGRAM":
             self.scheduler.propose = self._propose_draft
+        # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are
+        # read back, so the host's work (scheduling, batch build, outputs) runs while the GPU
+        # computes. Off with speculation, whose drafts need the real tokens.
+        self.overlap = args.overlap_schedule and args.speculative_algorithm is None
+        self._inflight: _InFlight | None = None
+        self._pinned: list[torch.Tensor] = []  # two host buffers for the token copies, alternating
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids) -> list[int]:
@@ -95,23 +116,25 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or bool(self._pending_outputs)
+        return self.scheduler.has_work or bool(self._pending_outputs) or self._inflight is not None
 
     def _max_new_tokens(self, req: Request) -> int:
         room = self.context_length - req.num_prompt
         return room if req.params.max_new_tokens is None else min(req.params.max_new_tokens, room)
 
     def _finish(self, req: Request, reason: dict) -> None:
+        while req.tokens and req.tokens[-1] < 0:  # tokens still in flight are not part of it
+            req.tokens.pop()
         self.scheduler.remove(req)
         req.finish_reason = reason
         self.requests.pop(req.rid, None)
         self.stats["finished"] += 1
 
-    def _output(self, req: Request, new_ids: list[int], logprobs=None) -> StepOutput:
+    def _output(self, req: Request, new_ids: list[int], logprobs=None, num_output: int | None = None) -> StepOutput:
         return StepOutput(rid=req.rid, new_token_ids=new_ids, finished=req.status == Status.FINISHED,
                           finish_reason=req.finish_reason, num_prompt=req.num_prompt,
-                          num_output=req.num_output, logprobs=logprobs, spec_verify_ct=req.spec_verify_ct,
-                          spec_accepted=req.spec_accepted)
+                          num_output=req.num_output if num_output is None else num_output, logprobs=logprobs,
+                          spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted)
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
@@ -165,11 +188,13 @@ class Engine:
         outputs, self._pending_outputs = list(self._pending_outputs), []
         work, out_of_room = self.scheduler.schedule()
         for req in out_of_room:  # alone and out of pages: it ends here, with what it has
-            self._finish(req, length_reason(req.num_output))
+            self._finish(req, None)
+            req.finish_reason = length_reason(req.num_output)
             outputs.append(self._output(req, []))
         if not work:
-            return outputs
-        logits = self.runner.forward(work)
+            return outputs + self._resolve()
+        prev = self._inflight.tokens if self._inflight is not None else None
+        logits = self.runner.forward(work, prev_tokens=prev)
         self.stats["steps"] += 1
 
         sampled, rows = [], []
@@ -194,15 +219,76 @@ class Engine:
             self._advance(req, len(new))
             outputs.append(self._emit(req, new, None))
         if not sampled:
+            return outputs + self._resolve()
+        logits = logits[rows] if len(rows) != logits.shape[0] else logits
+        if self.overlap and all(self._can_defer(r) for r in sampled):
+            launched = self._launch_sample(logits, sampled)
+            outputs += self._resolve()  # the previous step's tokens, while the GPU runs this one
+            self._inflight = launched
             return outputs
-        result = self.sampler.sample(logits[rows] if len(rows) != logits.shape[0] else logits,
-                                     [r.sampling for r in sampled])
+        outputs += self._resolve()  # before sampling: penalties and seeds read the real history
+        result = self.sampler.sample(logits, [r.sampling for r in sampled])
         for i, (req, tok) in enumerate(zip(sampled, result.token_ids)):
+            if req.status == Status.FINISHED:  # stopped by its previous token, read just now
+                continue
             lp = None
             if result.logprobs is not None and result.logprobs[i] is not None:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else None
                 lp = [(result.logprobs[i], top)]
             outputs.append(self._emit(req, [tok], lp, sampled_already=True))
+        return outputs
+
+    # ---- overlap scheduling ------------------------------------------------------------------
+    def _can_defer(self, req: Request) -> bool:
+        """Whether req's token may stay on the GPU until the next step has been launched: its draw
+        must not read its history, and the token must not be its last allowed one (the next
+        step would schedule it again, past its length)."""
+        return not needs_history(req.sampling) and req.num_output + 1 < self._max_new_tokens(req)
+
+    def _launch_sample(self, logits: torch.Tensor, sampled: list[Request]) -> _InFlight:
+        """Sample on the device, start the copy to the host, and put placeholders in the tokens."""
+        tokens = self.sampler.sample_on_device(logits, [r.sampling for r in sampled])
+        copied = None
+        if tokens.is_cuda:
+            if len(self._pinned) < 2 or self._pinned[0].numel() < tokens.numel():
+                n = max(tokens.numel(), 256)
+                self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._pinned.reverse()  # the other buffer than the step still in flight uses
+            host = self._pinned[0][:tokens.numel()]
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = tokens
+        positions = []
+        for i, req in enumerate(sampled):
+            positions.append(len(req.tokens))
+            req.tokens.append(placeholder(i))
+        return _InFlight(sampled, positions, tokens, host, copied)
+
+    def _resolve(self) -> list[StepOutput]:
+        """Read back the step in flight (if any): its tokens replace their placeholders, then the
+        usual stop checks. Requests that ended meanwhile (aborted, or stopped by the previous
+        step's token) drop theirs."""
+        f, self._inflight = self._inflight, None
+        if f is None:
+            return []
+        if f.copied is not None:
+            f.copied.synchronize()
+        outputs = []
+        for req, pos, tok in zip(f.reqs, f.positions, f.host.tolist()):
+            if req.status == Status.FINISHED or pos >= len(req.tokens) or req.tokens[pos] >= 0:
+                continue
+            req.tokens[pos] = tok
+            req.sampling.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            self.stats["generated_tokens"] += 1
+            n = pos + 1 - req.num_prompt
+            reason = self._stop_reason(req, tok, n)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(self._output(req, [tok], num_output=n))
         return outputs
 
     def _advance(self, req: Request, n: int) -> None:
@@ -228,9 +314,10 @@ class Engine:
                 break
         return self._output(req, kept, lp)
 
-    def _stop_reason(self, req: Request, tok: int) -> dict | None:
+    def _stop_reason(self, req: Request, tok: int, n: int | None = None) -> dict | None:
+        """n: the request's output length with tok (default: as its tokens say)."""
         p = req.params
-        n = req.num_output
+        n = req.num_output if n is None else n
         if not p.ignore_eos and n >= p.min_new_tokens:
             if tok in self.eos_ids or (p.stop_token_ids and tok in p.stop_token_ids):
                 return stop_reason(tok)
@@ -251,4 +338,4 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Nothing is cached across requests yet (no prefix cache): succeeds when idle."""
-        return not self.scheduler.has_work
+        return not self.scheduler.has_work and self._inflight is None

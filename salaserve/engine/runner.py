@@ -23,6 +23,18 @@ log = logging.getLogger("salaserve")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def placeholder(i: int) -> int:
+    """The token id that stands for row i of the previous step's sampled tokens (overlap
+    scheduling: the next step is built before those tokens reach the host)."""
+    return -1 - i
+
+
+def resolve_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """input_ids with every placeholder(i) replaced by prev_tokens[i], on the device (no sync)."""
+    rows = (-1 - input_ids).clamp_(0, prev_tokens.numel() - 1)
+    return torch.where(input_ids < 0, prev_tokens[rows], input_ids)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -181,10 +193,17 @@ class ModelRunner:
         return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
                                   pages=self.page_mirror)
 
-    def forward(self, work: list[ScheduledWork]) -> torch.Tensor:
+    def forward(self, work: list[ScheduledWork], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order
-        (filler rows of a padded verify step dropped)."""
+        (filler rows of a padded verify step dropped). prev_tokens: the token ids the previous
+        step sampled, still on the device (overlap scheduling): a request's token id -1 - i in
+        `work` stands for prev_tokens[i]."""
         batch = self.build_batch(work)
+        # placeholders only ever stand last in a request's tokens (drafts are not in them)
+        if any(w.req.tokens[w.req.num_computed + w.num_tokens - len(w.draft) - 1] < 0 for w in work):
+            if prev_tokens is None:
+                raise RuntimeError("a placeholder token id without the previous step's tokens")
+            batch.input_ids = resolve_placeholders(batch.input_ids, prev_tokens)
         self.last_batch = batch
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)

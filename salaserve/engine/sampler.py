@@ -145,6 +145,29 @@ class Sampler:
     ) -> SampleOutput:
         """Pick one token per row. `commit` appends the tokens to the states (penalty counts,
         step counter); pass False to sample without advancing them."""
+        logits, next_ids = self._pick(logits, states)
+        lp_rows = [i for i, s in enumerate(states) if s.params.wants_logprobs]
+        if lp_rows:
+            out = self._with_logprobs(logits, states, lp_rows, next_ids)
+        else:
+            out = SampleOutput(token_ids=next_ids.tolist(), token_tensor=next_ids)
+        if commit:
+            for s, t in zip(states, out.token_ids):
+                s.append(t)
+        return out
+
+    @torch.no_grad()
+    def sample_on_device(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """`sample`'s token ids [B] int64 left on the device (no host sync) and the states not
+        advanced: the caller appends each id once it has read them (overlap scheduling). Only
+        for rows whose draw does not depend on their history: no penalties, no seed, no
+        logprobs (`needs_history`)."""
+        if any(needs_history(s) for s in states):
+            raise ValueError("sample_on_device: a row needs its token history (penalties, seed or logprobs)")
+        return self._pick(logits, states)[1]
+
+    def _pick(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(penalised fp32 logits, token ids [B] int64 on the logits' device)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [{len(states)}, V], got {tuple(logits.shape)}")
         device = logits.device
@@ -159,16 +182,7 @@ class Sampler:
             next_ids[_to_device(rows, torch.long, device)] = self._sample_rows(logits, states, rows)
         else:
             next_ids = greedy_ids
-
-        lp_rows = [i for i, s in enumerate(states) if s.params.wants_logprobs]
-        if lp_rows:
-            out = self._with_logprobs(logits, states, lp_rows, next_ids)
-        else:
-            out = SampleOutput(token_ids=next_ids.tolist(), token_tensor=next_ids)
-        if commit:
-            for s, t in zip(states, out.token_ids):
-                s.append(t)
-        return out
+        return logits, next_ids
 
     def _sample_rows(
         self, logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]
@@ -245,6 +259,14 @@ class Sampler:
             k = states[i].params.top_logprobs
             tops[i] = [(int(top_ids[j * n_top + c]), top_vals[j * n_top + c]) for c in range(k)]
         return SampleOutput(ids, next_ids, logprobs=logprobs, top_logprobs=tops)
+
+
+def needs_history(state: SamplingState) -> bool:
+    """Whether a row's next draw reads its own past (penalty counts, the seeded generator's step,
+    the min_new_tokens mask) or returns logprobs: such rows are sampled with the host in step."""
+    p = state.params
+    return (state.needs_freq_presence or state.needs_repetition or p.seed is not None or p.wants_logprobs
+            or p.min_new_tokens > 0)
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens per verify step")
     a("--speculative-max-batch", type=int, default=8, help="speculate only while at most this many requests decode")
     a("--disable-cuda-graph", action="store_true")
+    a("--disable-overlap-schedule", action="store_true",
+      help="read each step's tokens back before scheduling the next (no CPU/GPU overlap)")
     a("--cuda-graph-max-bs", type=int, default=None)
     # our own
     a("--device", default="auto", help="cpu | cuda | cuda:N | auto")
@@ -117,6 +119,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, log_level=ns.log_level,
         speculative_algorithm=ns.speculative_algorithm, speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
         speculative_max_batch=ns.speculative_max_batch, enable_cuda_graph=not ns.disable_cuda_graph,
+        overlap_schedule=not ns.disable_overlap_schedule,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
     )
     try:

@@ -80,8 +80,8 @@ def main(argv=None) -> int:
         captured = []
         fwd = engine.runner.forward
 
-        def wrapped(work):
-            out = fwd(work)
+        def wrapped(work, **kw):
+            out = fwd(work, **kw)
             captured.append(out.float().clone())
             return out
 
