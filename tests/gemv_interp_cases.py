@@ -7,7 +7,8 @@ By hand:
     TRITON_INTERPRET=1 python -m pytest tests/gemv_interp_cases.py
 
 fp32 cases against fp64 torch at ~1e-5 over small shapes and every path (FMA at M = 1, FMA over
-several rows, tensor-core dot), with split-K 1..4 (including splits that come out empty). bf16
+several rows, tensor-core dot at M <= 16 and at M = 17..128 with BLOCK_M = the M bucket), with
+split-K 1..4 (including splits that come out empty). bf16
 cases check the roundings of the fused prologues and epilogue exactly: the kernels round on the
 bits (round_to), so the interpreter's truncating fp32->bf16 cast never decides a result.
 """
@@ -38,6 +39,12 @@ FMA_M1 = [G.GemvConfig(16, 64, 1), G.GemvConfig(8, 128, 1, split_k=2), G.GemvCon
 FMA_MN = [G.GemvConfig(8, 64, 1), G.GemvConfig(16, 32, 1, split_k=2), G.GemvConfig(4, 128, 1, split_k=4)]
 DOT = [G.GemvConfig(32, 64, 4, dot=True), G.GemvConfig(16, 32, 4, dot=True, split_k=2),
        G.GemvConfig(64, 16, 4, dot=True, split_k=4)]
+
+
+# the large-M dot path (BLOCK_M = M's bucket, 32..128) with explicit splits 1, 2, 4, as its
+# calibration candidates have; small tiles so that the test shapes take several N and K tiles
+DOT_WIDE = [G.GemvConfig(32, 64, 4, dot=True, split_k=1), G.GemvConfig(64, 32, 4, dot=True, split_k=2),
+            G.GemvConfig(32, 32, 4, dot=True, split_k=4)]
 
 
 def _configs(M):
@@ -215,7 +222,7 @@ def test_linear_dispatch():
 
 
 def test_bad_arguments():
-    x, w = _data(17, 64, 128, torch.float32)
+    x, w = _data(G.DOT_MAX_M + 1, 64, 128, torch.float32)
     with pytest.raises(ValueError):
         G.gemv(x, w)
     with pytest.raises(ValueError):
@@ -224,6 +231,84 @@ def test_bad_arguments():
         G.gemv(x[:2].to(bf16), w)
     with pytest.raises(ValueError):  # FMA paths stop at M = 8
         G.gemv(x[:9], w, config=G.GemvConfig(4, 64, 1))
+    with pytest.raises(ValueError, match="prologues"):  # the fused prologues stop at M = 16
+        G.gemv_rmsnorm(x[:32], torch.ones(128), EPS, w, config=DOT[0])
+    with pytest.raises(ValueError, match="prologues"):
+        G.gemv_silu_mul(torch.randn(17, 256), w, config=DOT[0])
+
+
+# ---- large M (17..128): the tensor-core path with BLOCK_M = the M bucket
+
+
+@pytest.mark.parametrize("M", [20, 64, 128])
+@pytest.mark.parametrize("N,K", [(96, 384), (64, 200)])
+def test_gemv_dot_large_m_fp32(M, N, K):
+    """fp32 against fp64 (K = 200: the last K tile and split ragged), splits 1, 2, 4; every split
+    launch leaves its counters re-armed."""
+    x, w = _data(M, N, K, torch.float32, seed=7000 + M * 10 + K)
+    ref = x.double() @ w.double().t()
+    for cfg in DOT_WIDE:
+        y = G.gemv(x, w, config=cfg)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        _close(y, ref)
+    ws, cnt = G._workspace(x.device, 0, 0)
+    assert ws.numel() >= 4 * M * N and int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("M", [20, 64, 128])
+def test_gemv_dot_large_m_bf16(M):
+    """bf16: fp32 sums rounded once, at most one ulp from the fp64 result; the residual epilogue
+    bit-exact against torch's expression on the same GEMV output."""
+    N, K = 96, 384
+    x, w = _data(M, N, K, bf16, seed=8000 + M)
+    ref = (x.double() @ w.double().t()).to(bf16)
+    r = torch.randn(M, N, generator=torch.Generator().manual_seed(M + 9)).to(bf16)
+    for cfg in DOT_WIDE:
+        y = G.gemv(x, w, config=cfg)
+        assert_within_ulps(y, ref, max_ulps=1, max_frac=0.05)
+        assert torch.equal(G.gemv_residual(x, w, r, 0.25, config=cfg), r + y * 0.25), cfg
+
+
+def test_large_m_dispatch():
+    """Above M = 16: `linear` (and TritonBackend.linear) take the GEMV only where calibration
+    measured it faster; the fused prologue GEMVs are never chosen there."""
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    G.clear_calibration()
+    dev = torch.device("cpu")
+    N, K = 96, 128
+    x, w = _data(128, N, K, bf16, seed=21)
+    nw = (1 + 0.2 * torch.randn(K, generator=torch.Generator().manual_seed(22))).to(bf16)
+    assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(128, N, K, dev)  # uncalibrated: cuBLAS
+    assert not TritonBackend._gemv_fuses(x, w)
+    cfg = DOT_WIDE[2]
+    G._TABLE[G._key(128, N, K, dev)] = G.Choice(cfg, 1.0, 2.0)  # the GEMV won at bucket 128
+    G._TABLE[G._key(8, N, K, dev)] = G.Choice(DOT[0], 1.0, 2.0)
+    try:
+        assert G.uses_gemv(128, N, K, dev) and G.uses_gemv(65, N, K, dev)
+        assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(G.DOT_MAX_M + 1, N, K, dev)
+        assert G.choose_config(100, N, K, dev) == cfg
+        assert TritonBackend._gemv_fuses(x[:8], w)  # the same weight fuses at 8 rows...
+        assert not TritonBackend._gemv_fuses(x, w)  # ...but not at 128
+        assert not TritonBackend._gemv_fuses(x[:17], w)
+        tb = TritonBackend()
+        launches = []
+        launch = G._launch
+        G._launch = lambda *a, **kw: (launches.append((a[0].shape[0], kw.get("prologue", 0))), launch(*a, **kw))[1]
+        try:
+            y = tb.linear(x, w)
+            y_norm = tb.norm_linear(x, nw, EPS, w)
+            y_64 = tb.linear(x[:64], w)
+        finally:
+            G._launch = launch
+        # the plain GEMV at 128 rows (twice: the norm ran separately), cuBLAS at 64 (cuBLAS won)
+        assert launches == [(128, 0), (128, 0)]
+        assert torch.equal(y, G.gemv(x, w, config=cfg))
+        assert_within_ulps(y, (x.double() @ w.double().t()).to(bf16), max_ulps=1, max_frac=0.05)
+        assert torch.equal(y_norm, G.gemv(TB.rms_norm(x, nw, EPS), w, config=cfg))
+        assert torch.equal(y_64, x[:64] @ w.t())
+    finally:
+        G.clear_calibration()
 
 
 @pytest.mark.parametrize("silu", [False, True])

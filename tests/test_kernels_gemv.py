@@ -6,9 +6,12 @@ CPU (default run):
   (tests/gemv_interp_cases.py: TRITON_INTERPRET must be set before triton is imported);
 - an sm_90 ahead-of-time compile of every candidate config (and the fused / PDL variants): no
   register spills, W read with 16-byte loads (FMA) or 16-byte cp.async (dot), and no shared-memory
-  traffic or shuffles inside the FMA paths' main loops (x must come in W's thread mapping).
-GPU (`pytest -m gpu`): the model's real shapes at M in 1..16 against cuBLAS / fp32 references with
-a written bf16 tolerance, the fused ops, CUDA-graph capture with and without PDL, calibration.
+  traffic or shuffles inside the FMA paths' main loops (x must come in W's thread mapping); the
+  large-M dot configs (M buckets 32..128) with their splits: wgmma, shared memory <= 227 KB;
+- the large-M configs and dispatch rules (candidates, splits, the prologues' M limit).
+GPU (`pytest -m gpu`): the model's real shapes at M in 1..16 and 128 against cuBLAS / fp32
+references with a written bf16 tolerance, the fused ops, CUDA-graph capture with and without PDL,
+calibration.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def _aot_cases():
         cases[f"{name}-silu-residual-split4"] = (cfg, bm, dict(PROLOGUE=2, RESIDUAL=True, SPLIT_K=4))
         cases[f"{name}-pdl-split2"] = (cfg, bm, dict(PDL=True, SPLIT_K=2))
         cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
+    for bucket, cfgs in G.DOT_LARGE_M_CONFIGS.items():  # M 17..128: as launched (its split, PDL on)
+        for cfg in cfgs:
+            cases[f"m{bucket}-{cfg}"] = (cfg, bucket, dict(SPLIT_K=cfg.split_k, PDL=True))
+            if bucket == 128:  # the residual epilogue; a ragged K (the JIT sees K % 16 == 0)
+                cases[f"m128-{cfg}-residual"] = (cfg, 128, dict(SPLIT_K=cfg.split_k, PDL=True, RESIDUAL=True))
+                cases[f"m128-{cfg}-uneven-k"] = (cfg, 128, dict(SPLIT_K=cfg.split_k, PDL=True, EVEN_K=False,
+                                                                divisible=("K",)))
     for bucket, cfgs in G.FP8_FMA_CONFIGS.items():  # fp8 weights with their scales (gemv_fp8)
         for cfg in cfgs:
             cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, PDL=True, SPLIT_K=2))
@@ -81,6 +91,8 @@ def test_gemv_compiles_for_sm90(name):
     from salaserve.kernels import gemv as G
 
     cfg, block_m, extra = _aot_cases()[name]
+    extra = dict(extra)
+    divisible = extra.pop("divisible", ())
     bf = "*bf16"
     ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv" if extra.get("W_SCALE") else bf, out_ptr=bf, res_ptr=bf, nw_ptr=bf,
                 ws_ptr="*fp32", cnt_ptr="*i32", w_scale_ptr="*fp32")
@@ -89,11 +101,15 @@ def test_gemv_compiles_for_sm90(name):
                       Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False)
     constexprs.update(extra)
     kernel = compile_sm90_without_spills(G._gemv_kernel, ptrs, constexprs, cfg.num_warps,
-                                         num_stages=cfg.num_stages, fp_fusion=True)
+                                         num_stages=cfg.num_stages, fp_fusion=True, divisible=divisible)
     ptx = kernel.asm["ptx"]
     if extra.get("PDL"):
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    if extra.get("EVEN_K") is False:
+    if cfg.dot:
+        assert kernel.metadata.shared <= 227 * 1024, f"{kernel.metadata.shared} bytes of shared memory"
+    if block_m > 16:
+        assert "wgmma" in ptx, "large-M dot path without wgmma"
+    if extra.get("EVEN_K") is False and "K" not in divisible:
         return  # K masks with K's divisibility unknown here (the JIT knows K % 16 == 0): scalar loads
     if cfg.dot:
         # W streamed into shared memory by 16-byte async copies (Triton's pipeliner)
@@ -109,6 +125,64 @@ def test_gemv_compiles_for_sm90(name):
         for body in main:
             for op in ("bar.sync", "ld.shared", "st.shared", "shfl.sync"):
                 assert op not in body, f"{op} inside an FMA main loop (x not in W's thread mapping)"
+
+
+def test_large_m_configs_and_limits():
+    """M 17..128: dot configs with explicit small splits per bucket, a split-1 one in each (the
+    wide N), the uncalibrated default among them; splits that cannot pay off at an N are not
+    calibrated; the plain GEMV takes M <= DOT_MAX_M, the fused prologues M <= GEMV_MAX_M."""
+    from salaserve.kernels import gemv as G
+
+    dev = torch.device("cpu")  # 132 SMs assumed off-GPU
+    assert G.DOT_MAX_M == 128 and G.GEMV_MAX_M == 16
+    assert set(G.DOT_LARGE_M_CONFIGS) == {32, 64, 128}
+    for M in (17, 20, 32, 33, 64, 65, 100, 128):
+        b = G._bucket(M)
+        cands = G.candidate_configs(M)
+        assert cands == G.DOT_LARGE_M_CONFIGS[b] and 4 <= len(cands) <= 6
+        assert all(c.dot and c.split_k in (1, 2, 4) for c in cands)
+        assert any(c.split_k == 1 for c in cands)
+        assert G.default_config(M, 4096, 4096) in cands
+    assert G.candidate_configs(16) == G.DOT_CONFIGS  # small M unchanged
+    # N = 4096 (32 or 64 column tiles) keeps every split; N = 32768 none
+    assert all(G._split_useful(c, 4096, dev) for c in G.DOT_LARGE_M_CONFIGS[128])
+    assert [c.split_k for c in G.DOT_LARGE_M_CONFIGS[128] if G._split_useful(c, 32768, dev)] == [1, 1]
+    assert all(G._split_useful(c, 73448, dev) for c in G.DOT_CONFIGS)  # automatic splits untouched
+    # the workspace's first allocation covers the largest calibrated split at M = 128
+    largest = max(c.split_k * 128 * 4096 for c in G.DOT_LARGE_M_CONFIGS[128] if G._split_useful(c, 4096, dev))
+    assert largest <= G._WS_MIN_FLOATS
+    x = torch.randn(32, 128)
+    w = torch.randn(64, 128)
+    with pytest.raises(ValueError, match="prologues"):
+        G.gemv_rmsnorm(x, torch.ones(128), 1e-6, w)
+    with pytest.raises(ValueError, match="prologues"):
+        G.gemv_silu_mul(torch.randn(32, 256), w)
+    with pytest.raises(ValueError, match="1 <= M <= 128"):
+        G.gemv(torch.randn(129, 128), w)
+
+
+def test_large_m_dispatch_rules():
+    """A calibrated GEMV win at bucket 128 sends M 65..128 to the GEMV; uncalibrated M = 64 stays
+    on cuBLAS; TritonBackend never fuses a prologue / residual GEMV above 16 rows."""
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    G.clear_calibration()
+    dev = torch.device("cpu")
+    N, K = 4096, 4096
+    try:
+        assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(128, N, K, dev)
+        cfg = G.DOT_LARGE_M_CONFIGS[128][1]
+        G._TABLE[G._key(128, N, K, dev)] = G.Choice(cfg, 8.5, 15.0)
+        assert G.uses_gemv(128, N, K, dev) and G.uses_gemv(100, N, K, dev)
+        assert G.choose_config(128, N, K, dev) == cfg
+        assert not G.uses_gemv(64, N, K, dev)  # bucket 64 uncalibrated
+        assert not G.uses_gemv(129, N, K, dev)
+        x = torch.empty(128, K, dtype=torch.bfloat16)
+        w = torch.empty(N, K, dtype=torch.bfloat16)
+        assert not TritonBackend._gemv_fuses(x, w)
+    finally:
+        G.clear_calibration()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +238,57 @@ def test_gemv_real_shapes(name, M):
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
         assert_bf16_linear_close(y, x, w, f"{name} M={M} {cfg}")
         assert torch.equal(G.gemv(x, w, config=cfg), y), "not deterministic"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["o_proj", "down"])
+def test_gemv_large_m_real_shapes(name):
+    """Batch 128 on the tensor-core path, every bucket-128 candidate (explicit splits) against the
+    written bf16 bound, deterministic; M = 100 (padded rows) with the default config; a split
+    config captured in a CUDA graph replays the eager bits."""
+    from salaserve.kernels import gemv as G
+
+    N, K = REAL[name]
+    M = 128
+    x, w = _inputs(M, N, K, seed=128 + K)
+    assert_bf16_linear_close(x @ w.t(), x, w, "cuBLAS (tolerance sanity)")
+    for cfg in G.candidate_configs(M):
+        y = G.gemv(x, w, config=cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert_bf16_linear_close(y, x, w, f"{name} M={M} {cfg}")
+        assert torch.equal(G.gemv(x, w, config=cfg), y), "not deterministic"
+    y100 = G.gemv(x[:100], w, config=G.default_config(100, N, K))
+    assert_bf16_linear_close(y100, x[:100], w, f"{name} M=100")
+    cfg = max(G.candidate_configs(M), key=lambda c: c.split_k)
+    eager = G.gemv(x, w, config=cfg)
+    out = torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.gemv(x, w, out=out, config=cfg)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@gpu
+@needs_cuda
+def test_calibrate_large_m():
+    """Calibration at M = 128 (o_proj's shape): a GEMV config among the bucket's candidates, and
+    `linear` follows the measured winner."""
+    from salaserve.kernels import gemv as G
+
+    G.clear_calibration()
+    try:
+        table = G.calibrate([(4096, 4096)], "cuda", m_values=(128,))
+        choice = table[(128, 4096, 4096)]
+        assert choice.gemv in G.candidate_configs(128) and choice.gemv_us > 0 and choice.cublas_us > 0
+        x, w = _inputs(128, 4096, 4096, seed=5)
+        assert G.uses_gemv(128, 4096, 4096, x.device) == choice.use_gemv
+        assert_bf16_linear_close(G.linear(x, w), x, w, "linear M=128")
+    finally:
+        G.clear_calibration()
 
 
 @gpu

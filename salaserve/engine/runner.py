@@ -92,7 +92,8 @@ class ModelRunner:
         self.verify_buckets: list[int] | None = None
         self.real_rows: torch.Tensor | None = None
         if hasattr(backend, "prepare"):
-            backend.prepare(cfg, self.device, self.model.p)
+            tokens_per_seq = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
+            backend.prepare(cfg, self.device, self.model.p, max_rows=args.max_running_requests * tokens_per_seq)
         if self.device.type == "cuda":
             self.warmup()
         if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:

@@ -1,12 +1,14 @@
 """Decode GEMV vs cuBLAS at the model's shapes, alone and as whole decode steps (GPU only).
 
     python -m salaserve.kernels.bench_gemv [--m 1 2 4 8 16] [--quick] [--no-step] [--verbose]
+    python -m salaserve.kernels.bench_gemv --m 32 64 128 --no-step     # the large-M tensor-core path
 
 1. Per shape and M: `calibrate` times cuBLAS and every candidate GEMV config, each as a CUDA graph
    of >= 8 back-to-back calls cycling through >= 256 MB of weight copies (no L2 reuse; gaps
-   between kernels included). Printed: us per call and GB/s of weights (next to the 4.27 TB/s
-   copy bandwidth) for cuBLAS, the best GEMV, the same with PDL, and the fused op that replaces
-   the linear in the fused chain (its extra input/output bytes are negligible).
+   between kernels included). Printed: the weight-bandwidth floor (2*N*K bytes at 4.27 TB/s), us
+   per call and GB/s of weights for cuBLAS, the best GEMV, the same with PDL, and the fused op
+   that replaces the linear in the fused chain (its extra input/output bytes are negligible;
+   M > 16: only o_proj's residual epilogue, the prologues stop at gemv.GEMV_MAX_M).
 2. Predicted linear time per decode step: sum over the model's linears of (1) x their count.
 3. Whole decode step, one CUDA graph, 32 layers + lm_head, distinct weights per layer (18.35 GB):
      linears cuBLAS       every linear as torch.mm, nothing else (the anchor's 4.99 ms at M = 1)
@@ -18,7 +20,7 @@
      step dispatch        the same with gemv.linear
      fused (+pdl)         the fused chain: gemv_rmsnorm(qkv), gemv_residual(o_proj),
                           gemv_rmsnorm(gate_up), gemv_silu_mul(down, residual); lm_head with the
-                          final-norm prologue: 4 kernels per layer instead of 7
+                          final-norm prologue: 4 kernels per layer instead of 7 (M <= 16 only)
    Printed: ms per step, effective GB/s over the weight bytes, % of the 4.30 ms floor.
 --quick times only the default config per shape (fewer Triton compiles; all compiles are cached
 on disk, so a second run is fast).
@@ -46,8 +48,10 @@ def _gbs(bytes_, us):
 
 def _fused_op(name, M, N, K, cfg, ws, pdl):
     """The fused op replacing linear `name` in the fused chain, as fn(i) for time_linear-style
-    timing."""
+    timing; (None, label) where it does not exist at this M (prologues above GEMV_MAX_M)."""
     dev = ws[0].device
+    if M > G.GEMV_MAX_M and not name.startswith("o_proj"):
+        return None, "-"
     if name in ("down",):
         gu = torch.randn(M, 2 * K, device=dev).bfloat16()
         res = torch.randn(M, N, device=dev).bfloat16()
@@ -67,7 +71,8 @@ def shape_rows(shapes, ms):
     table = {}
     print("\n# 1. one linear, CUDA graph of back-to-back calls (L2-busting weight copies); us per call, GB/s;")
     print("#    'gemv' = best calibrated config, '+pdl' = same with PDL, 'fused' = the op replacing it in the chain")
-    print(f"{'shape':<15} {'N':>6} {'K':>6} {'M':>3} {'cuBLAS':>15} {'gemv':>15} {'+pdl':>7} {'fused':>16}  config")
+    print(f"{'shape':<15} {'N':>6} {'K':>6} {'M':>3} {'floor':>6} {'cuBLAS':>15} {'gemv':>15} {'+pdl':>7} "
+          f"{'fused':>16}  config")
     for N, K in dict.fromkeys((N, K) for _, N, K, _ in shapes):
         names = [n for n, n_, k_, _ in shapes if (n_, k_) == (N, K)]
         ws = G.weight_copies(N, K, torch.bfloat16, dev)
@@ -76,13 +81,13 @@ def shape_rows(shapes, ms):
             c = G.calibration_table()[G._key(M, N, K, dev)]
             t_pdl = G.time_linear("gemv", M, N, K, dev, config=c.gemv, pdl=True, weights=ws)
             fn, label = _fused_op(names[0], M, N, K, c.gemv, ws, pdl=False)
-            t_fused = graph_time_us(fn, calls)
+            fused_cell = f"{graph_time_us(fn, calls):>6.1f}" if fn is not None else f"{'-':>6}"
             b = N * K * 2
             table[(N, K, M)] = (c.cublas_us, min(c.gemv_us, c.cublas_us), c.gemv_us)
-            print(f"{'/'.join(names):<15} {N:>6} {K:>6} {M:>3} "
+            print(f"{'/'.join(names):<15} {N:>6} {K:>6} {M:>3} {b / BANDWIDTH * 1e6:>6.1f} "
                   f"{c.cublas_us:>6.1f} {_gbs(b, c.cublas_us):>5.0f}GB/s "
                   f"{c.gemv_us:>6.1f} {_gbs(b, c.gemv_us):>5.0f}GB/s "
-                  f"{t_pdl:>7.1f} {t_fused:>6.1f} {label:<9}  {c.gemv}{'' if c.use_gemv else ' (cuBLAS wins)'}")
+                  f"{t_pdl:>7.1f} {fused_cell} {label:<9}  {c.gemv}{'' if c.use_gemv else ' (cuBLAS wins)'}")
         del ws
         torch.cuda.empty_cache()
     return table
@@ -190,6 +195,8 @@ def step_variants(model: Model, M: int, dev) -> dict:
 
     fns = [linears("cublas"), linears("dispatch"), linears("gemv"), linears("gemv+pdl"),
            step("cublas"), step("dispatch"), fused_chain(None), fused_chain(True)]
+    if M > G.GEMV_MAX_M:  # no fused prologues there
+        fns[-2:] = [None, None]
     return dict(zip(STEP_VARIANTS, fns))
 
 
@@ -202,6 +209,9 @@ def step_rows(model: Model, ms):
     for M in ms:
         cells = []
         for fn in step_variants(model, M, dev).values():
+            if fn is None:
+                cells.append("-")
+                continue
             t = graph_time_us(lambda i: fn(), repeats=7) / 1e3
             cells.append(f"{t:6.3f} ({_gbs(model.bytes, t * 1e3):4.0f} {100 * floor_ms / t:3.0f}%)")
             del fn
@@ -211,12 +221,15 @@ def step_rows(model: Model, ms):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                    help=f"batch rows, 1..{G.DOT_MAX_M} (above {G.GEMV_MAX_M}: tensor-core GEMV, explicit splits)")
     ap.add_argument("--quick", action="store_true", help="default GEMV config only (no candidate search)")
     ap.add_argument("--no-shapes", action="store_true", help="skip sections 1-2 (calibration still runs)")
     ap.add_argument("--no-step", action="store_true", help="skip section 3 (needs ~19 GB of GPU memory)")
     ap.add_argument("--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
+    if not all(1 <= m <= G.DOT_MAX_M for m in args.m):
+        ap.error(f"--m values must be in 1..{G.DOT_MAX_M}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA GPU")
     cfg = preset_config("full")

@@ -1,4 +1,4 @@
-"""Weight-streaming GEMV for decode: y = x @ W^T at small M (1..16), W [N, K] bf16 read once.
+"""Weight-streaming GEMV for decode: y = x @ W^T at decode M (1..128), W [N, K] bf16 read once.
 
     gemv(x, w)                                  x [M, K] -> [M, N]
     gemv_residual(x, w, residual, scale)        residual + y * scale       (TorchBackend.add_rms_norm's add)
@@ -11,6 +11,16 @@ Why not cuBLAS: at M <= 16 a linear layer is a pure weight stream (2*N*K bytes, 
 The whole decode step is 18.35 GB of bf16 weights, 4.30 ms at 4.27 TB/s; cuBLAS M=1 GEMMs take
 4.99 ms in a graph, mostly lost on the 4096x4096 matrices (launch and tail bound) and in the gaps.
 
+Batch 17..128 (`DOT_MAX_M`; tensor-core path only, plain GEMV and residual epilogue, the prologues
+stop at GEMV_MAX_M = 16): still weight-bound (M FLOPs per weight byte, 128 against the H200's ~230
+at the balance point), but cuBLAS tiles these as GEMMs: at M = 128 and N = 4096 it launches ~32
+output tiles on 132 SMs (o_proj 15 us against a 7.9 us floor, down 39.6 us plus a separate split-K
+reduce against 31.8). Here the DOT program takes BLOCK_M = M's power-of-two bucket (32, 64, 128)
+and a small explicit split-K per config (1, 2, 4; the automatic split aims at 8 programs per SM,
+far too many partials at 128 rows: they cost split * M * N * 4 bytes, 25% of W's bytes at M = 128,
+K = 4096, split 4), reduced in the same launch as below. `calibrate` decides per (M bucket, N, K)
+whether it beats cuBLAS; uncalibrated shapes above M = 8 stay on cuBLAS.
+
 Kernel shape. One program owns BLOCK_N output columns (rows of W) for ALL M rows of x, so W is
 read exactly once whatever M is, and one contiguous K range (split-K). The grid is sized for
 several programs per SM (Little's law: 4.27 TB/s x ~1 us loaded latency wants ~32 KB of loads in
@@ -20,9 +30,10 @@ flight per SM); small N (4096) is split over K to get there. Two inner paths, ch
     mapping (8 values per thread and row): no shuffles or shared memory inside the loop.
     acc[BM, BN, BK] += w * x in fp32 registers, reduced over K once after the loop. The next W
     tile is loaded before the current one is consumed (two tiles in flight per thread).
-  - DOT (any M <= 16): tensor cores, acc[BN, 16] += W_tile @ x_tile^T (x padded to 16 rows with
-    zeros; W is the MMA's 64/128-row side, so Hopper's wgmma applies). Triton pipelines the W
-    tiles into shared memory with 16-byte cp.async (num_stages deep): few registers, deep queues.
+  - DOT (any M <= DOT_MAX_M = 128): tensor cores, acc[BN, BM] += W_tile @ x_tile^T with
+    BM = max(16, M's bucket) (x padded with zero rows; W is the MMA's 64/128-row side, so Hopper's
+    wgmma applies). Triton pipelines the W (and x) tiles into shared memory with 16-byte cp.async
+    (num_stages deep): few registers, deep queues.
 fp32 accumulation everywhere (tensor cores accumulate in fp32 too).
 
 Split-K reduction: "last program reduces", inside the same launch. Every split stores its fp32
@@ -79,7 +90,8 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn, tl_dtype
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
-GEMV_MAX_M = 16  # largest M the GEMV is ever used for (x rows are all held by one program)
+GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
+DOT_MAX_M = 128  # largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)
@@ -154,7 +166,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K == SPLIT_K * (a multiple of BLOCK_K): no K masks at all
-    DOT: tl.constexpr,  # tensor-core path (BLOCK_M = 16) instead of FMAs
+    DOT: tl.constexpr,  # tensor-core path (BLOCK_M = max(16, M's bucket)) instead of FMAs
     PROLOGUE: tl.constexpr,  # 0 none, 1 RMSNorm of x, 2 silu_mul of x = [gate | up]
     RESIDUAL: tl.constexpr,
     X_DT: tl.constexpr,  # x's dtype (prologue roundings)
@@ -302,6 +314,30 @@ DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory
     GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB
     GemvConfig(128, 128, 4, 3, dot=True),  # 90, 108 KB
 )
+# M buckets 32..128 (BLOCK_M = the bucket): explicit splits (1, 2, 4), since the automatic one
+# (8 programs per SM) would write split * M * N * 4 bytes of partials; W and x both pipelined
+# (shared memory (BN + BM) * BK * 2 bytes per stage, <= 227 KB per block on sm_90). At N = 4096,
+# BN 128 split 4 and BN 64 split 2 give 128 programs, BN 64 split 4 256 (two blocks fit per SM);
+# split 1 for the wide N. sm_90 registers per thread (plain GEMV, its split; the residual
+# epilogue and PDL add up to ~50, 218 at most) and shared memory in the comments. Rejected at
+# M = 128: (128, 64, 4, 4) and (128, 128, 4, 3) spill with split 4, (64, 256, 4, 3) needs 288 KB.
+DOT_LARGE_M_CONFIGS = {
+    32: (GemvConfig(128, 128, 8, 3, split_k=1, dot=True),  # 56, 120 KB
+         GemvConfig(128, 128, 8, 3, split_k=4, dot=True),  # 77
+         GemvConfig(64, 128, 4, 4, split_k=1, dot=True),  # 64, 96 KB
+         GemvConfig(64, 128, 4, 4, split_k=2, dot=True),  # 64
+         GemvConfig(64, 128, 4, 4, split_k=4, dot=True)),  # 80
+    64: (GemvConfig(128, 128, 8, 3, split_k=1, dot=True),  # 96, 144 KB
+         GemvConfig(128, 128, 8, 3, split_k=4, dot=True),  # 119
+         GemvConfig(64, 128, 4, 4, split_k=1, dot=True),  # 94, 128 KB
+         GemvConfig(64, 128, 4, 4, split_k=2, dot=True),  # 126
+         GemvConfig(64, 64, 4, 4, split_k=4, dot=True)),  # 119, 64 KB
+    128: (GemvConfig(128, 64, 8, 4, split_k=1, dot=True),  # 109, 128 KB
+          GemvConfig(128, 64, 8, 4, split_k=4, dot=True),  # 166
+          GemvConfig(64, 64, 4, 4, split_k=1, dot=True),  # 122, 96 KB
+          GemvConfig(64, 64, 4, 4, split_k=2, dot=True),  # 168
+          GemvConfig(64, 64, 4, 4, split_k=4, dot=True)),  # 170
+}
 
 # the grid aims at this many programs per SM (several waves of loads in flight per SM)...
 PROGRAMS_PER_SM = 8
@@ -339,8 +375,10 @@ def _auto_split(N: int, K: int, cfg: GemvConfig, device: torch.device) -> int:
 
 
 def default_config(M: int, N: int, K: int) -> GemvConfig:
-    """Uncalibrated choice: FMA at M = 1, tensor cores above."""
-    return FMA_CONFIGS[1][0] if M <= 1 else DOT_CONFIGS[0]
+    """Uncalibrated choice: FMA at M = 1, tensor cores above (M > 16: the bucket's first config)."""
+    if M <= 1:
+        return FMA_CONFIGS[1][0]
+    return DOT_CONFIGS[0] if M <= GEMV_MAX_M else DOT_LARGE_M_CONFIGS[_bucket(M)][0]
 
 
 def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
@@ -348,7 +386,16 @@ def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
     b = _bucket(M)
     if b == 1:
         return FMA_CONFIGS[1] + DOT_CONFIGS[:1]
+    if b > GEMV_MAX_M:
+        return DOT_LARGE_M_CONFIGS[b]
     return FMA_CONFIGS.get(b, ()) + (DOT_CONFIGS if b > 8 else DOT_CONFIGS[:2])
+
+
+def _split_useful(cfg: GemvConfig, N: int, device: torch.device) -> bool:
+    """Whether a config's explicit split-K can pay off at this N: not when half of it would
+    already give every SM a program (the split only adds partials then). Calibration skips the
+    others (fewer compiles, a smaller workspace)."""
+    return cfg.split_k <= 1 or triton.cdiv(N, cfg.block_n) * (cfg.split_k // 2) < _sm_count(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +403,10 @@ def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
 # ---------------------------------------------------------------------------------------------
 
 _WORKSPACE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_WS_MIN_FLOATS = 1 << 20  # 4 MB: M 16 x N 4096 x split 16, the largest the model's shapes need
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown workspaces (see _workspace)
+# 8 MB: M 16 x N 4096 x split 16 (small M), M 128 x N 4096 x split 4 (the largest calibrated
+# large-M case: `_split_useful`); anything larger grows it (outside graph capture)
+_WS_MIN_FLOATS = 1 << 21
 _WS_MIN_COUNTERS = 1 << 14
 
 
@@ -371,6 +421,8 @@ def _workspace(device: torch.device, n_floats: int, n_counters: int) -> tuple[to
                                "(or calibrate) before capturing")
         n_floats = max(n_floats, _WS_MIN_FLOATS, 0 if ws is None else ws.numel())
         n_counters = max(n_counters, _WS_MIN_COUNTERS, 0 if cnt is None else cnt.numel())
+        if ws is not None:  # graphs captured earlier still point at the old pair: keep it alive
+            _RETIRED.append((ws, cnt))
         ws = torch.empty(n_floats, dtype=torch.float32, device=device)
         cnt = torch.zeros(n_counters, dtype=torch.int32, device=device)
         _WORKSPACE[key] = (ws, cnt)
@@ -391,8 +443,11 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     M = x.shape[0]
     if x.shape[1] != (2 * K if prologue == _SILU else K):
         raise ValueError(f"x {tuple(x.shape)} does not match w {tuple(w.shape)}")
-    if not 0 < M <= GEMV_MAX_M:
-        raise ValueError(f"gemv handles 1 <= M <= {GEMV_MAX_M}, got M = {M}")
+    if not 0 < M <= DOT_MAX_M:
+        raise ValueError(f"gemv handles 1 <= M <= {DOT_MAX_M}, got M = {M}")
+    if prologue != _NONE and M > GEMV_MAX_M:
+        raise ValueError(f"the RMSNorm / silu_mul prologues take M <= {GEMV_MAX_M} (each program "
+                         f"recomputes its rows' statistics), got M = {M}")
     xn_dt = promote(x.dtype, norm_w.dtype) if prologue == _RMS else x.dtype
     if w_scale is not None:
         if w.dtype != torch.float8_e4m3fn or w_scale.shape != (N,) or w_scale.dtype != torch.float32:
@@ -419,7 +474,7 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     if w_scale is not None and cfg.dot:
         raise ValueError(f"fp8 weights take the FMA configs, got {cfg}")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
-    block_m = 16 if cfg.dot else _bucket(M)
+    block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
     tiles = triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     even_k = K % (split * cfg.block_k) == 0
@@ -439,7 +494,8 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
 
 def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None = None):
     """x [M, K] @ w[N, K]^T -> [M, N] in w's dtype (x.dtype == w.dtype), fp32 accumulation,
-    1 <= M <= 16. config None: the calibrated (else default) config for this shape."""
+    1 <= M <= DOT_MAX_M (FMA configs M <= FMA_MAX_M). config None: the calibrated (else default)
+    config for this shape."""
     return _launch(x, w, out=out, config=config, pdl=pdl)
 
 
@@ -453,21 +509,21 @@ def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | Non
 def gemv_residual(x, w, residual, scale, out=None, *, config=None, pdl=None):
     """residual + (x @ w^T) * scale with torch's roundings: the product rounded to w's dtype, then
     the sum to promote(residual, w). out may be `residual` itself (each element is read and then
-    written by the same program)."""
+    written by the same program). M <= DOT_MAX_M."""
     return _launch(x, w, out=out, residual=residual, scale=scale, config=config, pdl=pdl)
 
 
 def gemv_rmsnorm(x, norm_w, eps, w, out=None, *, config=None, pdl=None):
-    """reference.rms_norm(x, norm_w, eps) @ w^T: x [M, K], norm_w [K]; the normalised x never goes
-    to memory."""
+    """reference.rms_norm(x, norm_w, eps) @ w^T: x [M <= GEMV_MAX_M, K], norm_w [K]; the normalised
+    x never goes to memory."""
     if norm_w.dim() != 1 or norm_w.stride(0) != 1:
         raise ValueError("norm_w must be a contiguous [K] vector")
     return _launch(x, w, out=out, norm_w=norm_w, eps=eps, prologue=_RMS, config=config, pdl=pdl)
 
 
 def gemv_silu_mul(gate_up, w, out=None, *, residual=None, scale=1.0, config=None, pdl=None):
-    """silu_mul(gate_up) @ w^T for gate_up [M, 2K] (gate | up, as TorchBackend.silu_mul),
-    optionally with the residual epilogue (residual + y * scale)."""
+    """silu_mul(gate_up) @ w^T for gate_up [M <= GEMV_MAX_M, 2K] (gate | up, as
+    TorchBackend.silu_mul), optionally with the residual epilogue (residual + y * scale)."""
     return _launch(gate_up, w, out=out, residual=residual, scale=scale, prologue=_SILU, config=config, pdl=pdl)
 
 
@@ -509,10 +565,10 @@ def choose_config(M: int, N: int, K: int, device: torch.device) -> GemvConfig:
 
 
 def uses_gemv(M: int, N: int, K: int, device: torch.device) -> bool:
-    """Whether `linear` takes the GEMV for this shape: the calibrated winner, or (uncalibrated)
-    1 <= M <= 8 (the GEMV reads the weights once for any M; at M = 1 a plain Triton GEMV beat
-    cuBLAS on all four anchor shapes)."""
-    if not 1 <= M <= GEMV_MAX_M:
+    """Whether `linear` takes the GEMV for this shape: the calibrated winner (1 <= M <= DOT_MAX_M),
+    or (uncalibrated) 1 <= M <= 8 (the GEMV reads the weights once for any M; at M = 1 a plain
+    Triton GEMV beat cuBLAS on all four anchor shapes)."""
+    if not 1 <= M <= DOT_MAX_M:
         return False
     c = _TABLE.get(_key(M, N, K, device))
     if c is not None:
@@ -562,7 +618,8 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
     graph of >= 8 back-to-back calls over L2-busting weight copies, median of 5 replays) and record
     the results for `linear` / `choose_config`. shapes: iterable of (N, K) (bf16 weights); M is
     timed at its bucket (3 -> 4). configs: a list for every M, or a callable M -> list; default
-    `candidate_configs`. Returns {(bucket, N, K): Choice}. Cost: a few ms per candidate plus one
+    `candidate_configs` (less the explicit splits that cannot pay off at N: `_split_useful`).
+    Returns {(bucket, N, K): Choice}. Cost: a few ms per candidate plus one
     Triton compile each (cached on disk across runs); already calibrated keys are skipped."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -576,7 +633,10 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
                 ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
                 Mb = _bucket(M)
                 t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
-                cands = configs(Mb) if callable(configs) else (configs or candidate_configs(Mb))
+                if callable(configs) or configs:
+                    cands = configs(Mb) if callable(configs) else configs
+                else:
+                    cands = [c for c in candidate_configs(Mb) if _split_useful(c, N, device)]
                 best = None
                 for cfg in cands:
                     if not cfg.split_k:  # pin the split the timing uses

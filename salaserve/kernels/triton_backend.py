@@ -57,14 +57,17 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
 
     # ---- linear layers -----------------------------------------------------------------------
-    def prepare(self, cfg, device, params=None) -> None:
+    def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
-        sizes and verify row counts (M up to 16), so `linear` takes the faster one (a few seconds,
-        before graph capture); int4 weights (in `params`, the model's fused weights): the decode
+        sizes and verify row counts (M buckets 1..128; above 16 the tensor-core GEMV only), so
+        `linear` takes the faster one (seconds, plus Triton compiles cached on disk; before graph
+        capture); int4 weights (in `params`, the model's fused weights): the decode
         FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's, or
-        (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16."""
+        (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16. max_rows: the most rows a
+        decode or verify step can have (buckets above it are not timed)."""
+        top = 1 << max(0, (max_rows - 1).bit_length())
         gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
-                           m_values=(1, 2, 4, 8, 16))
+                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max(top, 16)))
         quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
                      if isinstance(w, QuantizedLinearWeights)]
         if not quantized:
@@ -81,20 +84,22 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device)
 
     def linear(self, x, weight):
-        """Plain weights at decode sizes: the GEMV or cuBLAS (calibrated); quantized weights:
-        quant_gemm's kernels (through TorchBackend.linear)."""
-        if isinstance(weight, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 16:
+        """Plain weights at decode sizes (M <= gemv.DOT_MAX_M = 128): the GEMV or cuBLAS
+        (calibrated); quantized weights: quant_gemm's kernels (through TorchBackend.linear)."""
+        if isinstance(weight, torch.Tensor) and x.dim() == 2 and x.shape[0] <= gemv_ops.DOT_MAX_M:
             return gemv_ops.linear(x, weight)
         return TorchBackend.linear(self, x, weight)
 
     @staticmethod
     def _gemv_fuses(x, w) -> bool:
         """Whether a norm / residual / silu can ride on this linear's GEMV: a plain weight of x's
-        dtype, 2-16 rows, and the GEMV calibrated as the faster kernel for the shape. At one row
+        dtype, 2-16 rows (gemv.GEMV_MAX_M: the prologues recompute their rows' statistics in every
+        program), and the GEMV calibrated as the faster kernel for the shape. At one row
         the fused GEMVs measured slower (6.12 vs 5.12 ms per decode step: every program of the
         split-K grid recomputes the row's RMSNorm statistics before its first weight load), at
         5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms)."""
-        return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype and x.shape[0] >= 2
+        return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
+                and 2 <= x.shape[0] <= gemv_ops.GEMV_MAX_M
                 and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
                 and (x.is_cuda or gemv_ops._INTERPRET))
 
