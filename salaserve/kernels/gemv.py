@@ -91,7 +91,9 @@ from salaserve.kernels._triton_utils import pdl_enabled, pdl_supported, promote,
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
-DOT_MAX_M = 128  # largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128)
+# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128);
+# SALASERVE_GEMV_MAX_ROWS=16 keeps cuBLAS for every linear above 16 rows
+DOT_MAX_M = max(GEMV_MAX_M, min(128, int(os.environ.get("SALASERVE_GEMV_MAX_ROWS", "128"))))
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)
