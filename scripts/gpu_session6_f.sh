@@ -7,5 +7,5 @@ source "$(dirname "$0")/device_env.sh"
 T=tests/test_gpu_engine.py::test_graph_verify_equals_eager
 SALASERVE_STAGE1_FAST=0 timeout 190 python3 -m pytest -m gpu -q -s -p no:cacheprovider --tb=line "$T" 2>&1 \
   | grep -v -i warn | tee "$OUT/verify-stage1-first.log" | tail -8
-SALASERVE_GEMV_MAX_ROWS=16 timeout 90 python3 -m pytest -m gpu -q -s -p no:cacheprovider --tb=line "$T" 2>&1 \
+SALASERVE_GEMV_MAX_ROWS=16 timeout 75 python3 -m pytest -m gpu -q -s -p no:cacheprovider --tb=line "$T" 2>&1 \
   | grep -v -i warn | tee "$OUT/verify-gemv16.log" | tail -8
