@@ -185,6 +185,31 @@ def test_large_m_dispatch_rules():
         G.clear_calibration()
 
 
+def test_calibrate_skips_rows_above_the_gemv_limit(monkeypatch):
+    """With SALASERVE_GEMV_MAX_ROWS=16 (DOT_MAX_M 16) calibration times nothing above 16 rows (the
+    GEMV refuses them) and linear keeps cuBLAS there. Timings faked: no GPU here."""
+    from salaserve.kernels import gemv as G
+
+    monkeypatch.setattr(G, "DOT_MAX_M", 16)
+    monkeypatch.setattr(G, "weight_copies", lambda *a, **k: [None])
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
+    timed = []
+
+    def fake_time(fn_name, M, N, K, device, config=None, weights=None, **kw):
+        timed.append((fn_name, M))
+        return 1.0 if fn_name == "gemv" else 2.0
+
+    monkeypatch.setattr(G, "time_linear", fake_time)
+    G.clear_calibration()
+    try:
+        got = G.calibrate([(4096, 4096)], "cuda:0", m_values=(8, 16, 32, 128))
+        assert sorted(b for b, _, _ in got) == [8, 16]
+        assert max(M for _, M in timed) == 16
+        assert not G.uses_gemv(32, 4096, 4096, torch.device("cuda:0"))
+    finally:
+        G.clear_calibration()
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------

@@ -91,9 +91,9 @@ from salaserve.kernels._triton_utils import pdl_enabled, pdl_supported, promote,
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
-# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128);
-# SALASERVE_GEMV_MAX_ROWS=16 keeps cuBLAS for every linear above 16 rows
-DOT_MAX_M = max(GEMV_MAX_M, min(128, int(os.environ.get("SALASERVE_GEMV_MAX_ROWS", "128"))))
+# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128), a power of
+# two; SALASERVE_GEMV_MAX_ROWS=16 keeps cuBLAS for every linear above 16 rows
+DOT_MAX_M = max(GEMV_MAX_M, min(128, 1 << (int(os.environ.get("SALASERVE_GEMV_MAX_ROWS", "128")).bit_length() - 1)))
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)
@@ -630,6 +630,8 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
     for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
         ws = None
         for M in m_values:
+            if _bucket(M) > DOT_MAX_M:  # rows the GEMV never takes (SALASERVE_GEMV_MAX_ROWS)
+                continue
             key = _key(M, N, K, device)
             if key not in _TABLE:
                 ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
