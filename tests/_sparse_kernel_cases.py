@@ -217,6 +217,56 @@ def check_decode_selection(case: dict, max_sel: int, bb: int = 16) -> dict:
     return stats
 
 
+def check_decode_width_invariance(case: dict, max_sel: int, bb: int = 4, wide: int = 5) -> dict:
+    """select_blocks_decode on the case's page table, on the same table `wide` times as wide (zero
+    columns, as a CUDA graph's static table), and on that with one more row (a padded batch). Per
+    variant: the same pages and counts, bit-equal keys over the real blocks, and lse partials equal
+    to the tight table's, the extra ranges empty (max -inf, sum 0), so the lse merges to the same
+    bits. (Sized to the GPU, the partition moved with the width and rows; on small interpreter
+    cases that seldom flips a bf16 score, so the partials are compared directly.)"""
+    from salaserve.kernels import sparse as ks
+
+    cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
+    sc, scale = cfg.sparse, cfg.head_dim ** -0.5
+    B = batch.num_seqs
+    table = batch.page_table
+    wide_table = torch.nn.functional.pad(table, (0, (wide - 1) * table.shape[1] + 3))
+    partials = []
+    orig = ks._stage1_lse_partials
+
+    def recording(*a, **k):
+        partials.append(orig(*a, **k))
+        return partials[-1]
+
+    got = {}
+    ks._stage1_lse_partials = recording
+    try:
+        for name, t, qq, lens in (("tight", table, q[:B], batch.seq_lens),
+                                  ("wide", wide_table, q[:B], batch.seq_lens),
+                                  ("wide_padded_batch", torch.cat([wide_table, wide_table[:1]]),
+                                   torch.cat([q[:B], q[:1]]), torch.cat([batch.seq_lens, batch.seq_lens[:1]]))):
+            partials.clear()
+            pages, count = ks.select_blocks_decode(qq, comp, LAYER, t, lens, sc, scale, max_sel, bb=bb)
+            (m, l), = partials
+            ar = torch.arange(t.shape[0], device=q.device, dtype=torch.int32)
+            keys = ks._stage1_keys(qq, comp, LAYER, t, lens, (lens - 1).long(), (ar, ar, torch.ones_like(ar)),
+                                   t.shape[0], 0, t.shape[1], scale, 1, bb, lse_per_split=ks._LSE_BLOCK_N)
+            got[name] = (pages[:B], count[:B], keys[:, :B, :table.shape[1]], m[:, :, :B], l[:, :, :B])
+    finally:
+        ks._stage1_lse_partials = orig
+    ref = got["tight"]
+    n = ref[3].shape[0]
+    out = {}
+    for name, (p, c, k, m, l) in got.items():
+        if name == "tight":
+            continue
+        out[name] = bool(torch.equal(p, ref[0]) and torch.equal(c, ref[1]) and torch.equal(k, ref[2])
+                         and m.shape[0] >= n and torch.equal(m[:n], ref[3]) and torch.equal(l[:n], ref[4])
+                         and bool((m[n:] == float("-inf")).all()) and bool((l[n:] == 0).all()))
+    out["splits"] = n
+    return out
+
+
 def sparse_twin(q, kv, layer, batch, block_idx, scale):
     """Torch twin of sparse_prefill_attention: reference softmax attention restricted to the
     keys of each token's listed blocks that are <= its position."""
@@ -365,6 +415,10 @@ def _part_select() -> dict:
         res["decode"] = check_decode_selection(dec, max_sel=16, bb=4)
         dec["q"] = torch.zeros_like(dec["q"])
         res["decode_all_ties"] = check_decode_selection(dec, max_sel=16, bb=8)
+    # several splits that the old sizing would have placed differently per width and batch
+    with _knobs(_TARGET_PROGRAMS=24, _LSE_BLOCK_N=16):
+        res["decode_width_invariant"] = check_decode_width_invariance(
+            make_case(cfg, [(300, 1), (1000, 1), (700, 1), (140, 1)], seed=17), max_sel=16)
     return res
 
 

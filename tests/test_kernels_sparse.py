@@ -108,6 +108,13 @@ def test_decode_selection_matches_reference(interp):
     assert r["layout_ok"] and r["dense_rows_ok"], r
 
 
+def test_decode_selection_does_not_depend_on_table_width_or_batch(interp):
+    """The same pages and bit-equal keys with a CUDA graph's wide static table and a padded
+    batch as with the tight eager table (the lse partials in fixed ranges)."""
+    r = interp["decode_width_invariant"]
+    assert r["wide"] and r["wide_padded_batch"] and r["splits"] >= 3, r
+
+
 @pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_tiles4", "attention_tiles2_shuffled"])
 def test_sparse_prefill_attention_matches_twin(interp, name):
     r = interp[name]

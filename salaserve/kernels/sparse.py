@@ -339,11 +339,41 @@ def _split(total: int, parallel: int, unit: int) -> tuple[int, int]:
     return per, -(-total // per)
 
 
+def _stage1_lse_partials(q, c2, comp: CompressedKeyPool, page_table, positions, tiles, n_rows: int,
+                         tok_base: int, nb_out: int, qk_scale2: float, block_t: int, group: int, gp: int,
+                         prec: str, lse_per_split: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C2 log-sum-exp partials (max, sum) [splits, Hq, n_rows] of `_stage1_lse_kernel` over
+    C2 ranges of lse_per_split entries (None: sized to fill the GPU, see _stage1_keys)."""
+    sc = comp.sc
+    Hq, D = q.shape[1], q.shape[2]
+    hkv = c2.shape[2]
+    tile_seq, tile_tok0, tile_ntok = tiles
+    n_tiles = tile_seq.shape[0]
+    block_n2 = _LSE_BLOCK_N
+    if lse_per_split is None:
+        per2, n_split2 = _split(nb_out * comp.c2_per_page, n_tiles * hkv, block_n2)
+    else:
+        per2 = lse_per_split
+        n_split2 = max(1, -(-(nb_out * comp.c2_per_page) // per2))
+    m_part = torch.empty(n_split2, Hq, n_rows, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    _stage1_lse_kernel[(n_tiles, hkv, n_split2)](
+        q, c2, page_table, positions, tile_seq, tile_tok0, tile_ntok, m_part, l_part,
+        q.stride(0), q.stride(1), c2.stride(0), c2.stride(1), c2.stride(2), page_table.stride(0),
+        m_part.stride(0), m_part.stride(1), qk_scale2, per2, tok_base,
+        GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BLOCK_N=block_n2, K2=sc.c2_kernel_size,
+        S2=sc.c2_kernel_stride, C2PP=comp.c2_per_page, DOT_PREC=prec, **pdl_launch_kwargs(q.device))
+    return m_part, l_part
+
+
 def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, positions,
                  tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_rows: int, tok_base: int,
-                 nb_out: int, scale: float, block_t: int, bb: int) -> torch.Tensor:
+                 nb_out: int, scale: float, block_t: int, bb: int, lse_per_split: int | None = None) -> torch.Tensor:
     """Packed keys [Hkv, n_rows, nb_out] int32 for the tokens [tok_base, tok_base + n_rows) that
-    the tiles cover (see `_stage1_block_keys_kernel`). Fixed shapes for fixed inputs shapes."""
+    the tiles cover (see `_stage1_block_keys_kernel`). Fixed shapes for fixed inputs shapes.
+    lse_per_split: C2 entries per lse partial (a multiple of _LSE_BLOCK_N); None sizes the
+    partials to fill the GPU, which makes the partition (and so the lse's last bits) depend on
+    nb_out and the number of rows."""
     sc = comp.sc
     _, Hq, D = q.shape
     hkv = comp.c1.shape[3]
@@ -363,17 +393,9 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
     qk_scale2 = scale * LOG2E
     prec = _dot_precision(q.dtype)
 
-    block_n2 = _LSE_BLOCK_N
-    per2, n_split2 = _split(nb_out * comp.c2_per_page, n_tiles * hkv, block_n2)
-    m_part = torch.empty(n_split2, Hq, n_rows, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
-    _stage1_lse_kernel[(n_tiles, hkv, n_split2)](
-        q, c2, page_table, positions, tile_seq, tile_tok0, tile_ntok, m_part, l_part,
-        q.stride(0), q.stride(1), c2.stride(0), c2.stride(1), c2.stride(2), page_table.stride(0),
-        m_part.stride(0), m_part.stride(1), qk_scale2, per2, tok_base,
-        GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BLOCK_N=block_n2, K2=sc.c2_kernel_size,
-        S2=sc.c2_kernel_stride, C2PP=comp.c2_per_page, DOT_PREC=prec, **pdl_launch_kwargs(q.device))
-
+    m_part, l_part = _stage1_lse_partials(q, c2, comp, page_table, positions, tiles, n_rows, tok_base, nb_out,
+                                          qk_scale2, block_t, group, gp, prec, lse_per_split)
+    n_split2 = m_part.shape[0]
     keys = torch.empty(hkv, n_rows, nb_out, dtype=torch.int32, device=q.device)
     per1, n_split1 = _split(nb_out, n_tiles * hkv, bb - 1)
     _stage1_block_keys_kernel[(n_tiles, hkv, n_split1)](
@@ -627,8 +649,13 @@ def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, p
     B = q.shape[0]
     nb_out = page_table.shape[1]
     seq_lens, positions, tiles = meta if meta is not None else decode_select_meta(seq_lens)
+    # The lse partials in fixed 64-entry ranges, whatever the table width and batch: a sequence
+    # then gets the same lse bits, hence the same bf16 block scores and blocks, in a CUDA graph
+    # (static width, padded batch) as eagerly, and whichever requests share its step. (Sized
+    # by the GPU, the partition moved with the width: verify graphs vs eager differed by 2e-2.)
+    # At batch 1 this is the partition the sizing chose anyway up to 16K pages.
     keys = _stage1_keys(q, comp, layer, page_table, seq_lens, positions, tiles, B, 0, nb_out,
-                        scale, block_t, bb)
+                        scale, block_t, bb, lse_per_split=_LSE_BLOCK_N)
     if FUSED_DECODE_TOPK and nb_out <= FUSED_TOPK_MAX_BLOCKS:
         return topk_pages(keys, page_table, seq_lens, sc, max_sel)
     return topk_pages_torch(keys, page_table, seq_lens, sc, max_sel)
