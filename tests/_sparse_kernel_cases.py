@@ -191,7 +191,8 @@ def check_decode_selection(case: dict, max_sel: int, bb: int = 16) -> dict:
                                            max_sel, bb=bb)
     ar = torch.arange(B, device=q.device, dtype=torch.int32)
     keys = ks._stage1_keys(q[:B], comp, LAYER, batch.page_table, batch.seq_lens, (batch.seq_lens - 1).long(),
-                           (ar, ar, torch.ones_like(ar)), B, 0, batch.page_table.shape[1], scale, 1, bb)
+                           (ar, ar, torch.ones_like(ar)), B, 0, batch.page_table.shape[1], scale, 1, bb,
+                           lse_per_split=ks._LSE_BLOCK_N)  # the partition select_blocks_decode uses
     kscores, _ = ks.unpack_keys(keys)
     stats = _new_stats()
     stats.update(layout_ok=(tuple(table.shape) == (B, hkv, max_sel) and table.dtype == torch.int32
