@@ -3,6 +3,10 @@
 Synchronous and single-threaded; `LLM` drives it in-process and the server drives it from its own
 process (`server/engine_worker.py`). Tokenization, detokenization and stop strings live outside, so a
 step is scheduling + one model forward + sampling + token-level stop checks.
+
+With overlap scheduling (the default without speculation) a step launches its forward and
+sampling, then reads back the *previous* step's tokens and reports them: the host's work of one
+step runs while the GPU computes the next, and outputs arrive one step later (see _InFlight).
 """
 
 from __future__ import annotations
