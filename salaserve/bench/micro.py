@@ -80,14 +80,13 @@ def step_device_ms(runner: ModelRunner, batch, iters: int = 30) -> tuple[float, 
     """Median device ms of one forward of `batch` as the runner runs it (its CUDA graph when one
     fits, else eagerly), timed with CUDA events after 3 warm-up runs; and whether a graph ran."""
     graph = runner.graphs is not None and runner.graphs.can_run(batch)
-    fn = (lambda: runner.graphs.run(batch)) if graph else (lambda: runner.model.forward(batch, runner.caches))
     for _ in range(3):
-        fn()
+        runner.run_batch(batch)
     torch.cuda.synchronize()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for s, e in ev:
         s.record()
-        fn()
+        runner.run_batch(batch)
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in ev), graph
@@ -110,10 +109,7 @@ def time_decode(runner: ModelRunner, batch: int, context: int, iters: int = 30) 
         t0 = time.perf_counter()
         batch = runner.build_batch(work)
         t1 = time.perf_counter()
-        if runner.graphs is not None and runner.graphs.can_run(batch):
-            runner.graphs.run(batch)
-        else:
-            runner.model.forward(batch, runner.caches)
+        runner.run_batch(batch)
         t2 = time.perf_counter()
         torch.cuda.synchronize()
         build.append((t1 - t0) * 1e3)

@@ -206,11 +206,14 @@ class ModelRunner:
                 raise RuntimeError("a placeholder token id without the previous step's tokens")
             batch.input_ids = resolve_placeholders(batch.input_ids, prev_tokens)
         self.last_batch = batch
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
-        else:
-            logits = self.model.forward(batch, self.caches)
+        logits = self.run_batch(batch)
         return logits if self.real_rows is None else logits[self.real_rows]
+
+    def run_batch(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model on a built batch: its CUDA graph when one was captured for it, else eagerly."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model.forward(batch, self.caches)
 
     def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
         """After a verify step (before the next forward): advance the Lightning states of the
