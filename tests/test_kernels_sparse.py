@@ -115,13 +115,14 @@ def test_decode_selection_does_not_depend_on_table_width_or_batch(interp):
     assert r["wide"] and r["wide_padded_batch"] and r["splits"] >= 3, r
 
 
-@pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_tiles4", "attention_tiles2_shuffled"])
+@pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_tiles4", "attention_tiles2_shuffled",
+                                  "attention_window4", "attention_window8_shuffled"])
 def test_sparse_prefill_attention_matches_twin(interp, name):
     r = interp[name]
     assert r["dtype_ok"] and r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
 
 
-@pytest.mark.parametrize("name", ["full_chunked", "full_mixed", "full_oneshot"])
+@pytest.mark.parametrize("name", ["full_chunked", "full_mixed", "full_oneshot", "full_mixed_window"])
 def test_sparse_attention_matches_torch_backend(interp, name):
     r = interp[name]
     assert r["dtype_ok"], r
@@ -310,6 +311,48 @@ def test_sparse_attention_tile_kernel_compiles_for_sm90_without_spills(fp8):
     consts = dict(GROUP=16, GP=16, D=128, BS=64, BLOCK_T=4, DOT_PREC=None, KV_FP8=fp8, COMPUTE_DT=tl.bfloat16, HKV=2)
     ptx = compile_sm90_without_spills(S._sparse_prefill_attn_tile_kernel, ptrs, consts, 4, fp_fusion=True).asm["ptx"]
     assert "mma" in ptx  # both dots on tensor cores
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("window_tokens", [4, 8])
+def test_sparse_window_kernels_compile_for_sm90_without_spills(fp8, window_tokens):
+    """The window kernel (forced blocks per tile of tokens) and the per-token kernel that continues
+    from its softmax state, at the real shapes: dots on tensor cores, nothing spilled."""
+    from kernel_checks import compile_sm90_without_spills
+
+    import triton.language as tl
+
+    from salaserve.kernels import sparse as S
+
+    pool = "*fp8e4nv" if fp8 else "*bf16"
+    common = dict(GROUP=16, GP=16, D=128, BS=64, DOT_PREC=None, KV_FP8=fp8, COMPUTE_DT=tl.bfloat16, HKV=2)
+    win = compile_sm90_without_spills(
+        S._sparse_window_attn_kernel,
+        dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32",
+             page_table_ptr="*i32", positions_ptr="*i64", tile_seq_ptr="*i32", tile_tok0_ptr="*i32",
+             tile_ntok_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32"),
+        dict(common, BLOCK_T=window_tokens, INIT=1, LOCAL=32), 4 if window_tokens * 16 <= 64 else 8, fp_fusion=True)
+    assert "mma" in win.asm["ptx"]
+    per_token = compile_sm90_without_spills(
+        S._sparse_prefill_attn_kernel,
+        dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",
+             tok_seq_ptr="*i64", positions_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+             m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32"),
+        dict(common, W=128, AFTER_WINDOW=True, INIT=1, LOCAL=32), 4, fp_fusion=True)
+    assert "mma" in per_token.asm["ptx"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("window_tokens", [4, 8])
+def test_gpu_sparse_attention_window_kernel(window_tokens):
+    """The window kernel + the per-token kernel over the scored blocks (SALASERVE_SPARSE_ATTN_WINDOW)
+    against the torch twin at the real shapes, bf16, on the kernel's own selection (in order and
+    shuffled); the per-token kernel's bound."""
+    C, case = _real_case([(16384, 2048), (9000, 300)], seed=23)
+    for shuffle in (False, True):
+        r = C.check_attention(case, shuffle=shuffle, window_tokens=window_tokens)
+        assert r["dtype_ok"] and r["rel"] < 1e-2, r
 
 
 @pytest.mark.gpu

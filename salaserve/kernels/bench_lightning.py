@@ -11,7 +11,8 @@ layer. Compared:
   fla alone   fused_recurrent_simple_gla on ready fp32 inputs and a contiguous [B, H, d, d] state
               (not in place: writes a new final state; the anchor measured 6.3 / 12.6 / 90 us)
   floor       state bytes read + written once at 4.27 TB/s: B * H * d * d * 4 B * 2 / 4.27e12
---sweep also times every (block_v, num_warps) of the decode kernel. A second table times
+--sweep also times every (block_v, num_warps) of the decode kernel, and the program order (batch-
+or slot-major) x the state's cache hint at the default pick. A second table times
 lightning_output and the fused.py kernels against their torch twins at decode batch sizes.
 """
 
@@ -51,11 +52,11 @@ def decode_rows(B: int, layers: int, sweep: bool):
     scale = D ** -0.5
     row = {"B": B, "floor": B * H * D * D * 4 * 2 / BANDWIDTH * 1e6}
 
-    def ours(block_v=None, num_warps=None):
+    def ours(block_v=None, num_warps=None, **order):
         def run():
             for layer in range(layers):
                 lightning_decode_step(q, k, v, qw, kw, positions, state, slots, layer, log_decay, scale, EPS,
-                                      THETA, block_v=block_v, num_warps=num_warps)
+                                      THETA, block_v=block_v, num_warps=num_warps, **order)
         return run
 
     row["ours"] = graph_us(ours()) / layers
@@ -64,6 +65,10 @@ def decode_rows(B: int, layers: int, sweep: bool):
                         if D * bv // (32 * nw) <= 64}
         best = min((t, bv, nw) for (bv, nw), t in row["sweep"].items())
         row["best"] = f"{best[0]:.1f} (bv {best[1]}, {best[2]} warps)"
+        # program order x cache hint at the default block pick
+        row["orders"] = {f"{'slot' if sm else 'batch'}-major{' evict_first' if ev else ''}":
+                         graph_us(ours(slot_major=sm, evict=ev)) / layers
+                         for sm in (False, True) for ev in ("", "evict_first")}
 
     try:
         from fla.ops.simple_gla import fused_recurrent_simple_gla
@@ -141,6 +146,7 @@ def main(argv=None):
         print(f"{B:>4} {fmt('ours'):>8} {fmt('fla+torch'):>10} {fmt('fla alone'):>10} {r['floor']:>7.1f}  {r.get('best', '')}")
         if "sweep" in r:
             print("     sweep (block_v, warps): " + ", ".join(f"{k}: {t:.1f}" for k, t in r["sweep"].items()))
+            print("     order (default pick): " + ", ".join(f"{k}: {t:.1f}" for k, t in r["orders"].items()))
     print("\n# elementwise kernels, us per call (32 calls per graph)")
     print(f"{'B':>4} {'op':<18} {'triton':>8} {'torch':>8}")
     for B in args.batch:

@@ -111,8 +111,10 @@ def bench_prefill_select(cfg, cache_len: int, chunk: int, reps: int, gen) -> lis
             dict(op="prefill select: + top-k", shape=shape, us=total, floor_us=floor, floor="flops")]
 
 
-def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen, tiles=(0, 4, 8)) -> list[dict]:
-    """The per-token kernel (tile 0) and the tile kernel at each tile size, on one selection."""
+def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen, tiles=(0, 4, 8),
+                            windows=(4, 8)) -> list[dict]:
+    """The per-token kernel (tile 0), the tile kernel at each tile size, and the window kernel
+    (forced blocks per tile of `windows` tokens) + the per-token kernel, on one selection."""
     sc = cfg.sparse
     comp, kv, batch, q = _prefill_setup(cfg, cache_len, chunk, gen, with_kv=True)
     scale = cfg.head_dim ** -0.5
@@ -124,10 +126,14 @@ def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen, til
     group = cfg.gqa_group_size
     flops = float(4 * group * cfg.head_dim * keys)
     rows = []
-    for tile in tiles:
-        us = _time_us(lambda: ks.sparse_prefill_attention(q, kv, 0, batch, idx, scale, tile_tokens=tile), reps)
-        rows.append(dict(op=f"sparse prefill attn, tile {tile}", shape=f"chunk {chunk} at {(cache_len + chunk) // 1024}K",
-                         us=us, floor_us=flops / DOT_FLOPS_PER_S * 1e6, floor="flops"))
+    shape = f"chunk {chunk} at {(cache_len + chunk) // 1024}K"
+    variants = [(f"tile {t}", dict(tile_tokens=t, window_tokens=0)) for t in tiles]
+    variants += [(f"window {w}", dict(tile_tokens=0, window_tokens=w)) for w in windows]
+    for name, kw in variants:
+        us = _time_us(lambda: ks.sparse_prefill_attention(q, kv, 0, batch, idx, scale,
+                                                          window=(sc.init_blocks, sc.local_blocks), **kw), reps)
+        rows.append(dict(op=f"sparse prefill attn, {name}", shape=shape, us=us,
+                         floor_us=flops / DOT_FLOPS_PER_S * 1e6, floor="flops"))
     return rows
 
 
@@ -136,6 +142,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    ap.add_argument("--tiles", type=int, nargs="*", default=[0, 4, 8],
+                    help="attention rows: tokens per program of the tile kernel (0: the per-token kernel)")
+    ap.add_argument("--windows", type=int, nargs="*", default=[4, 8],
+                    help="attention rows: tokens per program of the window kernel")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sparse needs a CUDA GPU")
@@ -149,9 +159,10 @@ def main() -> None:
             rows.append(bench_decode(cfg, ctx, b, args.reps, gen))
     chunk, total = (2048, 16 * K) if args.quick else (8192, 128 * K)
     rows += bench_prefill_select(cfg, total - chunk, chunk, args.reps, gen)
-    rows += bench_prefill_attention(cfg, total - chunk, chunk, args.reps, gen)
+    variants = dict(tiles=args.tiles, windows=args.windows)
+    rows += bench_prefill_attention(cfg, total - chunk, chunk, args.reps, gen, **variants)
     if not args.quick:
-        rows += bench_prefill_attention(cfg, 16 * K, 2048, args.reps, gen)
+        rows += bench_prefill_attention(cfg, 16 * K, 2048, args.reps, gen, **variants)
 
     print(f"{'op':28s} {'shape':20s} {'us':>10s} {'graph us':>10s} {'floor us':>10s} {'floor':>6s} {'floor/us':>9s}")
     for r in rows:

@@ -91,18 +91,28 @@ def _decode_step_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_ss, stride_sh, stride_sk,
     stride_ob, stride_oh,
-    scale, eps,
+    scale, eps, B, H,
     HALF: tl.constexpr, BLOCK_V: tl.constexpr,
     X_DT: tl.constexpr, QN_DT: tl.constexpr, KN_DT: tl.constexpr,
+    SLOT_MAJOR: tl.constexpr = True, EVICT_FIRST: tl.constexpr = False,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     pdl_wait_first(PDL)
-    # grid (B, H, D // BLOCK_V): each program owns a [D, BLOCK_V] column block of one head's state,
+    # B * H * (D // BLOCK_V) programs: each owns a [D, BLOCK_V] column block of one head's state,
     # so B=1 x 32 heads still spreads over >100 SMs. Every program recomputes the (cheap) full
-    # normalised q and k of its head.
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
+    # normalised q and k of its head. SLOT_MAJOR numbers them column block fastest, then head, then
+    # sequence, so programs that run side by side stream one slot's contiguous state; otherwise the
+    # sequence is fastest (the first layout: neighbours 48 MiB apart).
+    pid = tl.program_id(0)
+    NVB: tl.constexpr = 2 * HALF // BLOCK_V
+    if SLOT_MAJOR:
+        vb = pid % NVB
+        h = (pid // NVB) % H
+        b = pid // (NVB * H)
+    else:
+        b = pid % B
+        h = (pid // B) % H
+        vb = pid // (B * H)
 
     # Issue the state loads first: their latency then overlaps the norm/RoPE arithmetic.
     # The tile of this (slot, head, value block) is split into its key-dim halves [HALF, BLOCK_V],
@@ -112,8 +122,12 @@ def _decode_step_kernel(
     cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     p1 = state_ptr + slot * stride_ss + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
     p2 = p1 + HALF * stride_sk
-    s1 = tl.load(p1)
-    s2 = tl.load(p2)
+    if EVICT_FIRST:  # the state is touched once per step: no point keeping it in L2
+        s1 = tl.load(p1, eviction_policy="evict_first")
+        s2 = tl.load(p2, eviction_policy="evict_first")
+    else:
+        s1 = tl.load(p1)
+        s2 = tl.load(p2)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols).to(tl.float32)
     gamma = tl.exp(tl.load(log_decay_ptr + h).to(tl.float32))
 
@@ -123,8 +137,12 @@ def _decode_step_kernel(
 
     s1 = gamma * s1 + k1[:, None] * v[None, :]  # S = gamma S + k^T v
     s2 = gamma * s2 + k2[:, None] * v[None, :]
-    tl.store(p1, s1)
-    tl.store(p2, s2)
+    if EVICT_FIRST:
+        tl.store(p1, s1, eviction_policy="evict_first")
+        tl.store(p2, s2, eviction_policy="evict_first")
+    else:
+        tl.store(p1, s1)
+        tl.store(p2, s2)
 
     o = scale * (tl.sum(q1[:, None] * s1, axis=0) + tl.sum(q2[:, None] * s2, axis=0))  # o = s q S
     tl.store(o_ptr + b * stride_ob + h * stride_oh + cols, o)
@@ -152,7 +170,8 @@ def _pick_warps(block_v: int) -> int:
 
 
 def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, layer, log_decay,
-                          scale, eps, theta, *, block_v: int | None = None, num_warps: int | None = None):
+                          scale, eps, theta, *, block_v: int | None = None, num_warps: int | None = None,
+                          slot_major: bool = False, evict: str = ""):
     """One Lightning-layer decode step for B sequences (one new token each), in one kernel.
 
     Per sequence b and head h: q, k <- per-head RMSNorm (TorchBackend.rms_norm roundings) with
@@ -173,7 +192,8 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
             state[slots[b], layer] is read and written.
         layer: index into state's layer dim. log_decay: [H] fp32 (= -slope). scale, eps, theta: floats.
         block_v: value columns per program (divides d); default picks by B*H. num_warps: default
-            picks by block_v.
+            picks by block_v. slot_major, evict: program order and the state's cache hint
+            ("" or "evict_first"), for bench_lightning's sweep; the results are the same bits.
     Returns:
         o: [B, H, d] fp32, contiguous.
     No host syncs and a grid that depends only on shapes: CUDA-graph capturable (positions, slots,
@@ -198,13 +218,15 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
         return o
     st = state[:, layer]  # a view: the kernel writes the pool itself
     inv_freq = rope_inv_freq(d, theta, q.device)
-    _decode_step_kernel[(B, H, d // bv)](
+    if evict not in ("", "evict_first"):
+        raise ValueError(f"evict must be '' or 'evict_first', got {evict!r}")
+    _decode_step_kernel[(B * H * (d // bv),)](
         q, k, v, q_norm_w, k_norm_w, positions, slots, log_decay, inv_freq, st, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         st.stride(0), st.stride(1), st.stride(2),
         o.stride(0), o.stride(1),
-        float(scale), float(eps),
-        HALF=d // 2, BLOCK_V=bv,
+        float(scale), float(eps), B, H,
+        HALF=d // 2, BLOCK_V=bv, SLOT_MAJOR=bool(slot_major), EVICT_FIRST=evict == "evict_first",
         X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(promote(q.dtype, q_norm_w.dtype)),
         KN_DT=tl_dtype(promote(k.dtype, k_norm_w.dtype)),
         num_warps=num_warps or _pick_warps(bv), **NO_FMA, **pdl_launch_kwargs(q.device),

@@ -777,6 +777,21 @@ def _softmax_block(q, k_ptrs, v_ptrs, visible, scale_off, k_scale_ptr, v_scale_p
 
 
 @triton.jit
+def _selected_block(q, b, pos, seq, g, k_ptr, v_ptr, page_table_ptr, k_scale_ptr, v_scale_ptr,
+                    stride_kp, stride_ks, stride_kh, stride_pt, m, l, acc, scale2,
+                    D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr,
+                    DOT_PREC: tl.constexpr, HKV: tl.constexpr):
+    """Block b of sequence seq (its page through the page table) in one token's online softmax."""
+    d = tl.arange(0, D)
+    s_off = tl.arange(0, BS)
+    page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
+    kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
+    # every selected block is <= the query's block, so each has a visible key: m stays finite
+    return _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, (b * BS + s_off)[None, :] <= pos, page * HKV + g,
+                          k_scale_ptr, v_scale_ptr, m, l, acc, scale2, KV_FP8, COMPUTE_DT, DOT_PREC)
+
+
+@triton.jit
 def _sparse_prefill_attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_idx_ptr, page_table_ptr, tok_seq_ptr, positions_ptr,
     k_scale_ptr, v_scale_ptr,
@@ -786,17 +801,20 @@ def _sparse_prefill_attn_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, W: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
+    m_part_ptr=None, l_part_ptr=None, acc_part_ptr=None,
+    AFTER_WINDOW: tl.constexpr = False, INIT: tl.constexpr = 1, LOCAL: tl.constexpr = 32,
 ):
     """One program per (token, KV head g): the group's query heads are the M dimension of tl.dot
     (padded to GP >= 16), iterating over the token's selected blocks (pages through the page
-    table). Causal mask inside the current block; fp32 online softmax (base 2)."""
+    table). Causal mask inside the current block; fp32 online softmax (base 2).
+    AFTER_WINDOW: the forced blocks (init, local window) were done by _sparse_window_attn_kernel;
+    start from its softmax state ([N, Hq] m and l, [N, Hq, D] acc) and skip them here."""
     tok, g = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tok_seq_ptr + tok)
     pos = tl.load(positions_ptr + tok)
     h = tl.arange(0, GP)
     h_ok = h < GROUP
     d = tl.arange(0, D)
-    s_off = tl.arange(0, BS)
     q = tl.load(q_ptr + tok * stride_qt + (g * GROUP + h)[:, None] * stride_qh + d[None, :],
                 mask=h_ok[:, None], other=0.0)
 
@@ -804,20 +822,85 @@ def _sparse_prefill_attn_kernel(
     w = tl.arange(0, W)
     count = tl.sum((tl.load(row + w) >= 0).to(tl.int32), axis=0)  # valid entries come first
 
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for i in range(count):
-        b = tl.load(row + i)
-        page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
-        kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
-        # every selected block is <= the query's block, so each has a visible key: m stays finite
-        m, l, acc = _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, (b * BS + s_off)[None, :] <= pos,
-                                   page * HKV + g, k_scale_ptr, v_scale_ptr, m, l, acc, scale2,
-                                   KV_FP8, COMPUTE_DT, DOT_PREC)
+    if AFTER_WINDOW:
+        hq = tok * (HKV * GROUP) + g * GROUP + h  # the partials are contiguous [N, Hq(, D)]
+        m = tl.load(m_part_ptr + hq, mask=h_ok, other=float("-inf"))
+        l = tl.load(l_part_ptr + hq, mask=h_ok, other=0.0)
+        acc = tl.load(acc_part_ptr + hq[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0)
+        local_lo = pos // BS - LOCAL
+    else:
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+    if AFTER_WINDOW:
+        for i in range(count):
+            b = tl.load(row + i)
+            if (b >= INIT) & (b < local_lo):  # the window kernel did the forced ones
+                m, l, acc = _selected_block(q, b, pos, seq, g, k_ptr, v_ptr, page_table_ptr, k_scale_ptr,
+                                            v_scale_ptr, stride_kp, stride_ks, stride_kh, stride_pt, m, l, acc,
+                                            scale2, D, BS, KV_FP8, COMPUTE_DT, DOT_PREC, HKV)
+    else:
+        for i in range(count):
+            m, l, acc = _selected_block(q, tl.load(row + i), pos, seq, g, k_ptr, v_ptr, page_table_ptr,
+                                        k_scale_ptr, v_scale_ptr, stride_kp, stride_ks, stride_kh, stride_pt, m,
+                                        l, acc, scale2, D, BS, KV_FP8, COMPUTE_DT, DOT_PREC, HKV)
     o = acc / l[:, None]
     tl.store(o_ptr + tok * stride_ot + (g * GROUP + h)[:, None] * stride_oh + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _sparse_window_attn_kernel(
+    q_ptr, k_ptr, v_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, page_table_ptr, positions_ptr,
+    tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_pt,
+    scale2,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
+    INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
+):
+    """The blocks every token selects whatever its scores: the init blocks and the local window
+    (blocks qb - LOCAL .. qb of a token in block qb). Consecutive tokens share them, so one
+    program per (tile of BLOCK_T consecutive tokens of one sequence, KV head g) reads each such
+    block's K/V once for all its (token, head) rows. Walks the init blocks, then the union of the
+    tile's windows; a row takes a block only if it is forced for its token, and only its causal
+    keys. Writes the unnormalised softmax state (base 2) per row for the per-token kernel to
+    continue over the other selected blocks (AFTER_WINDOW)."""
+    pid_tile, g = tl.program_id(0), tl.program_id(1)
+    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
+        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
+    tok_ok = t_of_r < ntok
+    row_ok = tok_ok & (h_of_r < GROUP)
+    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
+    d = tl.arange(0, D)
+    s_off = tl.arange(0, BS)
+    qb_r = pos_r // BS
+    qb_lo = tl.min(tl.where(tok_ok, qb_r, 1 << 30), axis=0)
+    qb_hi = tl.max(tl.where(tok_ok, qb_r, -1), axis=0)
+
+    m = tl.full([BLOCK_T * GP], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T * GP], tl.float32)
+    acc = tl.zeros([BLOCK_T * GP, D], tl.float32)
+    # init blocks (forced for every token; causality alone limits them), then the windows from
+    # where they start (never below INIT: no block twice)
+    for b in range(0, INIT):
+        page = tl.load(page_table_ptr + seq * stride_pt + b, mask=b <= qb_hi, other=0).to(tl.int64)
+        kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
+        visible = tok_ok[:, None] & ((b * BS + s_off)[None, :] <= pos_r[:, None])
+        if b <= qb_hi:
+            m, l, acc = _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, visible, page * HKV + g, k_scale_ptr,
+                                       v_scale_ptr, m, l, acc, scale2, KV_FP8, COMPUTE_DT, DOT_PREC)
+    for b in range(tl.maximum(qb_lo - LOCAL, INIT), qb_hi + 1):
+        page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
+        kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
+        forced = tok_ok & (b >= qb_r - LOCAL)
+        visible = forced[:, None] & ((b * BS + s_off)[None, :] <= pos_r[:, None])
+        m, l, acc = _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, visible, page * HKV + g, k_scale_ptr,
+                                   v_scale_ptr, m, l, acc, scale2, KV_FP8, COMPUTE_DT, DOT_PREC)
+    hq = tok_r * (HKV * GROUP) + g * GROUP + h_of_r
+    tl.store(m_part_ptr + hq, m, mask=row_ok)
+    tl.store(l_part_ptr + hq, l, mask=row_ok)
+    tl.store(acc_part_ptr + hq[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -880,6 +963,10 @@ def _sparse_prefill_attn_tile_kernel(
 # weights (adjacent tokens select unrelated blocks) tile 4 measured 1.5x slower (run 18), so it
 # is off; real weights, whose neighbours share most blocks, may differ (perf notes).
 SPARSE_ATTN_TILE = int(os.environ.get("SALASERVE_SPARSE_ATTN_TILE", "0"))
+# Tokens per program of the window kernel (0: off). With it, the init and local-window blocks (34
+# of a token's 96 at the real config) are read once per tile of consecutive tokens, which share
+# them exactly, and the per-token kernel walks only the scored ones. Not yet measured on a GPU.
+SPARSE_ATTN_WINDOW = int(os.environ.get("SALASERVE_SPARSE_ATTN_WINDOW", "0"))
 
 
 def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
@@ -890,15 +977,24 @@ def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch,
-                             block_idx: torch.Tensor, scale: float, tile_tokens: int | None = None) -> torch.Tensor:
+                             block_idx: torch.Tensor, scale: float, tile_tokens: int | None = None,
+                             window: tuple[int, int] | None = None, window_tokens: int | None = None) -> torch.Tensor:
     """q [N, Hq, d]; block_idx [Hkv, N, W] int32 (ascending or not, valid entries first, -1 after).
     Each query attends to the keys of its selected blocks that are <= its position. Returns
     [N, Hq, d] in q.dtype. tile_tokens (default SPARSE_ATTN_TILE, a power of two): > 0 runs the
     tile kernel with that many consecutive tokens per program, 0 the per-token kernel (grid
-    (N, Hkv), graph-safe in itself; the callers are not)."""
+    (N, Hkv), graph-safe in itself; the callers are not).
+    window = (init_blocks, local_blocks): with the per-token kernel and window_tokens (default
+    SPARSE_ATTN_WINDOW, a power of two) > 0, the forced blocks (b < init_blocks, or qb - local_blocks
+    <= b <= qb for a token in block qb) go through the window kernel, window_tokens tokens per
+    program. Every token's list must then hold all of its forced blocks, as InfLLM-v2's selection
+    does (they score +inf)."""
     tile = SPARSE_ATTN_TILE if tile_tokens is None else tile_tokens
     if tile < 0 or tile & (tile - 1):
         raise ValueError(f"tile_tokens must be 0 or a power of two, got {tile}")
+    win = SPARSE_ATTN_WINDOW if window_tokens is None else window_tokens
+    if win < 0 or win & (win - 1):
+        raise ValueError(f"window_tokens must be 0 or a power of two, got {win}")
     N, Hq, D = q.shape
     hkv = kv.k.shape[3]
     group = Hq // hkv
@@ -929,10 +1025,24 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
     block_idx = block_idx.contiguous()
     tok_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=q.device),
                                       batch.cu_seqlens_q.diff(), output_size=N)
+    after = {}
+    if window is not None and win:
+        init, local = window
+        m_part = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(N, Hq, D, dtype=torch.float32, device=q.device)
+        tile_seq, tile_tok0, tile_ntok = tile_tensors(_prefill_tiles(batch, win), q.device)
+        _sparse_window_attn_kernel[(tile_seq.numel(), hkv)](
+            q, k, v, m_part, l_part, acc_part, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
+            pa["k_scale"], pa["v_scale"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            batch.page_table.stride(0), scale * LOG2E, BLOCK_T=win, INIT=init, LOCAL=local,
+            num_warps=4 if win * gp <= 64 else 8, **consts)
+        after = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True, INIT=init,
+                     LOCAL=local)
     _sparse_prefill_attn_kernel[(N, hkv)](
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
-        W=block_idx.shape[-1], **consts)
+        W=block_idx.shape[-1], **consts, **after)
     return out
 
 
@@ -943,4 +1053,5 @@ def sparse_attention(q: torch.Tensor, kv: KVPool, comp: CompressedKeyPool, layer
     dense sequences are also exact (every causal block is listed) but a dense kernel is faster."""
     scale = cfg.head_dim ** -0.5
     block_idx = select_blocks_prefill(q, comp, layer, batch, cfg.sparse, scale, **select_kw)
-    return sparse_prefill_attention(q, kv, layer, batch, block_idx, scale)
+    return sparse_prefill_attention(q, kv, layer, batch, block_idx, scale,
+                                    window=(cfg.sparse.init_blocks, cfg.sparse.local_blocks))
