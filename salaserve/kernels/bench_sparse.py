@@ -131,7 +131,8 @@ def bench_prefill_attention(cfg, cache_len: int, chunk: int, reps: int, gen, til
     variants += [(f"window {w}", dict(tile_tokens=0, window_tokens=w)) for w in windows]
     for name, kw in variants:
         us = _time_us(lambda: ks.sparse_prefill_attention(q, kv, 0, batch, idx, scale,
-                                                          window=(sc.init_blocks, sc.local_blocks), **kw), reps)
+                                                          window=(sc.init_blocks, sc.local_blocks), ascending=True,
+                                                          **kw), reps)
         rows.append(dict(op=f"sparse prefill attn, {name}", shape=shape, us=us,
                          floor_us=flops / DOT_FLOPS_PER_S * 1e6, floor="flops"))
     return rows

@@ -163,6 +163,13 @@ def _pick_block_v(num_rows: int, heads: int, d: int) -> int:
     return max(1, min(bv, d))
 
 
+def _pick_slot_major(num_rows: int, heads: int) -> bool:
+    # bench_lightning's order sweep on the H200 (BENCHMARKS run 25, us per layer): batch 128
+    # 170.3 sequence-fastest -> 151.5 slot-major (neighbouring programs stream one slot's
+    # contiguous state); batch 1 4.8 vs 4.9, within noise, so small batches keep the first order.
+    return num_rows * heads >= 512
+
+
 def _pick_warps(block_v: int) -> int:
     # the same sweep: 2 warps at 16-32 columns (<= 64 state values per thread); wider blocks need
     # more warps or they spill on sm_90
@@ -171,7 +178,7 @@ def _pick_warps(block_v: int) -> int:
 
 def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, layer, log_decay,
                           scale, eps, theta, *, block_v: int | None = None, num_warps: int | None = None,
-                          slot_major: bool = False, evict: str = ""):
+                          slot_major: bool | None = None, evict: str = ""):
     """One Lightning-layer decode step for B sequences (one new token each), in one kernel.
 
     Per sequence b and head h: q, k <- per-head RMSNorm (TorchBackend.rms_norm roundings) with
@@ -192,8 +199,9 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
             state[slots[b], layer] is read and written.
         layer: index into state's layer dim. log_decay: [H] fp32 (= -slope). scale, eps, theta: floats.
         block_v: value columns per program (divides d); default picks by B*H. num_warps: default
-            picks by block_v. slot_major, evict: program order and the state's cache hint
-            ("" or "evict_first"), for bench_lightning's sweep; the results are the same bits.
+            picks by block_v. slot_major: program order (default `_pick_slot_major`); evict: the
+            state's cache hint ("" or "evict_first"), for bench_lightning's sweep. Neither changes
+            a bit of the results.
     Returns:
         o: [B, H, d] fp32, contiguous.
     No host syncs and a grid that depends only on shapes: CUDA-graph capturable (positions, slots,
@@ -226,7 +234,8 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
         st.stride(0), st.stride(1), st.stride(2),
         o.stride(0), o.stride(1),
         float(scale), float(eps), B, H,
-        HALF=d // 2, BLOCK_V=bv, SLOT_MAJOR=bool(slot_major), EVICT_FIRST=evict == "evict_first",
+        HALF=d // 2, BLOCK_V=bv, EVICT_FIRST=evict == "evict_first",
+        SLOT_MAJOR=_pick_slot_major(B, H) if slot_major is None else bool(slot_major),
         X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(promote(q.dtype, q_norm_w.dtype)),
         KN_DT=tl_dtype(promote(k.dtype, k_norm_w.dtype)),
         num_warps=num_warps or _pick_warps(bv), **NO_FMA, **pdl_launch_kwargs(q.device),
