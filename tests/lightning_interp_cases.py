@@ -82,8 +82,8 @@ def test_decode_step_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("block_v", [8, 16])
-def test_decode_step_program_order_and_cache_hint_keep_the_bits(block_v):
-    """The slot-major program order and the evict-first hint only move work around: same o, same state."""
+def test_decode_step_program_order_keeps_the_bits(block_v):
+    """The slot-major program order only moves work around: same o, same state."""
     gen = torch.Generator().manual_seed(7)
     B, num_slots = 3, 5
     qw, kw = _norm_weight(D, torch.bfloat16, gen), _norm_weight(D, torch.bfloat16, gen)
@@ -91,19 +91,16 @@ def test_decode_step_program_order_and_cache_hint_keep_the_bits(block_v):
     q, k, v, _ = fused_qkvz(B, H, D, torch.bfloat16, gen=gen)
     batch = decode_batch([7, 300, 70000], [3, 0, 4])
     results = []
-    for slot_major, evict in ((False, ""), (True, ""), (True, "evict_first")):
+    for slot_major in (False, True):
         pool = StatePool(num_slots, 2, H, D, torch.float32, "cpu")
         pool.state.copy_(initial)
         o = lightning.lightning_decode_step(q, k, v, qw, kw, batch.positions, pool.state, batch.state_slots, 1,
                                             _log_decay(), D ** -0.5, EPS, THETA, block_v=block_v,
-                                            slot_major=slot_major, evict=evict)
+                                            slot_major=slot_major)
         results.append((o, pool.state.clone()))
     assert not torch.equal(results[0][1], initial)  # the step did write the state
     for o, state in results[1:]:
         assert torch.equal(o, results[0][0]) and torch.equal(state, results[0][1])
-    with pytest.raises(ValueError, match="evict"):
-        lightning.lightning_decode_step(q, k, v, qw, kw, batch.positions, pool.state, batch.state_slots, 1,
-                                        _log_decay(), D ** -0.5, EPS, THETA, evict="stream")
 
 
 def test_decode_step_fresh_state_is_exact_recurrence():

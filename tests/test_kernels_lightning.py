@@ -56,8 +56,7 @@ def _compile_cases():
         "decode_bv16": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=16), L._pick_warps(16)),
         "decode_bv32": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=32), L._pick_warps(32)),
         "decode_bv64": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=64), L._pick_warps(64)),
-        "decode_bv32_batch_major_evict": (L._decode_step_kernel, dec_ptrs,
-                                          dict(dec, BLOCK_V=32, SLOT_MAJOR=False, EVICT_FIRST=True), 2),
+        "decode_bv32_batch_major": (L._decode_step_kernel, dec_ptrs, dict(dec, BLOCK_V=32, SLOT_MAJOR=False), 2),
         "decode_fp32": (L._decode_step_kernel, dict(pos_ptr=i64, slot_ptr=i64),
                         dict(HALF=64, X_DT=tl.float32, QN_DT=tl.float32, KN_DT=tl.float32, BLOCK_V=32), 4),
         "qk_norm_rope": (L._qk_norm_rope_kernel, dict(q_ptr=bf, k_ptr=bf, qw_ptr=bf, kw_ptr=bf, pos_ptr=i64,
@@ -74,7 +73,7 @@ def _compile_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["decode_bv16", "decode_bv32", "decode_bv64", "decode_bv32_batch_major_evict", "decode_fp32", "qk_norm_rope", "output",
+@pytest.mark.parametrize("name", ["decode_bv16", "decode_bv32", "decode_bv64", "decode_bv32_batch_major", "decode_fp32", "qk_norm_rope", "output",
                                   "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul"])
 def test_kernel_compiles_for_sm90_without_spills(name):
     """Ahead-of-time compile for sm_90 at the real shapes (no GPU needed): the interpreter does not

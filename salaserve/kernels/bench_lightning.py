@@ -12,7 +12,7 @@ layer. Compared:
               (not in place: writes a new final state; the anchor measured 6.3 / 12.6 / 90 us)
   floor       state bytes read + written once at 4.27 TB/s: B * H * d * d * 4 B * 2 / 4.27e12
 --sweep also times every (block_v, num_warps) of the decode kernel, and the program order (batch-
-or slot-major) x the state's cache hint at the default pick. A second table times
+or slot-major) at the default pick. A second table times
 lightning_output and the fused.py kernels against their torch twins at decode batch sizes.
 """
 
@@ -65,10 +65,9 @@ def decode_rows(B: int, layers: int, sweep: bool):
                         if D * bv // (32 * nw) <= 64}
         best = min((t, bv, nw) for (bv, nw), t in row["sweep"].items())
         row["best"] = f"{best[0]:.1f} (bv {best[1]}, {best[2]} warps)"
-        # program order x cache hint at the default block pick
-        row["orders"] = {f"{'slot' if sm else 'batch'}-major{' evict_first' if ev else ''}":
-                         graph_us(ours(slot_major=sm, evict=ev)) / layers
-                         for sm in (False, True) for ev in ("", "evict_first")}
+        # program order at the default block pick
+        row["orders"] = {f"{'slot' if sm else 'batch'}-major": graph_us(ours(slot_major=sm)) / layers
+                         for sm in (False, True)}
 
     try:
         from fla.ops.simple_gla import fused_recurrent_simple_gla

@@ -94,7 +94,7 @@ def _decode_step_kernel(
     scale, eps, B, H,
     HALF: tl.constexpr, BLOCK_V: tl.constexpr,
     X_DT: tl.constexpr, QN_DT: tl.constexpr, KN_DT: tl.constexpr,
-    SLOT_MAJOR: tl.constexpr = True, EVICT_FIRST: tl.constexpr = False,
+    SLOT_MAJOR: tl.constexpr = True,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     pdl_wait_first(PDL)
@@ -122,12 +122,8 @@ def _decode_step_kernel(
     cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     p1 = state_ptr + slot * stride_ss + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
     p2 = p1 + HALF * stride_sk
-    if EVICT_FIRST:  # the state is touched once per step: no point keeping it in L2
-        s1 = tl.load(p1, eviction_policy="evict_first")
-        s2 = tl.load(p2, eviction_policy="evict_first")
-    else:
-        s1 = tl.load(p1)
-        s2 = tl.load(p2)
+    s1 = tl.load(p1)
+    s2 = tl.load(p2)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols).to(tl.float32)
     gamma = tl.exp(tl.load(log_decay_ptr + h).to(tl.float32))
 
@@ -137,12 +133,8 @@ def _decode_step_kernel(
 
     s1 = gamma * s1 + k1[:, None] * v[None, :]  # S = gamma S + k^T v
     s2 = gamma * s2 + k2[:, None] * v[None, :]
-    if EVICT_FIRST:
-        tl.store(p1, s1, eviction_policy="evict_first")
-        tl.store(p2, s2, eviction_policy="evict_first")
-    else:
-        tl.store(p1, s1)
-        tl.store(p2, s2)
+    tl.store(p1, s1)
+    tl.store(p2, s2)
 
     o = scale * (tl.sum(q1[:, None] * s1, axis=0) + tl.sum(q2[:, None] * s2, axis=0))  # o = s q S
     tl.store(o_ptr + b * stride_ob + h * stride_oh + cols, o)
@@ -167,6 +159,7 @@ def _pick_slot_major(num_rows: int, heads: int) -> bool:
     # bench_lightning's order sweep on the H200 (BENCHMARKS run 25, us per layer): batch 128
     # 170.3 sequence-fastest -> 151.5 slot-major (neighbouring programs stream one slot's
     # contiguous state); batch 1 4.8 vs 4.9, within noise, so small batches keep the first order.
+    # (An evict-first hint on the state's loads and stores did not help: 154.4 / 5.0.)
     return num_rows * heads >= 512
 
 
@@ -178,7 +171,7 @@ def _pick_warps(block_v: int) -> int:
 
 def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, layer, log_decay,
                           scale, eps, theta, *, block_v: int | None = None, num_warps: int | None = None,
-                          slot_major: bool | None = None, evict: str = ""):
+                          slot_major: bool | None = None):
     """One Lightning-layer decode step for B sequences (one new token each), in one kernel.
 
     Per sequence b and head h: q, k <- per-head RMSNorm (TorchBackend.rms_norm roundings) with
@@ -199,9 +192,8 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
             state[slots[b], layer] is read and written.
         layer: index into state's layer dim. log_decay: [H] fp32 (= -slope). scale, eps, theta: floats.
         block_v: value columns per program (divides d); default picks by B*H. num_warps: default
-            picks by block_v. slot_major: program order (default `_pick_slot_major`); evict: the
-            state's cache hint ("" or "evict_first"), for bench_lightning's sweep. Neither changes
-            a bit of the results.
+            picks by block_v. slot_major: program order (default `_pick_slot_major`; it changes no
+            bit of the results).
     Returns:
         o: [B, H, d] fp32, contiguous.
     No host syncs and a grid that depends only on shapes: CUDA-graph capturable (positions, slots,
@@ -226,15 +218,13 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
         return o
     st = state[:, layer]  # a view: the kernel writes the pool itself
     inv_freq = rope_inv_freq(d, theta, q.device)
-    if evict not in ("", "evict_first"):
-        raise ValueError(f"evict must be '' or 'evict_first', got {evict!r}")
     _decode_step_kernel[(B * H * (d // bv),)](
         q, k, v, q_norm_w, k_norm_w, positions, slots, log_decay, inv_freq, st, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         st.stride(0), st.stride(1), st.stride(2),
         o.stride(0), o.stride(1),
         float(scale), float(eps), B, H,
-        HALF=d // 2, BLOCK_V=bv, EVICT_FIRST=evict == "evict_first",
+        HALF=d // 2, BLOCK_V=bv,
         SLOT_MAJOR=_pick_slot_major(B, H) if slot_major is None else bool(slot_major),
         X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(promote(q.dtype, q_norm_w.dtype)),
         KN_DT=tl_dtype(promote(k.dtype, k_norm_w.dtype)),

@@ -455,8 +455,10 @@ FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
 TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
 TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
 # Bits of the threshold found per counting pass of the top-k kernels (1, 2 or 4): fewer passes,
-# more candidates counted in each. Not yet measured on a GPU; 1 is the measured kernel.
-TOPK_RADIX_BITS = int(os.environ.get("SALASERVE_TOPK_RADIX_BITS", "1"))
+# more candidates counted in each. bench_sparse's decode selection, graph us per layer (run 27):
+# 128K batch 1 33.6 (1 bit) / 31.7 (2) / 42.2 (4), batch 8 51.5 / 46.8 / 56.8; 512K batch 1
+# 55.8 / 51.6 / 59.5, batch 8 123.4 / 121.1 / 139.3.
+TOPK_RADIX_BITS = int(os.environ.get("SALASERVE_TOPK_RADIX_BITS", "2"))
 
 
 @triton.jit
@@ -972,8 +974,10 @@ def _sparse_prefill_attn_tile_kernel(
 SPARSE_ATTN_TILE = int(os.environ.get("SALASERVE_SPARSE_ATTN_TILE", "0"))
 # Tokens per program of the window kernel (0: off). With it, the init and local-window blocks (34
 # of a token's 96 at the real config) are read once per tile of consecutive tokens, which share
-# them exactly, and the per-token kernel walks only the scored ones. Not yet measured on a GPU.
-SPARSE_ATTN_WINDOW = int(os.environ.get("SALASERVE_SPARSE_ATTN_WINDOW", "0"))
+# them exactly, and the per-token kernel walks only the scored ones. bench_sparse (run 26, us
+# per call): an 8K chunk at 128K 6795 -> 6250 (window 8) / 6446 (4); a 2K chunk at 18K 2025 ->
+# 2042 / 2238. The whole 128K prefill moved less than micro's run-to-run spread (~0.2 s).
+SPARSE_ATTN_WINDOW = int(os.environ.get("SALASERVE_SPARSE_ATTN_WINDOW", "8"))
 
 
 def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
