@@ -492,11 +492,6 @@ def _part_topk() -> dict:
         res.update({f"topk_pages_segmented_{s}": check_topk_pages(s) for s in range(2)})
     finally:
         ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = saved
-    for bits in (2, 4):  # the threshold found 2 / 4 bits per counting pass
-        with _knobs(TOPK_RADIX_BITS=bits):
-            res[f"topk_pages_bits{bits}"] = check_topk_pages(bits)
-            with _knobs(TOPK_ONE_PASS_BLOCKS=16, TOPK_SEGMENT=16):
-                res[f"topk_pages_segmented_bits{bits}"] = check_topk_pages(bits + 1)
     return res
 
 

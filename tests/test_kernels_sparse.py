@@ -131,8 +131,7 @@ def test_sparse_attention_matches_torch_backend(interp, name):
 
 
 @pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_segmented_0",
-                                  "topk_pages_segmented_1", "topk_pages_bits2", "topk_pages_segmented_bits2",
-                                  "topk_pages_bits4", "topk_pages_segmented_bits4"])
+                                  "topk_pages_segmented_1"])
 def test_fused_topk_pages_equals_torch_path(interp, case):
     """The fused decode top-k kernel (SALASERVE_FUSED_TOPK=1) picks the same pages as the torch
     path: forced and -inf blocks, ties, dense rows and rows shorter than top-k; also through the
@@ -245,11 +244,9 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
         assert torch.equal(count, want_count) and torch.equal(table, want_table)
 
 
-@pytest.mark.parametrize("kernel,width,warps,bits", [("one_pass", 512, 4, 1), ("one_pass", 4096, 8, 1),
-                                                     ("segment", 2048, 8, 1), ("merge", 8 * 128, 4, 1),
-                                                     ("one_pass", 4096, 8, 2), ("one_pass", 4096, 8, 4),
-                                                     ("segment", 2048, 8, 4), ("merge", 8 * 128, 4, 4)])
-def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps, bits):
+@pytest.mark.parametrize("kernel,width,warps", [("one_pass", 512, 4), ("one_pass", 4096, 8), ("segment", 2048, 8),
+                                                ("merge", 8 * 128, 4)])
+def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps):
     """The fused top-k kernels hold a row (or segment, or the candidates) in registers: compiled
     ahead of time for sm_90 at the widths topk_pages gives them, with its warp counts (no GPU)."""
     from kernel_checks import compile_sm90_without_spills
@@ -268,7 +265,7 @@ def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps
         fn, ptrs, consts = S._topk_merge_kernel, dict(cand_key_ptr=i32, cand_blk_ptr=i32, page_table_ptr=i32,
                                                        seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32), \
             dict(BS=64, N_CAND=width, MAX_SEL=128)
-    compile_sm90_without_spills(fn, ptrs, dict(consts, BITS=bits), warps, fp_fusion=True)
+    compile_sm90_without_spills(fn, ptrs, consts, warps, fp_fusion=True)
 
 
 @pytest.mark.parametrize("fast", [False, True])

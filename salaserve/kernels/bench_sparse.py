@@ -71,8 +71,7 @@ def bench_decode(cfg, context: int, batch: int, reps: int, gen) -> dict:
 
     n1, n2 = comp.counts(context)
     bytes_ = batch * (n1 + n2) * cfg.num_key_value_heads * cfg.head_dim * 2
-    bits = f" bits {ks.TOPK_RADIX_BITS}" if ks.TOPK_RADIX_BITS != 1 else ""
-    return dict(op=f"decode select B={batch}{bits}", shape=f"ctx {context // 1024}K", us=_time_us(run, reps),
+    return dict(op=f"decode select B={batch}", shape=f"ctx {context // 1024}K", us=_time_us(run, reps),
                 graph_us=graph_time_us(lambda i: run(), repeats=reps), floor_us=bytes_ / HBM_BYTES_PER_S * 1e6,
                 floor="bytes")
 
@@ -144,8 +143,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
-    ap.add_argument("--topk-bits", type=int, nargs="+", default=[1],
-                    help="decode rows once per TOPK_RADIX_BITS value (threshold bits per top-k pass)")
     ap.add_argument("--decode-contexts", type=int, nargs="+", default=None, help="decode rows: contexts (tokens)")
     ap.add_argument("--tiles", type=int, nargs="*", default=[0, 4, 8],
                     help="attention rows: tokens per program of the tile kernel (0: the per-token kernel)")
@@ -159,12 +156,9 @@ def main() -> None:
     K = 1024
     rows = []
     contexts = args.decode_contexts or ([32 * K] if args.quick else [32 * K, 128 * K, 512 * K])
-    for bits in args.topk_bits:
-        ks.TOPK_RADIX_BITS = bits
-        for ctx in [] if args.prefill_only else contexts:
-            for b in (1, 8):
-                rows.append(bench_decode(cfg, ctx, b, args.reps, gen))
-    ks.TOPK_RADIX_BITS = args.topk_bits[0]
+    for ctx in [] if args.prefill_only else contexts:
+        for b in (1, 8):
+            rows.append(bench_decode(cfg, ctx, b, args.reps, gen))
     chunk, total = (2048, 16 * K) if args.quick else (8192, 128 * K)
     rows += bench_prefill_select(cfg, total - chunk, chunk, args.reps, gen)
     variants = dict(tiles=args.tiles, windows=args.windows)

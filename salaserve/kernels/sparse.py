@@ -454,28 +454,17 @@ FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
 FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
 TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
 TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
-# Bits of the threshold found per counting pass of the top-k kernels (1, 2 or 4): fewer passes,
-# more candidates counted in each. bench_sparse's decode selection, graph us per layer (run 27):
-# 128K batch 1 33.6 (1 bit) / 31.7 (2) / 42.2 (4), batch 8 51.5 / 46.8 / 56.8; 512K batch 1
-# 55.8 / 51.6 / 59.5, batch 8 123.4 / 121.1 / 139.3.
-TOPK_RADIX_BITS = int(os.environ.get("SALASERVE_TOPK_RADIX_BITS", "2"))
 
 
 @triton.jit
-def _kth_largest(u, lim, BITS: tl.constexpr = 1):
-    """The lim-th largest of the uint32 values u (lim >= 1; 0 entries never count), found digit by
-    digit from the top: 32 / BITS block-wide counting passes over registers, each counting the
-    values at or above all 2^BITS candidates of its digit in one reduction. A bitonic tl.sort of
-    a 4096-wide row took 74 us per call on the H200 (0.6 ms of the 128K step); bit by bit
-    (BITS = 1), 11 us, most of it 32 reductions' barriers one after the other."""
+def _kth_largest(u, lim):
+    """The lim-th largest of the uint32 values u (lim >= 1; 0 entries never count), found bit by
+    bit from the top: 32 block-wide counting passes over registers. A bitonic tl.sort of a
+    4096-wide row took 74 us per call on the H200 (0.6 ms of the 128K step); this, 11 us."""
     thr = tl.sum(tl.zeros_like(u), axis=0)  # 0, as a uint32 scalar
-    digits = tl.arange(0, 1 << BITS).to(tl.uint32)
-    for p in tl.static_range(32 // BITS):
-        cand = thr | (digits << (32 - BITS * (p + 1)))  # [2^BITS]; digit 0 is thr itself
-        counts = tl.sum((u[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        # counts fall as the digit grows and count(u >= thr) >= lim holds throughout: take the
-        # largest digit that keeps it
-        thr = tl.max(tl.where(counts >= lim, cand, thr), axis=0)
+    for b in tl.static_range(32):
+        cand = thr | (tl.full([], 1, tl.uint32) << (31 - b))
+        thr = tl.where(tl.sum((u >= cand).to(tl.int32), axis=0) >= lim, cand, thr)
     return thr
 
 
@@ -516,7 +505,7 @@ def _topk_pages_kernel(
     keys_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr, BITS: tl.constexpr = 1,
+    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Program (row r, KV head g): the packed keys of row r's blocks -> the page ids of its top
@@ -529,7 +518,7 @@ def _topk_pages_kernel(
     qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)  # lim >= 1: block 0 is causal
     j = tl.arange(0, W)
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
-    sel = u >= _kth_largest(u, lim, BITS)  # exactly lim entries: the keys are unique
+    sel = u >= _kth_largest(u, lim)  # exactly lim entries: the keys are unique
     _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
                  page_table_ptr + r.to(tl.int64) * stride_pt, j, sel, max_sel, MAX_SEL)
 
@@ -539,7 +528,7 @@ def _topk_segment_kernel(
     keys_ptr, seq_lens_ptr, cand_key_ptr, cand_blk_ptr,
     stride_kg, stride_kt, stride_cr, stride_cg,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr, BITS: tl.constexpr = 1,
+    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, first step. Program (row r, KV head g, segment s): the top `lim` keys of the
@@ -555,7 +544,7 @@ def _topk_segment_kernel(
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
     # lim_s = 0 only where the segment has no causal block (lim >= 1): then u > 0 selects nothing
     lim_s = tl.minimum(lim, tl.sum((u > 0).to(tl.int32), axis=0))
-    sel = (u >= _kth_largest(u, tl.maximum(lim_s, 1), BITS)) & (u > 0)
+    sel = (u >= _kth_largest(u, tl.maximum(lim_s, 1))) & (u > 0)
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     row = r.to(tl.int64) * stride_cr + g * stride_cg + seg * MAX_SEL
     tl.store(cand_key_ptr + row + pos, u.to(tl.int32, bitcast=True), mask=sel)
@@ -569,7 +558,7 @@ def _topk_merge_kernel(
     cand_key_ptr, cand_blk_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_cr, stride_cg, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr, BITS: tl.constexpr = 1,
+    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, second step. Program (row r, KV head g): the row's top lim among the segments'
@@ -581,7 +570,7 @@ def _topk_merge_kernel(
     i = tl.arange(0, N_CAND)
     row = r.to(tl.int64) * stride_cr + g * stride_cg
     u = tl.load(cand_key_ptr + row + i).to(tl.uint32, bitcast=True)
-    sel = u >= _kth_largest(u, lim, BITS)
+    sel = u >= _kth_largest(u, lim)
     blk = tl.load(cand_blk_ptr + row + i, mask=sel, other=0)
     _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
                  page_table_ptr + r.to(tl.int64) * stride_pt, blk, sel, max_sel, MAX_SEL)
@@ -601,13 +590,11 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
         return out, count
     max_sel_p2 = triton.next_power_of_2(max_sel)
     limits = (nb, sc.dense_len, sc.topk_eff, max_sel)
-    if TOPK_RADIX_BITS not in (1, 2, 4):
-        raise ValueError(f"TOPK_RADIX_BITS must be 1, 2 or 4, got {TOPK_RADIX_BITS}")
     if nb <= TOPK_ONE_PASS_BLOCKS:
         _topk_pages_kernel[(B, hkv)](
             keys, page_table, seq_lens, out, count,
             keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2, BITS=TOPK_RADIX_BITS,
+            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2,
             num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
         )
         return out, count
@@ -617,13 +604,13 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     _topk_segment_kernel[(B, hkv, n_seg)](
         keys, seq_lens, cand_key, cand_blk,
         keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1),
-        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2, BITS=TOPK_RADIX_BITS,
+        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2,
         num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
     )
     _topk_merge_kernel[(B, hkv)](
         cand_key, cand_blk, page_table, seq_lens, out, count,
         cand_key.stride(0), cand_key.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2, BITS=TOPK_RADIX_BITS,
+        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2,
         num_warps=4, **pdl_launch_kwargs(cand_key.device),
     )
     return out, count
