@@ -846,6 +846,19 @@ def _sparse_prefill_attn_kernel(
 
 
 @triton.jit
+def _attention_tile(q_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, g, stride_qt, stride_qh,
+                    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The rows of tile program_id(0) for KV head g (see _tile_rows), which of them are real
+    tokens and real heads, and their queries."""
+    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
+        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, tl.program_id(0), GP, BLOCK_T)
+    tok_ok = t_of_r < ntok
+    row_ok = tok_ok & (h_of_r < GROUP)
+    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
+    return seq, h_of_r, tok_r, pos_r, tok_ok, row_ok, q
+
+
+@triton.jit
 def _sparse_window_attn_kernel(
     q_ptr, k_ptr, v_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, page_table_ptr, positions_ptr,
     tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, k_scale_ptr, v_scale_ptr,
@@ -862,12 +875,10 @@ def _sparse_window_attn_kernel(
     tile's windows; a row takes a block only if it is forced for its token, and only its causal
     keys. Writes the unnormalised softmax state (base 2) per row for the per-token kernel to
     continue over the other selected blocks (AFTER_WINDOW)."""
-    pid_tile, g = tl.program_id(0), tl.program_id(1)
-    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
-        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
-    tok_ok = t_of_r < ntok
-    row_ok = tok_ok & (h_of_r < GROUP)
-    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
+    g = tl.program_id(1)
+    seq, h_of_r, tok_r, pos_r, tok_ok, row_ok, q = _attention_tile(
+        q_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, g, stride_qt, stride_qh, GROUP, GP, D,
+        BLOCK_T)
     d = tl.arange(0, D)
     s_off = tl.arange(0, BS)
     qb_r = pos_r // BS
@@ -918,12 +929,10 @@ def _sparse_prefill_attn_tile_kernel(
     select it are masked out of the scores, which leaves their softmax state bit for bit as it
     was. Per row the arithmetic is the per-token kernel's over the same blocks in the same order.
     """
-    pid_tile, g = tl.program_id(0), tl.program_id(1)
-    seq, tok0, ntok, t_of_r, h_of_r, tok_r, pos_r = _tile_rows(
-        tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
-    tok_ok = t_of_r < ntok
-    row_ok = tok_ok & (h_of_r < GROUP)
-    q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
+    g = tl.program_id(1)
+    seq, h_of_r, tok_r, pos_r, tok_ok, row_ok, q = _attention_tile(
+        q_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, g, stride_qt, stride_qh, GROUP, GP, D,
+        BLOCK_T)
     d = tl.arange(0, D)
     s_off = tl.arange(0, BS)
 
