@@ -192,7 +192,7 @@ class Engine:
         outputs, self._pending_outputs = list(self._pending_outputs), []
         work, out_of_room = self.scheduler.schedule()
         for req in out_of_room:  # alone and out of pages: it ends here, with what it has
-            self._finish(req, None)
+            self._finish(req, None)  # drops a token still in flight first, so num_output counts it out
             req.finish_reason = length_reason(req.num_output)
             outputs.append(self._output(req, []))
         if not work:

@@ -697,6 +697,17 @@ def tile_tensors(tiles, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return tuple(torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True) for x in tiles)
 
 
+def _step_tiles(batch: ForwardBatch, block_t: int, device):
+    """(_prefill_tiles(batch, block_t), their tile_tensors), built once per step and tile size:
+    every sparse layer of a prefill step tiles the same tokens (kept in batch.derived)."""
+    cache = batch.derived if batch.derived is not None else {}
+    key = ("prefill_tiles", block_t)
+    if key not in cache:
+        tiles = _prefill_tiles(batch, block_t)
+        cache[key] = tiles, tile_tensors(tiles, device)
+    return cache[key]
+
+
 def prefill_width(batch: ForwardBatch, sc: SparseConfig) -> int:
     """Width of select_blocks_prefill's output: topk_eff, or more when a dense sequence needs all
     of its blocks listed."""
@@ -720,8 +731,7 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
     dev = q.device
     width = prefill_width(batch, sc)
     nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
-    seqs, tok0s, ntoks = _prefill_tiles(batch, block_t)
-    tile_seq, tile_tok0, tile_ntok = tile_tensors((seqs, tok0s, ntoks), dev)
+    (seqs, tok0s, ntoks), (tile_seq, tile_tok0, tile_ntok) = _step_tiles(batch, block_t, dev)
     if all(batch.is_sparse_host):
         limit = sc.topk_eff  # = width: the top-k needs no ranks
     else:
@@ -1019,9 +1029,8 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
                   COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
     if tile:
         block_idx = _ascending_lists(block_idx).contiguous()
-        tiles = _prefill_tiles(batch, tile)
-        tile_seq, tile_tok0, tile_ntok = tile_tensors(tiles, q.device)
-        _sparse_prefill_attn_tile_kernel[(len(tiles[0]), hkv)](
+        _, (tile_seq, tile_tok0, tile_ntok) = _step_tiles(batch, tile, q.device)
+        _sparse_prefill_attn_tile_kernel[(tile_seq.numel(), hkv)](
             q, k, v, out, block_idx, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
             pa["k_scale"], pa["v_scale"], *strides, block_idx.stride(0), block_idx.stride(1),
             batch.page_table.stride(0), scale * LOG2E, block_idx.shape[-1],
@@ -1041,7 +1050,7 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         m_part = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(N, Hq, D, dtype=torch.float32, device=q.device)
-        tile_seq, tile_tok0, tile_ntok = tile_tensors(_prefill_tiles(batch, win), q.device)
+        _, (tile_seq, tile_tok0, tile_ntok) = _step_tiles(batch, win, q.device)
         _sparse_window_attn_kernel[(tile_seq.numel(), hkv)](
             q, k, v, m_part, l_part, acc_part, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
             pa["k_scale"], pa["v_scale"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),

@@ -65,9 +65,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's, or
         (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16. max_rows: the most rows a
         decode or verify step can have (buckets above it are not timed)."""
-        top = 1 << max(0, (max_rows - 1).bit_length())
+        top = max(gemv_ops._bucket(max_rows), 16)
         gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
-                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max(top, 16)))
+                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top))
         quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
                      if isinstance(w, QuantizedLinearWeights)]
         if not quantized:
