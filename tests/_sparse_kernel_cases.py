@@ -454,17 +454,22 @@ def _part_attention() -> dict:
 
 
 def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_lens=None,
-                     device: str = "cpu") -> dict:
+                     device: str = "cpu", search: str = "score", levels: int = 0) -> dict:
     """The fused top-k-to-pages kernel against the torch path on random packed keys: sparse rows,
     dense rows, rows shorter than top-k, -inf scored blocks, and +inf forced ones. Default: the
-    tiny config (block 16, dense_len 128, topk_eff 8), 40 blocks."""
+    tiny config (block 16, dense_len 128, topk_eff 8), 40 blocks. search: the kernel's threshold
+    search ("score" or "key"). levels > 0: scores drawn from that many values only, so that many
+    blocks tie at the top-k threshold score."""
     from salaserve.kernels import sparse as ks
 
     g = torch.Generator().manual_seed(seed)
     sc = sc or tiny_cfg().sparse
     seq_lens = torch.tensor(seq_lens or [640, 129, 60, 300, 17, 128], dtype=torch.int32)
     B, hkv = seq_lens.shape[0], 2
-    scores = torch.randn(hkv, B, nb, generator=g).to(torch.bfloat16).float()
+    if levels:
+        scores = torch.randint(0, levels, (hkv, B, nb), generator=g).float() - levels / 2
+    else:
+        scores = torch.randn(hkv, B, nb, generator=g).to(torch.bfloat16).float()
     scores[:, :, :3] = float("inf")  # forced
     scores[:, 1, 4:6] = float("-inf")
     scores[0, 3, 10:14] = scores[0, 3, 9]  # equal scores: the lower block must win
@@ -477,7 +482,7 @@ def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_le
     table = torch.randperm(max(1000, B * nb), generator=g)[: B * nb].view(B, nb).to(torch.int32) + 1
     keys, table, seq_lens = keys.to(device), table.to(device), seq_lens.to(device)
     ref_pages, ref_count = ks.topk_pages_torch(keys, table, seq_lens, sc, max_sel)
-    pages, count = ks.topk_pages(keys, table, seq_lens, sc, max_sel)
+    pages, count = ks.topk_pages(keys, table, seq_lens, sc, max_sel, search=search)
     return {"equal": bool(torch.equal(pages, ref_pages) and torch.equal(count, ref_count)),
             "counts": ref_count.cpu().tolist()}
 
@@ -485,13 +490,18 @@ def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_le
 def _part_topk() -> dict:
     from salaserve.kernels import sparse as ks
 
-    res = {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
-    saved = ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT
-    ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = 16, 16  # 40 blocks: 3 segments (+1 empty) and a merge
-    try:
-        res.update({f"topk_pages_segmented_{s}": check_topk_pages(s) for s in range(2)})
-    finally:
-        ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = saved
+    res = {}
+    for search in ("score", "key"):
+        res.update({f"topk_pages_{s}_{search}": check_topk_pages(s, search=search) for s in range(3)})
+        # 3 score levels over 40 blocks: the threshold score is shared by many blocks in most rows
+        res[f"topk_pages_ties_{search}"] = check_topk_pages(7, search=search, levels=3)
+        saved = ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT
+        ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = 16, 16  # 40 blocks: 3 segments (+1 empty) and a merge
+        try:
+            res.update({f"topk_pages_segmented_{s}_{search}": check_topk_pages(s, search=search) for s in range(2)})
+            res[f"topk_pages_segmented_ties_{search}"] = check_topk_pages(8, search=search, levels=3)
+        finally:
+            ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = saved
     return res
 
 

@@ -347,6 +347,43 @@ def test_backend_junction_ops_match_torch(silu, last):
     assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2
 
 
+@pytest.mark.parametrize("one_row", [False, True])
+@pytest.mark.parametrize("last", [False, True])
+def test_backend_silu_prologue_at_one_row(monkeypatch, one_row, last):
+    """SILU_PROLOGUE_ONE_ROW: at one row the down GEMV takes silu_mul in its prologue and the
+    residual add in its epilogue, the next RMSNorm runs as a kernel of its own; off (the
+    default), one row keeps the separate silu_mul and add_rms_norm kernels. Both equal
+    TorchBackend's composition."""
+    from salaserve.kernels import triton_backend
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    monkeypatch.setattr(triton_backend, "SILU_PROLOGUE_ONE_ROW", one_row)
+    gen = torch.Generator().manual_seed(40 + int(last))
+    K, N, N2 = 64, 96, 48
+    h = torch.randn(1, N, generator=gen).to(bf16)
+    x = torch.randn(1, 2 * K, generator=gen).to(bf16)
+    w_out = (0.1 * torch.randn(N, K, generator=gen)).to(bf16)
+    nw = (1 + 0.2 * torch.randn(N, generator=gen)).to(bf16)
+    w_in = (0.1 * torch.randn(N2, N, generator=gen)).to(bf16)
+    norm, nxt = (None, None) if last else (nw, w_in)
+    tb = TritonBackend()
+    launches = []
+    launch = G._launch
+    G._launch = lambda *a, **kw: (launches.append(kw.get("prologue", G._NONE)), launch(*a, **kw))[1]
+    try:
+        h_ours, y_ours = tb.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=True)
+    finally:
+        G._launch = launch
+    first = G._SILU if one_row else G._NONE
+    assert launches == ([first] if last else [first, G._NONE])
+    h_ref, y_ref = TB.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=True)
+    assert_within_ulps(h_ours, h_ref, max_ulps=1, max_frac=0.05)
+    if last:
+        assert y_ours is None and y_ref is None
+    else:
+        assert (y_ours.float() - y_ref.float()).norm() / y_ref.float().norm() < 2e-2
+
+
 # ---- fp8 weights (gemv_fp8): e4m3 codes with a per-output-channel fp32 scale
 
 FP8_CONFIGS = [G.GemvConfig(16, 64, 1), G.GemvConfig(8, 128, 1, split_k=2), G.GemvConfig(4, 32, 1, split_k=4)]

@@ -130,13 +130,16 @@ def test_sparse_attention_matches_torch_backend(interp, name):
     assert r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
 
 
-@pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_segmented_0",
-                                  "topk_pages_segmented_1"])
-def test_fused_topk_pages_equals_torch_path(interp, case):
+@pytest.mark.parametrize("search", ["score", "key"])
+@pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_ties",
+                                  "topk_pages_segmented_0", "topk_pages_segmented_1", "topk_pages_segmented_ties"])
+def test_fused_topk_pages_equals_torch_path(interp, case, search):
     """The fused decode top-k kernel (SALASERVE_FUSED_TOPK=1) picks the same pages as the torch
     path: forced and -inf blocks, ties, dense rows and rows shorter than top-k; also through the
-    segment + merge kernels that wide rows (256K-512K contexts) take."""
-    r = interp[case]
+    segment + merge kernels that wide rows (256K-512K contexts) take. Both threshold searches
+    (SALASERVE_TOPK_SEARCH); the *_ties cases draw scores from 3 values, so the score search's
+    tie step decides most rows."""
+    r = interp[f"{case}_{search}"]
     assert r["equal"], r
     assert any(c != [8, 8] for c in r["counts"])  # short and dense rows were in the case
 
@@ -244,9 +247,10 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
         assert torch.equal(count, want_count) and torch.equal(table, want_table)
 
 
+@pytest.mark.parametrize("score_search", [True, False])
 @pytest.mark.parametrize("kernel,width,warps", [("one_pass", 512, 4), ("one_pass", 4096, 8), ("segment", 2048, 8),
                                                 ("merge", 8 * 128, 4)])
-def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps):
+def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps, score_search):
     """The fused top-k kernels hold a row (or segment, or the candidates) in registers: compiled
     ahead of time for sm_90 at the widths topk_pages gives them, with its warp counts (no GPU)."""
     from kernel_checks import compile_sm90_without_spills
@@ -265,7 +269,7 @@ def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps
         fn, ptrs, consts = S._topk_merge_kernel, dict(cand_key_ptr=i32, cand_blk_ptr=i32, page_table_ptr=i32,
                                                        seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32), \
             dict(BS=64, N_CAND=width, MAX_SEL=128)
-    compile_sm90_without_spills(fn, ptrs, consts, warps, fp_fusion=True)
+    compile_sm90_without_spills(fn, ptrs, dict(consts, SCORE_SEARCH=score_search), warps, fp_fusion=True)
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -357,15 +361,18 @@ def test_gpu_sparse_attention_window_kernel(window_tokens):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("search,levels", [("score", 0), ("score", 5), ("key", 0)])
 @pytest.mark.parametrize("nb", [272, 2064, 4112, 8192, 8224])
-def test_gpu_fused_topk_pages(nb):
+def test_gpu_fused_topk_pages(nb, search, levels):
     """The fused decode top-k kernel at the real config and the graph widths it serves, against
-    the torch path (what SALASERVE_FUSED_TOPK=1 switches)."""
+    the torch path (what SALASERVE_FUSED_TOPK=1 switches), with both threshold searches; levels
+    5: scores from 5 values (ties at the threshold in every row)."""
     import _sparse_kernel_cases as C
 
     from salaserve.config import preset_config
 
     sc = preset_config("full").sparse  # block 64, dense_len 8192, topk_eff 96
     lens = [nb * 64, 8192, 8191, 5000, (nb // 2) * 64 + 7, 9000]
-    r = C.check_topk_pages(nb, sc=sc, nb=nb, max_sel=128, seq_lens=lens, device="cuda")
+    r = C.check_topk_pages(nb, sc=sc, nb=nb, max_sel=128, seq_lens=lens, device="cuda", search=search,
+                           levels=levels)
     assert r["equal"], r

@@ -1,6 +1,6 @@
 """Time InfLLM-v2 selection and sparse prefill attention on the GPU next to their floors.
 
-    python -m salaserve.kernels.bench_sparse [--reps 20] [--quick] [--prefill-only]
+    python -m salaserve.kernels.bench_sparse [--reps 20] [--quick] [--prefill-only | --decode-only]
 
 Real config (block 64, C1 32/16, C2 128/64, topk_eff 96, 32 query / 2 KV heads x 128), one sparse
 layer, random bf16 caches (timings do not depend on the values), pages scattered over the pool.
@@ -76,6 +76,29 @@ def bench_decode(cfg, context: int, batch: int, reps: int, gen) -> dict:
                 floor="bytes")
 
 
+def bench_decode_topk(cfg, context: int, batch: int, reps: int, gen) -> list[dict]:
+    """The top-k kernel(s) alone on one set of packed keys, with each threshold search
+    (SALASERVE_TOPK_SEARCH), in the same process: an A/B of the two. Floor: the keys' bytes."""
+    sc = cfg.sparse
+    nb = -(-context // sc.block_size)
+    hkv = cfg.num_key_value_heads
+    scores = torch.randn(hkv, batch, nb, generator=gen).to(torch.bfloat16)
+    bits = scores.view(torch.int16).to(torch.int32)
+    keys = (torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - torch.arange(nb))).to(torch.int32)
+    keys = keys.to(DEVICE)
+    table = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb).to(DEVICE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    rows = []
+    for search in ("key", "score"):
+        def run():
+            ks.topk_pages(keys, table, seq_lens, sc, 128, search=search)
+
+        rows.append(dict(op=f"decode top-k {search} B={batch}", shape=f"ctx {context // 1024}K",
+                         us=_time_us(run, reps), graph_us=graph_time_us(lambda i: run(), repeats=reps),
+                         floor_us=keys.numel() * 4 / HBM_BYTES_PER_S * 1e6, floor="bytes"))
+    return rows
+
+
 def _prefill_setup(cfg, cache_len: int, chunk: int, gen, with_kv: bool):
     sc = cfg.sparse
     L = cache_len + chunk
@@ -143,6 +166,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
     ap.add_argument("--decode-contexts", type=int, nargs="+", default=None, help="decode rows: contexts (tokens)")
     ap.add_argument("--tiles", type=int, nargs="*", default=[0, 4, 8],
                     help="attention rows: tokens per program of the tile kernel (0: the per-token kernel)")
@@ -159,11 +183,13 @@ def main() -> None:
     for ctx in [] if args.prefill_only else contexts:
         for b in (1, 8):
             rows.append(bench_decode(cfg, ctx, b, args.reps, gen))
+            rows += bench_decode_topk(cfg, ctx, b, args.reps, gen)
     chunk, total = (2048, 16 * K) if args.quick else (8192, 128 * K)
-    rows += bench_prefill_select(cfg, total - chunk, chunk, args.reps, gen)
     variants = dict(tiles=args.tiles, windows=args.windows)
-    rows += bench_prefill_attention(cfg, total - chunk, chunk, args.reps, gen, **variants)
-    if not args.quick:
+    if not args.decode_only:
+        rows += bench_prefill_select(cfg, total - chunk, chunk, args.reps, gen)
+        rows += bench_prefill_attention(cfg, total - chunk, chunk, args.reps, gen, **variants)
+    if not (args.quick or args.decode_only):
         rows += bench_prefill_attention(cfg, 16 * K, 2048, args.reps, gen, **variants)
 
     print(f"{'op':28s} {'shape':20s} {'us':>10s} {'graph us':>10s} {'floor us':>10s} {'floor':>6s} {'floor/us':>9s}")

@@ -454,18 +454,45 @@ FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
 FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
 TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
 TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
+# How the top-k kernels find the lim-th largest key. "key": bit by bit over all 32 bits of the
+# packed key (32 counting passes, each a block-wide reduction). "score": bit by bit over the 16
+# score bits only, then the ties at the threshold score by a prefix count in block order (the
+# lower block wins, as the key's low half says): 16 passes + 2 reductions, the same selection.
+TOPK_SEARCH = os.environ.get("SALASERVE_TOPK_SEARCH", "score")
+if TOPK_SEARCH not in ("key", "score"):
+    raise ValueError(f"SALASERVE_TOPK_SEARCH must be 'key' or 'score', got {TOPK_SEARCH!r}")
 
 
 @triton.jit
-def _kth_largest(u, lim):
+def _kth_largest(u, lim, BITS: tl.constexpr = 32):
     """The lim-th largest of the uint32 values u (lim >= 1; 0 entries never count), found bit by
-    bit from the top: 32 block-wide counting passes over registers. A bitonic tl.sort of a
-    4096-wide row took 74 us per call on the H200 (0.6 ms of the 128K step); this, 11 us."""
+    bit from the top: one block-wide counting pass per bit. A bitonic tl.sort of a 4096-wide row
+    took 74 us per call on the H200 (0.6 ms of the 128K step); this, 11 us. BITS < 32: only the
+    top BITS bits are searched, so the result is the lim-th largest with its low bits cleared."""
     thr = tl.sum(tl.zeros_like(u), axis=0)  # 0, as a uint32 scalar
-    for b in tl.static_range(32):
+    for b in tl.static_range(BITS):
         cand = thr | (tl.full([], 1, tl.uint32) << (31 - b))
         thr = tl.where(tl.sum((u >= cand).to(tl.int32), axis=0) >= lim, cand, thr)
     return thr
+
+
+@triton.jit
+def _top_keys(u, lim, SCORE_SEARCH: tl.constexpr):
+    """Mask of the lim largest of the unique uint32 keys u (lim >= 1, at most the nonzero count;
+    0 entries never count), u laid out in ascending block order.
+    SCORE_SEARCH: the threshold's score half (16 passes); of the keys whose score equals it, the
+    first `lim - (keys above)` in block order, which are the largest keys (low half 65535 - block).
+    Else: the exact 32-bit threshold (32 passes)."""
+    if SCORE_SEARCH:
+        t = _kth_largest(u, lim, 16) >> 16
+        hi = u >> 16
+        above = hi > t
+        tied = hi == t
+        need = lim - tl.sum(above.to(tl.int32), axis=0)  # >= 1: fewer than lim keys score above t
+        sel = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    else:
+        sel = u >= _kth_largest(u, lim)
+    return sel
 
 
 @triton.jit
@@ -505,7 +532,7 @@ def _topk_pages_kernel(
     keys_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr,
+    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Program (row r, KV head g): the packed keys of row r's blocks -> the page ids of its top
@@ -518,7 +545,7 @@ def _topk_pages_kernel(
     qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)  # lim >= 1: block 0 is causal
     j = tl.arange(0, W)
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
-    sel = u >= _kth_largest(u, lim)  # exactly lim entries: the keys are unique
+    sel = _top_keys(u, lim, SCORE_SEARCH)  # exactly lim entries: the keys are unique
     _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
                  page_table_ptr + r.to(tl.int64) * stride_pt, j, sel, max_sel, MAX_SEL)
 
@@ -528,7 +555,7 @@ def _topk_segment_kernel(
     keys_ptr, seq_lens_ptr, cand_key_ptr, cand_blk_ptr,
     stride_kg, stride_kt, stride_cr, stride_cg,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr,
+    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, first step. Program (row r, KV head g, segment s): the top `lim` keys of the
@@ -544,7 +571,7 @@ def _topk_segment_kernel(
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
     # lim_s = 0 only where the segment has no causal block (lim >= 1): then u > 0 selects nothing
     lim_s = tl.minimum(lim, tl.sum((u > 0).to(tl.int32), axis=0))
-    sel = (u >= _kth_largest(u, tl.maximum(lim_s, 1))) & (u > 0)
+    sel = _top_keys(u, tl.maximum(lim_s, 1), SCORE_SEARCH) & (u > 0)
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     row = r.to(tl.int64) * stride_cr + g * stride_cg + seg * MAX_SEL
     tl.store(cand_key_ptr + row + pos, u.to(tl.int32, bitcast=True), mask=sel)
@@ -558,7 +585,7 @@ def _topk_merge_kernel(
     cand_key_ptr, cand_blk_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_cr, stride_cg, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr,
+    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, second step. Program (row r, KV head g): the row's top lim among the segments'
@@ -570,19 +597,24 @@ def _topk_merge_kernel(
     i = tl.arange(0, N_CAND)
     row = r.to(tl.int64) * stride_cr + g * stride_cg
     u = tl.load(cand_key_ptr + row + i).to(tl.uint32, bitcast=True)
-    sel = u >= _kth_largest(u, lim)
+    sel = _top_keys(u, lim, SCORE_SEARCH)  # candidates are in block order: segment by segment, ascending
     blk = tl.load(cand_blk_ptr + row + i, mask=sel, other=0)
     _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
                  page_table_ptr + r.to(tl.int64) * stride_pt, blk, sel, max_sel, MAX_SEL)
 
 
 def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sc: SparseConfig,
-               max_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
+               max_sel: int, search: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """select_blocks_decode's tail: keys [Hkv, B, nb] int32 (packed), page_table [B, >= nb] int32,
     seq_lens [B] -> (page ids [B, Hkv, max_sel] int32, counts [B, Hkv] int32). Rows up to
     TOPK_ONE_PASS_BLOCKS wide in one kernel (one program per row and KV head); wider rows in
     TOPK_SEGMENT-block segments, each program keeping its segment's best, then a merge: a single
-    program per row took 48 us at 512K (16384-wide rows) where the GPU has 132 SMs."""
+    program per row took 48 us at 512K (16384-wide rows) where the GPU has 132 SMs.
+    search: "key" or "score" (TOPK_SEARCH when None): how the threshold is found; same result."""
+    search = search or TOPK_SEARCH
+    if search not in ("key", "score"):
+        raise ValueError(f"search must be 'key' or 'score', got {search!r}")
+    score = search == "score"
     hkv, B, nb = keys.shape
     out = torch.empty(B, hkv, max_sel, dtype=torch.int32, device=keys.device)
     count = torch.empty(B, hkv, dtype=torch.int32, device=keys.device)
@@ -594,7 +626,7 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
         _topk_pages_kernel[(B, hkv)](
             keys, page_table, seq_lens, out, count,
             keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2,
+            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2, SCORE_SEARCH=score,
             num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
         )
         return out, count
@@ -604,13 +636,13 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     _topk_segment_kernel[(B, hkv, n_seg)](
         keys, seq_lens, cand_key, cand_blk,
         keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1),
-        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2,
+        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2, SCORE_SEARCH=score,
         num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
     )
     _topk_merge_kernel[(B, hkv)](
         cand_key, cand_blk, page_table, seq_lens, out, count,
         cand_key.stride(0), cand_key.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2,
+        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2, SCORE_SEARCH=score,
         num_warps=4, **pdl_launch_kwargs(cand_key.device),
     )
     return out, count

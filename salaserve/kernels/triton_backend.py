@@ -16,6 +16,8 @@ only identical kernel choices give identical results.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from salaserve.kernels._triton_utils import promote
@@ -27,6 +29,13 @@ from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.quant.formats import QuantizedLinearWeights
+
+
+# The silu_mul prologue on the down GEMV at one row too (2-16 rows always take it). Unlike the
+# RMSNorm prologue, which measured slower at one row (every split-K program re-reads the whole row
+# for its statistics), it reads only the program's own K slice, so the one-row step may lose the
+# separate silu_mul kernel (32 per step) for silu recomputed in every column tile of the GEMV.
+SILU_PROLOGUE_ONE_ROW = os.environ.get("SALASERVE_SILU_PROLOGUE_ONE_ROW", "0") == "1"
 
 
 def _has_verify(batch) -> bool:
@@ -91,15 +100,16 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.linear(self, x, weight)
 
     @staticmethod
-    def _gemv_fuses(x, w) -> bool:
+    def _gemv_fuses(x, w, min_rows: int = 2) -> bool:
         """Whether a norm / residual / silu can ride on this linear's GEMV: a plain weight of x's
         dtype, 2-16 rows (gemv.GEMV_MAX_M: the prologues recompute their rows' statistics in every
         program), and the GEMV calibrated as the faster kernel for the shape. At one row
         the fused GEMVs measured slower (6.12 vs 5.12 ms per decode step: every program of the
         split-K grid recomputes the row's RMSNorm statistics before its first weight load), at
-        5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms)."""
+        5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms). min_rows 1: the
+        silu_mul prologue at one row (SILU_PROLOGUE_ONE_ROW)."""
         return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
-                and 2 <= x.shape[0] <= gemv_ops.GEMV_MAX_M
+                and min_rows <= x.shape[0] <= gemv_ops.GEMV_MAX_M
                 and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
                 and (x.is_cuda or gemv_ops._INTERPRET))
 
@@ -112,6 +122,12 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
         the down GEMV's prologue), the next RMSNorm in the following GEMV's prologue: 2 kernels
         per junction instead of 3-4."""
+        if (silu and SILU_PROLOGUE_ONE_ROW and h.shape[0] == 1 and h.dtype == x.dtype
+                and self._gemv_fuses(h, w_out, min_rows=1)):
+            # one row: silu_mul in the down GEMV's prologue, the residual in its epilogue; the
+            # next RMSNorm stays a kernel of its own (TorchBackend.norm_linear)
+            h = gemv_ops.gemv_silu_mul(x, w_out, residual=h, scale=scale)
+            return h, None if norm_w is None else TorchBackend.norm_linear(self, h, norm_w, eps, w_in)
         if not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
             return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu)
         if silu:
