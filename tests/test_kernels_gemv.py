@@ -63,7 +63,7 @@ def _aot_cases():
         cases[f"{name}-pdl-split2"] = (cfg, bm, dict(PDL=True, SPLIT_K=2))
         cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
         if bm == 1:  # the norm epilogue (gemv_residual_rmsnorm) as launched at one row
-            norm = dict(RESIDUAL=True, NORM_OUT=True, NB=4096, NORM_DT=tl.bfloat16, PDL=True)
+            norm = dict(RESIDUAL=True, NORM_OUT=True, NORM_CHUNK=1024, NORM_DT=tl.bfloat16, PDL=True)
             cases[f"{name}-norm-out"] = (cfg, bm, norm)
             cases[f"{name}-norm-out-split4"] = (cfg, bm, dict(norm, SPLIT_K=4))
     for bucket, cfgs in G.DOT_LARGE_M_CONFIGS.items():  # M 17..128: as launched (its split, PDL on)
@@ -105,7 +105,7 @@ def test_gemv_compiles_for_sm90(name):
                 ws_ptr="*fp32", cnt_ptr="*i32", w_scale_ptr="*fp32", onw_ptr=bf, normed_ptr=bf, ncnt_ptr="*i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, EVEN_K=True,
                       DOT=cfg.dot, PROLOGUE=0, RESIDUAL=False, X_DT=tl.bfloat16, XN_DT=tl.bfloat16,
-                      Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False, NORM_OUT=False, NB=1,
+                      Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False, NORM_OUT=False, NORM_CHUNK=1,
                       NORM_DT=tl.bfloat16)
     constexprs.update(extra)
     kernel = compile_sm90_without_spills(G._gemv_kernel, ptrs, constexprs, cfg.num_warps,
