@@ -143,38 +143,6 @@ def test_residual_epilogue_exact(M, res_dtype):
         assert torch.equal(r2, ours)
 
 
-@pytest.mark.parametrize("chunk", [1024, 32])
-def test_norm_epilogue(monkeypatch, chunk):
-    """gemv_residual_rmsnorm: h bit for bit gemv_residual's, and the norm of h as fused.rms_norm
-    computes it (add_rms_norm's _normalize), which is reference.rms_norm up to the statistics'
-    summation order (one bf16 ulp on a few elements). chunk 32: the row read back in 3 pieces
-    (bit-equal to fused.rms_norm is then not expected). Every config runs twice: the tile counter
-    re-arms itself. (The interpreter runs programs one after another, so the last-tile ordering
-    itself is checked on the GPU: test_kernels_gemv.test_norm_epilogue_real_shapes.)"""
-    from salaserve.kernels import fused
-
-    M, N, K = 1, 96, 128
-    x, w = _data(M, N, K, bf16, seed=50)
-    g = torch.Generator().manual_seed(51)
-    r = (torch.randn(M, N, generator=g) * 2).to(bf16)
-    nw = (1.0 + 0.3 * torch.randn(N, generator=g)).to(bf16)
-    scale = 1.4 / 32 ** 0.5
-    monkeypatch.setattr(G, "NORM_CHUNK", chunk)
-    for cfg in _configs(M):
-        want_h = G.gemv_residual(x, w, r, scale, config=cfg)
-        want_norm = fused.rms_norm(want_h, nw, EPS)
-        for _ in range(2):
-            h, normed = G.gemv_residual_rmsnorm(x, w, r, scale, nw, EPS, config=cfg)
-            assert torch.equal(h, want_h), cfg
-            assert normed.dtype == bf16, cfg
-            if chunk >= N:
-                assert torch.equal(normed, want_norm), cfg
-            assert_within_ulps(normed, spec.rms_norm(h, nw, EPS), max_ulps=1, max_frac=0.05)
-    assert int(G._norm_counter(x.device)[0]) == 0
-    with pytest.raises(ValueError, match="one row"):
-        G.gemv_residual_rmsnorm(torch.cat([x, x]), w, torch.cat([r, r]), scale, nw, EPS)
-
-
 def _identity(n, dtype):
     return torch.eye(n).to(dtype)
 
@@ -377,40 +345,6 @@ def test_backend_junction_ops_match_torch(silu, last):
     first = tb.norm_linear(h, nw, EPS, w_in)
     ref = TB.norm_linear(h, nw, EPS, w_in)
     assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2
-
-
-@pytest.mark.parametrize("silu", [False, True])
-def test_backend_norm_epilogue_at_one_row(monkeypatch, silu):
-    """NORM_EPILOGUE_ONE_ROW: at one row the o_proj / down GEMV also writes the next RMSNorm
-    (gemv_residual_rmsnorm), then the next linear runs on it (silu_mul before down stays its own
-    kernel); equal to TorchBackend's ops."""
-    from salaserve.kernels import triton_backend
-    from salaserve.kernels.triton_backend import TritonBackend
-
-    monkeypatch.setattr(triton_backend, "NORM_EPILOGUE_ONE_ROW", True)
-    gen = torch.Generator().manual_seed(60 + int(silu))
-    K, N, N2 = 64, 96, 48
-    h = torch.randn(1, N, generator=gen).to(bf16)
-    x = torch.randn(1, 2 * K if silu else K, generator=gen).to(bf16)
-    w_out = (0.1 * torch.randn(N, K, generator=gen)).to(bf16)
-    nw = (1 + 0.2 * torch.randn(N, generator=gen)).to(bf16)
-    w_in = (0.1 * torch.randn(N2, N, generator=gen)).to(bf16)
-    tb = TritonBackend()
-    launches = []
-    launch = G._launch
-    G._launch = lambda *a, **kw: (launches.append((kw.get("prologue", G._NONE), kw.get("out_norm_w") is not None)),
-                                  launch(*a, **kw))[1]
-    try:
-        h_ours, y_ours = tb.residual_norm_linear(h, x, w_out, 0.7, nw, EPS, w_in, silu=silu)
-        h_last, y_last = tb.residual_norm_linear(h, x, w_out, 0.7, None, EPS, None, silu=silu)
-    finally:
-        G._launch = launch
-    # the norm epilogue GEMV, the next linear's plain GEMV; the last layer (no norm): a plain GEMV
-    assert launches == [(G._NONE, True), (G._NONE, False), (G._NONE, False)]
-    h_ref, y_ref = TB.residual_norm_linear(h, x, w_out, 0.7, nw, EPS, w_in, silu=silu)
-    assert_within_ulps(h_ours, h_ref, max_ulps=1, max_frac=0.05)
-    assert (y_ours.float() - y_ref.float()).norm() / y_ref.float().norm() < 2e-2
-    assert y_last is None and torch.equal(h_last, h_ours)
 
 
 # ---- fp8 weights (gemv_fp8): e4m3 codes with a per-output-channel fp32 scale

@@ -163,35 +163,6 @@ def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scal
 
 
 @triton.jit
-def _norm_finish(out_ptr, onw_ptr, normed_ptr, ncnt_ptr, N, eps,
-                 CHUNK: tl.constexpr, OUT_DT: tl.constexpr, NORM_DT: tl.constexpr):
-    """The norm epilogue (one row), run by each column tile's writer after its output store: the
-    writer of the last tile (an acq_rel counter, like split-K's) RMS-normalises the finished row
-    into normed_ptr (fused._normalize's arithmetic) and re-arms the counter. The row is read back
-    from L2 twice (statistics, then the normalised values) in CHUNK-wide pieces, 4 pieces per
-    unrolled step so that their loads are in flight together: holding the whole row (4096 values
-    over 128 threads) raised the GEMV's registers from 72 to 102 per thread (sm_90 compile), and
-    the occupancy lost made the step 0.45 ms slower (run 30); with pieces of 1024 the one-row
-    configs stay at 70/48/86 registers (72/40/80 without the epilogue)."""
-    tl.debug_barrier()  # every thread's output store is issued before the release below
-    done = tl.atomic_add(ncnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        cols = tl.arange(0, CHUNK)
-        ss = tl.zeros([CHUNK], dtype=tl.float32)
-        for c0 in tl.range(0, N, CHUNK, loop_unroll_factor=4):
-            h = tl.load(out_ptr + c0 + cols, mask=c0 + cols < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-            ss += h * h
-        rstd = rsqrt_rn(tl.sum(ss, axis=0) / N + eps)
-        for c0 in tl.range(0, N, CHUNK, loop_unroll_factor=4):
-            cmask = c0 + cols < N
-            h = tl.load(out_ptr + c0 + cols, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(onw_ptr + c0 + cols, mask=cmask, other=0.0).to(tl.float32)
-            y = round_to(round_to(h * rstd, OUT_DT) * w, NORM_DT)
-            tl.store(normed_ptr + c0 + cols, y.to(normed_ptr.dtype.element_ty), mask=cmask)
-        tl.atomic_xchg(ncnt_ptr, 0)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr, w_scale_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
@@ -207,10 +178,6 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs only
     W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA path)
-    NORM_OUT: tl.constexpr = False,  # the norm epilogue (_norm_finish; M = 1): rms_norm(out) -> normed_ptr
-    NORM_CHUNK: tl.constexpr = 1,  # NORM_OUT: values per piece of the row read back
-    NORM_DT: tl.constexpr = None,  # NORM_OUT: the normalised row's dtype
-    onw_ptr=None, normed_ptr=None, ncnt_ptr=None,  # NORM_OUT: norm weight [N], output [N], tile counter
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -287,8 +254,6 @@ def _gemv_kernel(
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL, Y_DT, OUT_DT)
-        if NORM_OUT:
-            _norm_finish(out_ptr, onw_ptr, normed_ptr, ncnt_ptr, N, eps, NORM_CHUNK, OUT_DT, NORM_DT)
     else:
         # workspace [SPLIT_K, M, N] fp32; the last split of this column tile reduces
         part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -302,8 +267,6 @@ def _gemv_kernel(
             _write(total, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL,
                    Y_DT, OUT_DT)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch: no memset kernel
-            if NORM_OUT:
-                _norm_finish(out_ptr, onw_ptr, normed_ptr, ncnt_ptr, N, eps, NORM_CHUNK, OUT_DT, NORM_DT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,23 +437,8 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _norm_counter(device: torch.device) -> torch.Tensor:
-    """The norm epilogue's tile counter (zeroed once, re-armed by the kernel), one per device,
-    created outside graph capture (`_workspace` runs first on every launch)."""
-    key = str(device)
-    if key not in _NORM_COUNTER:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the gemv norm counter must exist before CUDA-graph capture: run once first")
-        _NORM_COUNTER[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _NORM_COUNTER[key]
-
-
-_NORM_COUNTER: dict[str, torch.Tensor] = {}
-NORM_CHUNK = int(os.environ.get("SALASERVE_NORM_CHUNK", "1024"))  # see _norm_finish
-
-
 def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, prologue=_NONE,
-            config: GemvConfig | None = None, pdl: bool | None = None, w_scale=None, out_norm_w=None):
+            config: GemvConfig | None = None, pdl: bool | None = None, w_scale=None):
     w = _rows(w, "w")
     N, K = w.shape
     x = _rows(x, "x")
@@ -522,17 +470,6 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     elif out.shape != (M, N) or out.dtype != out_dt or out.stride(-1) != 1:
         raise ValueError(f"out must be [{M}, {N}] {out_dt} with a unit last stride")
 
-    norm_kw, normed = {}, None
-    if out_norm_w is not None:
-        if out_norm_w.shape != (N,) or out_norm_w.stride(0) != 1:
-            raise ValueError(f"out_norm_w must be a contiguous [{N}] vector")
-        if M != 1:
-            raise ValueError(f"the norm epilogue takes one row, got M = {M}")
-        norm_dt = promote(out_dt, out_norm_w.dtype)
-        normed = torch.empty(M, N, dtype=norm_dt, device=x.device)
-        norm_kw = dict(NORM_OUT=True, NORM_CHUNK=min(NORM_CHUNK, triton.next_power_of_2(N)), NORM_DT=tl_dtype(norm_dt),
-                       onw_ptr=out_norm_w,
-                       normed_ptr=normed, ncnt_ptr=_norm_counter(x.device))
     cfg = config or choose_config(M, N, K, x.device)
     if not cfg.dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
@@ -553,8 +490,8 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **norm_kw, **kw)
-    return out if normed is None else (out, normed)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
+    return out
 
 
 def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None = None):
@@ -576,15 +513,6 @@ def gemv_residual(x, w, residual, scale, out=None, *, config=None, pdl=None):
     the sum to promote(residual, w). out may be `residual` itself (each element is read and then
     written by the same program). M <= DOT_MAX_M."""
     return _launch(x, w, out=out, residual=residual, scale=scale, config=config, pdl=pdl)
-
-
-def gemv_residual_rmsnorm(x, w, residual, scale, norm_w, eps, *, config=None, pdl=None):
-    """(h, rms_norm(h, norm_w, eps)) with h = residual + (x @ w^T) * scale as gemv_residual:
-    TorchBackend.add_rms_norm after the linear, in the GEMV's launch, for one row (x [1, K]). The
-    program that writes the last column tile normalises the finished row (reads N values back
-    from L2), so no program needs the row statistics up front, unlike the RMSNorm prologue, and
-    no add_rms_norm kernel runs. normed's dtype is promote(h, norm_w), as add_rms_norm's."""
-    return _launch(x, w, residual=residual, scale=scale, config=config, pdl=pdl, out_norm_w=norm_w, eps=eps)
 
 
 def gemv_rmsnorm(x, norm_w, eps, w, out=None, *, config=None, pdl=None):

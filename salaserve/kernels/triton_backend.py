@@ -16,8 +16,6 @@ only identical kernel choices give identical results.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from salaserve.kernels._triton_utils import promote
@@ -29,12 +27,6 @@ from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.quant.formats import QuantizedLinearWeights
-
-
-# At one row, the RMSNorm after o_proj / down in the GEMV's launch (gemv.gemv_residual_rmsnorm:
-# the program that writes the last column tile normalises the finished row) instead of an
-# add_rms_norm kernel between the two GEMVs: 63 fewer kernels per step.
-NORM_EPILOGUE_ONE_ROW = os.environ.get("SALASERVE_NORM_EPILOGUE_ONE_ROW", "0") == "1"
 
 
 def _has_verify(batch) -> bool:
@@ -99,16 +91,15 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.linear(self, x, weight)
 
     @staticmethod
-    def _gemv_fuses(x, w, min_rows: int = 2) -> bool:
+    def _gemv_fuses(x, w) -> bool:
         """Whether a norm / residual / silu can ride on this linear's GEMV: a plain weight of x's
         dtype, 2-16 rows (gemv.GEMV_MAX_M: the prologues recompute their rows' statistics in every
         program), and the GEMV calibrated as the faster kernel for the shape. At one row
         the fused GEMVs measured slower (6.12 vs 5.12 ms per decode step: every program of the
         split-K grid recomputes the row's RMSNorm statistics before its first weight load), at
-        5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms). min_rows 1: the
-        norm epilogue at one row (NORM_EPILOGUE_ONE_ROW)."""
+        5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms)."""
         return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
-                and min_rows <= x.shape[0] <= gemv_ops.GEMV_MAX_M
+                and 2 <= x.shape[0] <= gemv_ops.GEMV_MAX_M
                 and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
                 and (x.is_cuda or gemv_ops._INTERPRET))
 
@@ -121,13 +112,6 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
         the down GEMV's prologue), the next RMSNorm in the following GEMV's prologue: 2 kernels
         per junction instead of 3-4."""
-        if (NORM_EPILOGUE_ONE_ROW and h.shape[0] == 1 and h.dtype == x.dtype and norm_w is not None
-                and norm_w.dim() == 1 and norm_w.is_contiguous() and self._gemv_fuses(h, w_out, min_rows=1)):
-            # one row: the residual add in the GEMV's epilogue, the norm by its last program. silu_mul
-            # stays a kernel of its own there: in the down GEMV's prologue it is recomputed by every
-            # column tile (1024 at one row), which measured 0.41 ms slower per step (run 29).
-            h, normed = gemv_ops.gemv_residual_rmsnorm(self.silu_mul(x) if silu else x, w_out, h, scale, norm_w, eps)
-            return h, self.linear(normed, w_in)
         if not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
             return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu)
         if silu:
