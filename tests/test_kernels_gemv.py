@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import assert_within_ulps
 
 TESTS = Path(__file__).resolve().parent
 
@@ -59,6 +60,10 @@ def _aot_cases():
         cases[f"{name}-silu-residual-split4"] = (cfg, bm, dict(PROLOGUE=2, RESIDUAL=True, SPLIT_K=4))
         cases[f"{name}-pdl-split2"] = (cfg, bm, dict(PDL=True, SPLIT_K=2))
         cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
+        if cfg.block_n % 2 == 0:  # the silu_mul epilogue pairs gate and up rows in a tile
+            cases[f"{name}-silu-out-split4"] = (cfg, bm, dict(SILU_OUT=True, SPLIT_K=4, PDL=True))
+    cases["dot-rmsnorm-silu-out"] = (dot, 16, dict(PROLOGUE=1, SILU_OUT=True, PDL=True))
+    cases["m1-fma n2-silu-out"] = (G.FMA_CONFIGS[1][1], 1, dict(SILU_OUT=True, PDL=True))
     for bucket, cfgs in G.DOT_LARGE_M_CONFIGS.items():  # M 17..128: as launched (its split, PDL on)
         for cfg in cfgs:
             cases[f"m{bucket}-{cfg}"] = (cfg, bucket, dict(SPLIT_K=cfg.split_k, PDL=True))
@@ -98,7 +103,7 @@ def test_gemv_compiles_for_sm90(name):
                 ws_ptr="*fp32", cnt_ptr="*i32", w_scale_ptr="*fp32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, EVEN_K=True,
                       DOT=cfg.dot, PROLOGUE=0, RESIDUAL=False, X_DT=tl.bfloat16, XN_DT=tl.bfloat16,
-                      Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False)
+                      Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False, SILU_OUT=False)
     constexprs.update(extra)
     kernel = compile_sm90_without_spills(G._gemv_kernel, ptrs, constexprs, cfg.num_warps,
                                          num_stages=cfg.num_stages, fp_fusion=True, divisible=divisible)
@@ -292,6 +297,37 @@ def test_gemv_large_m_real_shapes(name):
     with torch.cuda.graph(graph):
         G.gemv(x, w, out=out, config=cfg)
     graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 2, 16])
+def test_silu_out_real_shape(M):
+    """gemv_silu_out at gate_up's shape (every candidate config with an even BLOCK_N, with and
+    without PDL): within one bf16 ulp of silu_mul(gemv(x, w)) with the same config on <= 1% of
+    elements (exp's last fp32 bit); deterministic; a CUDA-graph replay gives the eager bits."""
+    from salaserve.kernels import fused
+    from salaserve.kernels import gemv as G
+
+    N, K = REAL["gate_up"]
+    x, w = _inputs(M, N, K, seed=90 + M)
+    configs = [c for c in G.candidate_configs(M) if c.block_n % 2 == 0]
+    assert configs
+    for cfg in configs:
+        for pdl in (False, True):
+            act = G.gemv_silu_out(x, w, config=cfg, pdl=pdl)
+            assert act.shape == (M, N // 2) and act.dtype == torch.bfloat16
+            assert_within_ulps(act, fused.silu_mul(G.gemv(x, w, config=cfg, pdl=pdl)), max_ulps=1, max_frac=0.01)
+            assert torch.equal(G.gemv_silu_out(x, w, config=cfg, pdl=pdl), act), "not deterministic"
+    cfg = configs[0]
+    eager = G.gemv_silu_out(x, w, config=cfg)
+    out = torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.gemv_silu_out(x, w, out=out, config=cfg)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

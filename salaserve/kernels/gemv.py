@@ -4,6 +4,7 @@
     gemv_residual(x, w, residual, scale)        residual + y * scale       (TorchBackend.add_rms_norm's add)
     gemv_rmsnorm(x, norm_w, eps, w)             rms_norm(x, norm_w, eps) @ W^T
     gemv_silu_mul(gate_up, w, residual=, scale=)  silu_mul(gate_up) @ W^T [then the residual epilogue]
+    gemv_silu_out(x, w_gate_up)                 silu_mul(x @ W^T) (the silu_mul epilogue)
     linear(x, w)                                GEMV or cuBLAS, whichever `calibrate` measured faster
     calibrate(shapes, device)                   times both per (M bucket, N, K) inside CUDA graphs
 
@@ -163,6 +164,21 @@ def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scal
 
 
 @triton.jit
+def _write_silu(y, offs_m, m_mask, pid_n, F, out_ptr, stride_om,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    """The silu_mul epilogue: y [BM, BN] holds the tile's BN/2 gate columns, then the same BN/2
+    columns' up values (`_gemv_kernel`'s SILU_OUT row map) -> silu(gate) * up for those BN/2
+    outputs, with fused.silu_mul's roundings on the linear's rounded output."""
+    y = round_to(y, Y_DT)  # gate_up as x @ w.t() stores it
+    gate, up = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+    act = round_to(gate / (1.0 + tl.exp(-gate)), Y_DT)  # F.silu's output, stored in Y_DT
+    out = round_to(act * up, OUT_DT)
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & (cols < F)[None, :])
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr, w_scale_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
@@ -178,6 +194,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs only
     W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA path)
+    SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F rows): write silu_mul(y) [M, F] (_write_silu)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -188,8 +205,16 @@ def _gemv_kernel(
         k_end = k_begin + k_len  # provably a multiple of BLOCK_K: K masks stay uniform per tile
     else:
         k_end = tl.minimum(k_begin + k_len, K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if SILU_OUT:
+        # tile pid_n owns outputs [pid_n * BN/2, +BN/2): its W rows are those gate rows, then the
+        # matching up rows F + n, so the epilogue has both halves of every output it writes
+        jj = tl.arange(0, BLOCK_N)
+        col = pid_n * (BLOCK_N // 2) + jj % (BLOCK_N // 2)
+        offs_n = tl.where(jj < BLOCK_N // 2, col, col + N // 2)
+        n_mask = col < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     if PDL:
@@ -253,7 +278,10 @@ def _gemv_kernel(
 
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
-        _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL, Y_DT, OUT_DT)
+        if SILU_OUT:
+            _write_silu(y, offs_m, m_mask, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT, OUT_DT)
+        else:
+            _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL, Y_DT, OUT_DT)
     else:
         # workspace [SPLIT_K, M, N] fp32; the last split of this column tile reduces
         part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -264,8 +292,12 @@ def _gemv_kernel(
             total = tl.zeros_like(y)
             for s in range(SPLIT_K):  # fixed order: deterministic whichever split came last
                 total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _write(total, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL,
-                   Y_DT, OUT_DT)
+            if SILU_OUT:
+                _write_silu(total, offs_m, m_mask, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT,
+                            OUT_DT)
+            else:
+                _write(total, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL,
+                       Y_DT, OUT_DT)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch: no memset kernel
 
 
@@ -438,7 +470,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, prologue=_NONE,
-            config: GemvConfig | None = None, pdl: bool | None = None, w_scale=None):
+            config: GemvConfig | None = None, pdl: bool | None = None, w_scale=None, silu_out: bool = False):
     w = _rows(w, "w")
     N, K = w.shape
     x = _rows(x, "x")
@@ -465,19 +497,25 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         if residual.shape != (M, N):
             raise ValueError(f"residual must be [{M}, {N}], got {tuple(residual.shape)}")
         out_dt = promote(residual.dtype, y_dt)
+    n_out = N // 2 if silu_out else N
+    if silu_out and (N % 2 or residual is not None or w_scale is not None):
+        raise ValueError("the silu_mul epilogue takes an even number of plain weight rows [gate | up] and no "
+                         "residual")
     if out is None:
-        out = torch.empty(M, N, dtype=out_dt, device=x.device)
-    elif out.shape != (M, N) or out.dtype != out_dt or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{M}, {N}] {out_dt} with a unit last stride")
+        out = torch.empty(M, n_out, dtype=out_dt, device=x.device)
+    elif out.shape != (M, n_out) or out.dtype != out_dt or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{M}, {n_out}] {out_dt} with a unit last stride")
 
     cfg = config or choose_config(M, N, K, x.device)
+    if silu_out and cfg.block_n % 2:
+        raise ValueError(f"the silu_mul epilogue needs an even BLOCK_N, got {cfg}")
     if not cfg.dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
     if w_scale is not None and cfg.dot:
         raise ValueError(f"fp8 weights take the FMA configs, got {cfg}")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
     block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
-    tiles = triton.cdiv(N, cfg.block_n)
+    tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     even_k = K % (split * cfg.block_k) == 0
     use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
@@ -490,7 +528,7 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
+        SILU_OUT=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
 
 
@@ -506,6 +544,17 @@ def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | Non
     quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config: each thread
     streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs."""
     return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale)
+
+
+def gemv_silu_out(x, w, out=None, *, norm_w=None, eps=0.0, config=None, pdl=None):
+    """silu_mul(x @ w^T) for a [gate | up] weight w [2F, K] -> [M, F] (TorchBackend.silu_mul after
+    the linear, the gate_up output never stored): each column tile reads F's gate rows and the
+    matching up rows, so its epilogue has both halves of the outputs it writes; silu runs once
+    per output (a silu_mul prologue on the down GEMV recomputes it in every column tile).
+    norm_w: the RMSNorm prologue as well (x normalised first, M <= GEMV_MAX_M)."""
+    if norm_w is not None:
+        return _launch(x, w, out=out, norm_w=norm_w, eps=eps, prologue=_RMS, config=config, pdl=pdl, silu_out=True)
+    return _launch(x, w, out=out, config=config, pdl=pdl, silu_out=True)
 
 
 def gemv_residual(x, w, residual, scale, out=None, *, config=None, pdl=None):

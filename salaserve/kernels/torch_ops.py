@@ -52,14 +52,23 @@ class TorchBackend:
         """linear(rms_norm(x, norm_w), w)."""
         return self.linear(self.rms_norm(x, norm_w, eps), w)
 
-    def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False):
+    def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
+                             silu_out: bool = False):
         """h' = h + linear(x, w_out) * scale (x through silu_mul first if `silu`); returns
-        (h', linear(rms_norm(h', norm_w), w_in)), or (h', None) when norm_w is None."""
+        (h', linear(rms_norm(h', norm_w), w_in)), or (h', None) when norm_w is None. silu_out: the
+        second value is silu_mul of that linear (w_in a [gate | up] weight)."""
         u = self.linear(self.silu_mul(x) if silu else x, w_out)
         if norm_w is None:
             return h + u * scale, None
         h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
-        return h, self.linear(normed, w_in)
+        y = self.linear(normed, w_in)
+        return h, self.silu_mul(y) if silu_out else y
+
+    def silu_after_gate_up(self, rows: int) -> bool:
+        """Where a step of `rows` tokens applies the MLP's silu_mul: True, in the gate_up junction
+        (residual_norm_linear(..., silu_out=True)); False, before down (silu=True). The same
+        values either way; it only says which side a backend fuses it into."""
+        return False
 
     def sigmoid_mul(self, x, gate):
         return x * torch.sigmoid(gate)

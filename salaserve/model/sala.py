@@ -84,15 +84,17 @@ class SalaModel:
         # h += down(silu_mul(gate_up(rms_norm(h)))) * r. The junction ops let the backend fuse
         # every norm and residual add into the neighbouring linears.
         proj = ops.norm_linear(h, layers[0]["input_norm"], eps, layers[0]["qkvg"])
+        silu_first = ops.silu_after_gate_up(h.shape[0])  # which junction applies the MLP's silu_mul
         for i, layer in enumerate(layers):
             if cfg.is_sparse_layer(i):
                 o = self._sparse_mixer(self.sparse_index[i], proj, batch, caches)
             else:
                 o = self._lightning_mixer(self.lightning_index[i], layer, proj, batch, caches)
-            h, gate_up = ops.residual_norm_linear(h, o, layer["o_proj"], r, layer["post_norm"], eps, layer["gate_up"])
+            h, gate_up = ops.residual_norm_linear(h, o, layer["o_proj"], r, layer["post_norm"], eps, layer["gate_up"],
+                                                  silu_out=silu_first)
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             h, proj = ops.residual_norm_linear(h, gate_up, layer["down"], r, nxt and nxt["input_norm"], eps,
-                                               nxt and nxt["qkvg"], silu=True)
+                                               nxt and nxt["qkvg"], silu=not silu_first)
         z = ops.rms_norm(h[batch.logits_indices], p["final_norm"], eps)
         return ops.linear(z / cfg.logit_divisor, p["lm_head"]).float()
 
