@@ -291,11 +291,16 @@ def test_gemv_large_m_real_shapes(name):
     y100 = G.gemv(x[:100], w, config=G.default_config(100, N, K))
     assert_bf16_linear_close(y100, x[:100], w, f"{name} M=100")
     cfg = max(G.candidate_configs(M), key=lambda c: c.split_k)
-    eager = G.gemv(x, w, config=cfg)
+    _assert_graph_replay_equals(lambda out: G.gemv(x, w, out=out, config=cfg), G.gemv(x, w, config=cfg))
+
+
+def _assert_graph_replay_equals(run, eager):
+    """run(out), captured in a CUDA graph and replayed twice (split-K counters re-armed in
+    between), writes eager's bits into out."""
     out = torch.empty_like(eager)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        G.gemv(x, w, out=out, config=cfg)
+        run(out)
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
@@ -323,14 +328,8 @@ def test_silu_out_real_shape(M):
             assert_within_ulps(act, fused.silu_mul(G.gemv(x, w, config=cfg, pdl=pdl)), max_ulps=1, max_frac=0.01)
             assert torch.equal(G.gemv_silu_out(x, w, config=cfg, pdl=pdl), act), "not deterministic"
     cfg = configs[0]
-    eager = G.gemv_silu_out(x, w, config=cfg)
-    out = torch.empty_like(eager)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        G.gemv_silu_out(x, w, out=out, config=cfg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    _assert_graph_replay_equals(lambda out: G.gemv_silu_out(x, w, out=out, config=cfg),
+                                G.gemv_silu_out(x, w, config=cfg))
 
 
 @gpu
