@@ -6,7 +6,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 micro() {  # name, env...
   local name=$1; shift
-  env "$@" timeout 90 python3 -m salaserve.bench.micro --batches 8 --contexts 4096,131072 --prefill "" \
+  env "$@" timeout 100 python3 -m salaserve.bench.micro --batches 8 --contexts 4096 --prefill "" \
     --json "$OUT/micro-$name.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-$name.log" | tail -3
 }
 micro b8-rows16 SALASERVE_SILU_EPILOGUE_ROWS=16
