@@ -207,17 +207,14 @@ def test_silu_mul_prologue_fp32(M):
 def test_silu_out_epilogue_roundings(M, F):
     """gemv_silu_out == TorchBackend.silu_mul(gemv(x, w)) (the same config's linear output, then
     silu_mul's roundings), up to exp's last fp32 bit (one bf16 ulp on a few elements), on every
-    path and split; F = 40 leaves a partial last tile. With the RMSNorm prologue too."""
+    path and split; F = 40 leaves a partial last tile."""
     K = 128
     x, w = _data(M, 2 * F, K, bf16, seed=80 + M + F)
     w = w * 4  # gates over a wider range than +-1 (silu's curve, not its linear part)
-    nw = (1.0 + 0.3 * torch.randn(K, generator=torch.Generator().manual_seed(81))).to(bf16)
     for cfg in _configs(M) if M <= 8 else DOT:
         act = G.gemv_silu_out(x, w, config=cfg)
         assert act.shape == (M, F) and act.dtype == bf16
         assert_within_ulps(act, TB.silu_mul(G.gemv(x, w, config=cfg)), max_ulps=1, max_frac=0.02)
-        normed = G.gemv_silu_out(x, w, norm_w=nw, eps=EPS, config=cfg)
-        assert_within_ulps(normed, TB.silu_mul(G.gemv_rmsnorm(x, nw, EPS, w, config=cfg)), max_ulps=1, max_frac=0.02)
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -376,51 +373,45 @@ def test_backend_junction_ops_match_torch(silu, last):
     assert (first.float() - ref.float()).norm() / ref.float().norm() < 2e-2
 
 
-@pytest.mark.parametrize("rows,limit", [(1, 1), (1, 0), (3, 16), (3, 1)])
-def test_backend_silu_epilogue(monkeypatch, rows, limit):
-    """SILU_EPILOGUE_ROWS: steps of up to `limit` rows take silu_mul in the gate_up junction
-    (silu_after_gate_up) and the gate_up GEMV writes it (gemv_silu_out; at 2-16 rows after the
-    o_proj GEMV's residual epilogue and with the RMSNorm prologue); the down junction then gets
-    the activation. Equal to TorchBackend's composition. Above the limit: silu_mul before down
-    (its prologue at 2-16 rows; a silu_mul kernel at one row)."""
+@pytest.mark.parametrize("enabled", [True, False])
+def test_backend_silu_epilogue_at_one_row(monkeypatch, enabled):
+    """SILU_EPILOGUE: one-row steps take silu_mul in the gate_up junction (silu_after_gate_up), and
+    the gate_up GEMV writes it (gemv_silu_out); the down junction then gets the activation.
+    Equal to TorchBackend's composition; 2 rows keep silu_mul before down; off, the silu_mul
+    kernel runs after a plain gate_up GEMV."""
     from salaserve.kernels import triton_backend
     from salaserve.kernels.triton_backend import TritonBackend
 
-    monkeypatch.setattr(triton_backend, "SILU_EPILOGUE_ROWS", limit)
-    enabled = rows <= limit
-    gen = torch.Generator().manual_seed(95 + rows)
+    monkeypatch.setattr(triton_backend, "SILU_EPILOGUE", enabled)
+    gen = torch.Generator().manual_seed(95)
     H, F, N2 = 64, 48, 32
-    h = torch.randn(rows, H, generator=gen).to(bf16)
-    o = torch.randn(rows, H, generator=gen).to(bf16)
+    h = torch.randn(1, H, generator=gen).to(bf16)
+    o = torch.randn(1, H, generator=gen).to(bf16)
     w_o = (0.1 * torch.randn(H, H, generator=gen)).to(bf16)
     nw = (1 + 0.2 * torch.randn(H, generator=gen)).to(bf16)
     w_gu = (0.3 * torch.randn(2 * F, H, generator=gen)).to(bf16)
     w_down = (0.1 * torch.randn(H, F, generator=gen)).to(bf16)
     w_next = (0.1 * torch.randn(N2, H, generator=gen)).to(bf16)
     tb = TritonBackend()
-    assert tb.silu_after_gate_up(rows) == enabled and not tb.silu_after_gate_up(17)
-    assert not TB.silu_after_gate_up(rows)
+    assert tb.silu_after_gate_up(1) == enabled and not tb.silu_after_gate_up(2)
+    assert not TB.silu_after_gate_up(1)
     launches = []
     launch = G._launch
-    G._launch = lambda *a, **kw: (launches.append((kw.get("silu_out", False), kw.get("prologue", G._NONE))),
-                                  launch(*a, **kw))[1]
+    G._launch = lambda *a, **kw: (launches.append(kw.get("silu_out", False)), launch(*a, **kw))[1]
     try:
-        first = tb.silu_after_gate_up(rows)
+        first = tb.silu_after_gate_up(1)
         h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=first)
         h2, proj = tb.residual_norm_linear(h1, act, w_down, 0.7, nw, EPS, w_next, silu=not first)
     finally:
         G._launch = launch
-    # o_proj, gate_up, down, next: the norms ride on the GEMVs from 2 rows, silu_mul where asked
-    norm = G._RMS if rows > 1 else G._NONE
-    down = G._SILU if rows > 1 and not enabled else G._NONE
-    assert launches == [(False, G._NONE), (enabled, norm), (False, down), (False, norm)]
+    assert launches == [False, enabled, False, False]  # o_proj, gate_up, down, next
     r1, ract = TB.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
     r2, rproj = TB.residual_norm_linear(r1, ract, w_down, 0.7, nw, EPS, w_next)
     assert_within_ulps(h1, r1, max_ulps=1, max_frac=0.05)
     if enabled:  # the activation itself came out of the first junction
-        assert act.shape == (rows, F) and (act.float() - ract.float()).norm() / ract.float().norm() < 2e-2
+        assert act.shape == (1, F) and (act.float() - ract.float()).norm() / ract.float().norm() < 2e-2
     else:  # the gate_up output, activated by the down junction
-        assert act.shape == (rows, 2 * F)
+        assert act.shape == (1, 2 * F)
     assert (proj.float() - rproj.float()).norm() / rproj.float().norm() < 2e-2
     assert (h2.float() - r2.float()).norm() / r2.float().norm() < 2e-2
 

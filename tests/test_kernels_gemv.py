@@ -62,7 +62,6 @@ def _aot_cases():
         cases[f"{name}-uneven-k"] = (cfg, bm, dict(EVEN_K=False))
         if cfg.block_n % 2 == 0:  # the silu_mul epilogue pairs gate and up rows in a tile
             cases[f"{name}-silu-out-split4"] = (cfg, bm, dict(SILU_OUT=True, SPLIT_K=4, PDL=True))
-    cases["dot-rmsnorm-silu-out"] = (dot, 16, dict(PROLOGUE=1, SILU_OUT=True, PDL=True))
     cases["m1-fma n2-silu-out"] = (G.FMA_CONFIGS[1][1], 1, dict(SILU_OUT=True, PDL=True))
     for bucket, cfgs in G.DOT_LARGE_M_CONFIGS.items():  # M 17..128: as launched (its split, PDL on)
         for cfg in cfgs:

@@ -546,14 +546,11 @@ def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | Non
     return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale)
 
 
-def gemv_silu_out(x, w, out=None, *, norm_w=None, eps=0.0, config=None, pdl=None):
+def gemv_silu_out(x, w, out=None, *, config=None, pdl=None):
     """silu_mul(x @ w^T) for a [gate | up] weight w [2F, K] -> [M, F] (TorchBackend.silu_mul after
-    the linear, the gate_up output never stored): each column tile reads F's gate rows and the
-    matching up rows, so its epilogue has both halves of the outputs it writes; silu runs once
-    per output (a silu_mul prologue on the down GEMV recomputes it in every column tile).
-    norm_w: the RMSNorm prologue as well (x normalised first, M <= GEMV_MAX_M)."""
-    if norm_w is not None:
-        return _launch(x, w, out=out, norm_w=norm_w, eps=eps, prologue=_RMS, config=config, pdl=pdl, silu_out=True)
+    the linear, the gate_up output never stored): each column tile reads its outputs' gate rows
+    and the matching up rows, so its epilogue has both halves of the outputs it writes; silu runs
+    once per output (a silu_mul prologue on the down GEMV recomputes it in every column tile)."""
     return _launch(x, w, out=out, config=config, pdl=pdl, silu_out=True)
 
 

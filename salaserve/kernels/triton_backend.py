@@ -31,11 +31,12 @@ from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.quant.formats import QuantizedLinearWeights
 
 
-# Steps of up to this many rows apply the MLP's silu_mul in the gate_up GEMV's epilogue
-# (gemv.gemv_silu_out) rather than before down. One row: instead of a silu_mul kernel (32 fewer
-# kernels per step; measured -54 us at 4K, run 32). 2-16 rows: instead of the silu_mul prologue
-# on the down GEMV, which recomputes silu in each of its column tiles. 0: never.
-SILU_EPILOGUE_ROWS = int(os.environ.get("SALASERVE_SILU_EPILOGUE_ROWS", "1"))
+# One-row steps apply the MLP's silu_mul in the gate_up GEMV's epilogue (gemv.gemv_silu_out)
+# instead of a silu_mul kernel before down: 32 fewer kernels per step, 4K step -54 us (run 32).
+# 2-16 rows keep the silu_mul prologue on the down GEMV, which costs no kernel either (the
+# epilogue there, with the RMSNorm prologue on gate_up, measured 5.838 vs 5.779 ms at batch 8,
+# run 33). SALASERVE_SILU_EPILOGUE=0: the separate kernel at one row.
+SILU_EPILOGUE = os.environ.get("SALASERVE_SILU_EPILOGUE", "1") == "1"
 
 
 def _has_verify(batch) -> bool:
@@ -118,7 +119,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.norm_linear(self, x, norm_w, eps, w)
 
     def silu_after_gate_up(self, rows: int) -> bool:
-        return 1 <= rows <= min(SILU_EPILOGUE_ROWS, gemv_ops.GEMV_MAX_M)
+        return SILU_EPILOGUE and rows == 1
 
     @staticmethod
     def _silu_epilogue(x, w) -> bool:
@@ -134,13 +135,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
                              silu_out: bool = False):
         """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
         the down GEMV's prologue), the next RMSNorm in the following GEMV's prologue: 2 kernels
-        per junction instead of 3-4. silu_out (silu_after_gate_up): the gate_up GEMV writes
-        silu_mul of its output (gemv_silu_out; at 2-16 rows with the RMSNorm prologue too)."""
-        if silu_out and norm_w is not None and not silu and self._gemv_fuses(h, w_out) and h.dtype == x.dtype:
-            h = gemv_ops.gemv_residual(x, w_out, h, scale)
-            if norm_w.dtype == h.dtype and self._silu_epilogue(h, w_in):
-                return h, gemv_ops.gemv_silu_out(h, w_in, norm_w=norm_w, eps=eps)
-            return h, self.silu_mul(self.norm_linear(h, norm_w, eps, w_in))
+        per junction instead of 3-4. silu_out (one-row steps, silu_after_gate_up): the gate_up
+        GEMV writes silu_mul of its output (gemv_silu_out)."""
         if silu_out and norm_w is not None:
             u = self.linear(self.silu_mul(x) if silu else x, w_out)
             h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
