@@ -82,7 +82,8 @@ class SalaModel:
         h = (p["embed"][batch.input_ids] * cfg.scale_emb).to(self.dtype)
         # Each layer: qkvg = linear(rms_norm(h)); o = mixer(qkvg); h += o_proj(o) * r;
         # h += down(silu_mul(gate_up(rms_norm(h)))) * r. The junction ops let the backend fuse
-        # every norm and residual add into the neighbouring linears.
+        # every norm and residual add into the neighbouring linears, and silu_mul into gate_up's
+        # output or down's input (silu_after_gate_up says which).
         proj = ops.norm_linear(h, layers[0]["input_norm"], eps, layers[0]["qkvg"])
         silu_first = ops.silu_after_gate_up(h.shape[0])  # which junction applies the MLP's silu_mul
         for i, layer in enumerate(layers):
