@@ -476,9 +476,7 @@ def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_le
     blk = torch.arange(nb)
     qb = (seq_lens.long() - 1) // sc.block_size
     scores[:, blk[None, :] > qb[:, None]] = float("-inf")  # future blocks, as stage 1 writes them
-    bits = scores.to(torch.bfloat16).view(torch.int16).to(torch.int32)
-    keys = torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - blk)
-    keys = keys.to(torch.int32)
+    keys = ks.pack_keys(scores)
     table = torch.randperm(max(1000, B * nb), generator=g)[: B * nb].view(B, nb).to(torch.int32) + 1
     keys, table, seq_lens = keys.to(device), table.to(device), seq_lens.to(device)
     ref_pages, ref_count = ks.topk_pages_torch(keys, table, seq_lens, sc, max_sel)

@@ -146,12 +146,14 @@ def test_fused_topk_pages_equals_torch_path(interp, case, search):
 
 def test_unpack_keys_inverts_packing():
     """The key layout (high half: monotone bf16 bits, low half: 65535 - block) in plain torch."""
-    from salaserve.kernels.sparse import unpack_keys
+    from salaserve.kernels.sparse import pack_keys, unpack_keys
 
     scores = torch.tensor([0.0, 1.5, 3e-3, float("inf"), float("-inf"), 2.0**-130, 1.0])
     blocks = torch.tensor([0, 1, 2, 3, 4, 5, 65535])
     bits = scores.to(torch.bfloat16).view(torch.int16).int()
     key = torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - blocks)
+    # the torch twin (block = index there: the first six, whose blocks are 0..5)
+    assert torch.equal(pack_keys(scores)[:6], key[:6].int())
     s, b = unpack_keys(key.int())
     assert torch.equal(b, blocks.int()) and torch.equal(s, scores.to(torch.bfloat16).float())
     order = key.argsort(descending=True)  # inf, 2.0 ... ; ties (none here) would prefer low blocks

@@ -82,10 +82,7 @@ def bench_decode_topk(cfg, context: int, batch: int, reps: int, gen) -> list[dic
     sc = cfg.sparse
     nb = -(-context // sc.block_size)
     hkv = cfg.num_key_value_heads
-    scores = torch.randn(hkv, batch, nb, generator=gen).to(torch.bfloat16)
-    bits = scores.view(torch.int16).to(torch.int32)
-    keys = (torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - torch.arange(nb))).to(torch.int32)
-    keys = keys.to(DEVICE)
+    keys = ks.pack_keys(torch.randn(hkv, batch, nb, generator=gen)).to(DEVICE)
     table = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb).to(DEVICE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     rows = []

@@ -411,6 +411,15 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
     return keys
 
 
+def pack_keys(scores: torch.Tensor) -> torch.Tensor:
+    """The kernel's key packing in torch: block scores [..., nb] (rounded to bf16) -> int32 keys,
+    the bf16 bits mapped to an order-preserving int16 in the high half and 65535 - block (the
+    last dim's index) in the low half. For benchmarks and tests that feed the top-k kernels."""
+    bits = scores.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    blk = torch.arange(scores.shape[-1], device=scores.device)
+    return (torch.where(bits < 0, bits ^ 0x7FFF, bits) * 65536 + (65535 - blk)).to(torch.int32)
+
+
 def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of the kernel's key packing: (bf16 block scores as fp32, block indices)."""
     bits = keys >> 16
@@ -611,10 +620,9 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     TOPK_SEGMENT-block segments, each program keeping its segment's best, then a merge: a single
     program per row took 48 us at 512K (16384-wide rows) where the GPU has 132 SMs.
     search: "key" or "score" (TOPK_SEARCH when None): how the threshold is found; same result."""
-    search = search or TOPK_SEARCH
-    if search not in ("key", "score"):
+    if search is not None and search not in ("key", "score"):  # (TOPK_SEARCH is checked at import)
         raise ValueError(f"search must be 'key' or 'score', got {search!r}")
-    score = search == "score"
+    score = (search or TOPK_SEARCH) == "score"
     hkv, B, nb = keys.shape
     out = torch.empty(B, hkv, max_sel, dtype=torch.int32, device=keys.device)
     count = torch.empty(B, hkv, dtype=torch.int32, device=keys.device)

@@ -101,15 +101,16 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.linear(self, x, weight)
 
     @staticmethod
-    def _gemv_fuses(x, w) -> bool:
+    def _gemv_fuses(x, w, min_rows: int = 2) -> bool:
         """Whether a norm / residual / silu can ride on this linear's GEMV: a plain weight of x's
         dtype, 2-16 rows (gemv.GEMV_MAX_M: the prologues recompute their rows' statistics in every
         program), and the GEMV calibrated as the faster kernel for the shape. At one row
         the fused GEMVs measured slower (6.12 vs 5.12 ms per decode step: every program of the
         split-K grid recomputes the row's RMSNorm statistics before its first weight load), at
-        5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms)."""
+        5-9 rows faster (verify k=4: 5.68 vs 5.77 ms; batch 8: 5.82 vs 5.93 ms). min_rows 1: for
+        the silu_mul epilogue, which adds nothing per program."""
         return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
-                and 2 <= x.shape[0] <= gemv_ops.GEMV_MAX_M
+                and min_rows <= x.shape[0] <= gemv_ops.GEMV_MAX_M
                 and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
                 and (x.is_cuda or gemv_ops._INTERPRET))
 
@@ -121,15 +122,11 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def silu_after_gate_up(self, rows: int) -> bool:
         return SILU_EPILOGUE and rows == 1
 
-    @staticmethod
-    def _silu_epilogue(x, w) -> bool:
-        """Whether gemv_silu_out can take this gate_up linear: a plain weight of x's dtype, 1-16
-        rows, the GEMV calibrated as the faster kernel, a config with an even BLOCK_N."""
-        if not (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
-                and 1 <= x.shape[0] <= gemv_ops.GEMV_MAX_M and (x.is_cuda or gemv_ops._INTERPRET)):
-            return False
-        M, (N, K) = x.shape[0], w.shape
-        return gemv_ops.uses_gemv(M, N, K, x.device) and gemv_ops.choose_config(M, N, K, x.device).block_n % 2 == 0
+    def _silu_epilogue(self, x, w) -> bool:
+        """Whether gemv_silu_out can take this gate_up linear: what _gemv_fuses asks, from one row,
+        and a config with an even BLOCK_N (gate and up rows pair up in a tile)."""
+        return (self._gemv_fuses(x, w, min_rows=1)
+                and gemv_ops.choose_config(x.shape[0], *w.shape, x.device).block_n % 2 == 0)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
                              silu_out: bool = False):
