@@ -148,6 +148,100 @@ def _x_tile(x_ptr, nw_ptr, rows, kk, row_mask, k_mask, rstd, stride_xm, K,
     return x
 
 
+
+@triton.jit
+def _e4m3_to_f32_bits(words, byte: tl.constexpr):
+    """Code `byte` of each int32 word as fp32, by integer operations (exact, subnormals included):
+    the 7 magnitude bits placed at fp32's exponent/mantissa bits 26..20 read as |w| * 2^-120."""
+    b = (words >> (8 * byte)) & 0xFF
+    mag = ((b & 0x7F) << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+    return tl.where(b >= 128, -mag, mag)
+
+
+@triton.jit
+def _e4m3_words_to_f32(words, ASM: tl.constexpr):
+    """int32 words of 4 e4m3 codes -> 4 fp32 tensors of words' shape (codes 0..3, memory order).
+    ASM: two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 converts per word (1.5 instructions per
+    weight, no byte shuffles). Triton's own cast of a byte tile spent ~7.5 instructions per weight
+    on sm_90 (byte extracts and repacks around the same cvts, x through shared memory) and capped
+    the kernel near 2 TB/s. The bit-op variant serves the interpreter, which has no inline asm."""
+    if ASM:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, a, b, c, d;
+            .reg .b32 p, q;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p, lo;
+            cvt.rn.f16x2.e4m3x2 q, hi;
+            mov.b32 {a, b}, p;
+            mov.b32 {c, d}, q;
+            cvt.f32.f16 $0, a;
+            cvt.f32.f16 $1, b;
+            cvt.f32.f16 $2, c;
+            cvt.f32.f16 $3, d;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+        return (w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True),
+                w2.to(tl.float32, bitcast=True), w3.to(tl.float32, bitcast=True))
+    return (_e4m3_to_f32_bits(words, 0), _e4m3_to_f32_bits(words, 1), _e4m3_to_f32_bits(words, 2),
+            _e4m3_to_f32_bits(words, 3))
+
+
+@triton.jit
+def _x_quads(x_ptr, rows, kw, mask, stride_xm, X_WORDS: tl.constexpr):
+    """x[rows, 4 kw + j] for j = 0..3 as 4 fp32 tensors shaped like kw (the words' layout).
+    X_WORDS (bf16 x, 8-byte aligned rows): one int64 per 4 values, so x arrives in the W words'
+    thread mapping (no shared memory) and bf16 -> fp32 is a shift or a mask."""
+    if X_WORDS:
+        quads = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * (stride_xm // 4)
+        v = tl.load(quads + kw, mask=mask, other=0)
+        lo = v.to(tl.int32)
+        hi = (v >> 32).to(tl.int32)
+        return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
+                (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
+    base = x_ptr + rows.to(tl.int64) * stride_xm + 4 * kw
+    return (tl.load(base, mask=mask, other=0.0).to(tl.float32), tl.load(base + 1, mask=mask, other=0.0).to(tl.float32),
+            tl.load(base + 2, mask=mask, other=0.0).to(tl.float32), tl.load(base + 3, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm, stride_wn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """The FMA path for fp8 weights: w_scale[n] * sum_k x[m, k] w[n, k] over [k_begin, k_end) ->
+    [BM, BN] fp32. W is read as int32 words of 4 codes (BK = 512 * num_warps: one 16-byte vector
+    per thread and row) and x as the matching 4 values per word, so every operand shares the words'
+    thread mapping; acc [BM, BN, BK / 4] takes 4 FMAs per word."""
+    kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
+    nm = n_mask[None, :, None]
+    rows = offs_m[:, None, None]
+    row_mask = m_mask[:, None, None]
+    kw_begin = k_begin // 4
+    kw_end = k_end // 4  # K % 4 == 0 (the launcher checks)
+    # first W tile before the dependency wait: weights never depend on the previous kernel
+    kw = kw_begin + kt
+    w = tl.load(w_rows + kw, mask=nm if EVEN_K else nm & (kw < kw_end), other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    for kw0 in range(kw_begin, kw_end, BLOCK_K // 4):
+        kw = kw0 + kt
+        nk = kw + BLOCK_K // 4
+        x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask if EVEN_K else row_mask & (kw < kw_end), stride_xm,
+                                  X_WORDS)
+        # the next tile is issued before this one is consumed: two tiles in flight per thread
+        w_next = tl.load(w_rows + nk, mask=nm & (nk < kw_end), other=0)
+        w0, w1, w2, w3 = _e4m3_words_to_f32(w, ASM)
+        acc += w0 * x0
+        acc += w1 * x1
+        acc += w2 * x2
+        acc += w3 * x3
+        w = w_next
+    # per output channel; a split's scaled partial adds up like the unscaled ones
+    return tl.sum(acc, axis=2) * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+
 @triton.jit
 def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale,
            RESIDUAL: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
@@ -198,6 +292,8 @@ def _gemv_kernel(
     DOT_FP32: tl.constexpr = False,  # interpreter runs only
     W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA path)
     SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F rows): write silu_mul(y) [M, F] (_write_silu)
+    FP8_ASM: tl.constexpr = True,  # fp8 codes -> fp32 by cvt instructions (_e4m3_words_to_f32); False: bit ops
+    X_WORDS: tl.constexpr = False,  # fp8 path: bf16 x read as int64 words of 4 values (_x_quads)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -247,6 +343,9 @@ def _gemv_kernel(
                 # x values are exact in W's dtype (bf16 inputs, or bf16-rounded prologue output)
                 acc = tl.dot(w, tl.trans(xt.to(w.dtype)), acc, input_precision="ieee")
         y = tl.trans(acc)  # [BM, BN]
+    elif W_SCALE:
+        y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
+                      stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM)
     else:
         # x [BM, 1, BK] against W [1, BN, BK]: acc [BM, BN, BK] in registers, reduced over K once
         # after the loop (BK = 256 * num_warps: one 16-byte W vector per thread and row, x's
@@ -276,8 +375,6 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * x  # x broadcasts over W's rows, W over x's rows
             w = w_next
         y = tl.sum(acc, axis=2)  # [BM, BN]
-        if W_SCALE:  # per output channel; a partial's scaled sum adds up like the unscaled ones
-            y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
 
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -338,11 +435,15 @@ FMA_CONFIGS = {  # M bucket -> configs; sm_90 registers per thread in the commen
     8: (GemvConfig(1, 1024, 4),),  # 102
 }
 FMA_MAX_M = 8  # above, the register accumulators get too many: tensor cores only
-# fp8 weights (gemv_fp8): 16 weights per 16-byte vector, so BLOCK_K = 512 * num_warps gives one
-# vector per thread and W row (sm_90 registers per thread in the comments; (2, 2048, 4) spills)
+# fp8 weights (gemv_fp8, `_fp8_sums`): 16 weights per 16-byte vector, BLOCK_K = 512 * num_warps *
+# vectors per thread and row. One W row per tile: with BLOCK_N >= 2 or M >= 2, Triton moves x's
+# values through shared memory in every iteration (sm_90 compile). sm_90 registers per thread and
+# loop instructions per weight at M = 1 in the comments.
 FP8_FMA_CONFIGS = {
-    1: (GemvConfig(1, 2048, 4), GemvConfig(2, 4096, 8), GemvConfig(1, 4096, 8)),  # 48, 99, -
-    2: (GemvConfig(1, 2048, 4),),
+    1: (GemvConfig(1, 2048, 4), GemvConfig(1, 4096, 8),  # 1 vector: 29 registers, 5.4 per weight
+        GemvConfig(1, 4096, 4), GemvConfig(1, 8192, 8),  # 2 vectors: 38 / 43, 4.9 / 4.7
+        GemvConfig(1, 8192, 4)),  # 4 vectors: 71, 4.4
+    2: (GemvConfig(1, 2048, 4), GemvConfig(1, 4096, 4)),
     4: (GemvConfig(1, 2048, 4),),
     8: (GemvConfig(1, 2048, 4),),
 }
@@ -490,6 +591,11 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         if w.dtype != torch.float8_e4m3fn or w_scale.shape != (N,) or w_scale.dtype != torch.float32:
             raise TypeError(f"w_scale [N] fp32 goes with e4m3 weights, got {w.dtype} and "
                             f"{w_scale.dtype} {tuple(w_scale.shape)}")
+        if prologue != _NONE:
+            raise ValueError("fp8 weights take no prologue")
+        if K % 4 or w.stride(0) % 4:
+            raise ValueError(f"fp8 weights are read as int32 words: K and the row stride must be multiples "
+                             f"of 4, got K = {K}, stride {w.stride(0)}")
         w_scale = w_scale.contiguous()
     elif xn_dt != w.dtype:
         raise TypeError(f"GEMV input dtype {xn_dt} must match the weight dtype {w.dtype}")
@@ -531,7 +637,9 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
-        SILU_OUT=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
+        SILU_OUT=silu_out, FP8_ASM=not _INTERPRET,
+        X_WORDS=w_scale is not None and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
 
 

@@ -1,0 +1,74 @@
+"""fp8 decode GEMVs at one row, per linear of the full model (GPU only): w8a16_gemv (the default
+kernel) against gemv.gemv_fp8 with every FP8_FMA_CONFIGS[1] config and split, and the bf16 GEMV,
+each in a CUDA graph of back-to-back calls over L2-busting weight copies. Prints a table and the
+sums per decode step against the weight-read floor; writes JSON to argv[1].
+
+    python scripts/fp8_gemv_ab.py OUT.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from salaserve.bench.floors import measure_ceilings
+from salaserve.config import preset_config
+from salaserve.kernels import gemv as G
+from salaserve.kernels import quant_gemm as Q
+from salaserve.kernels.timing import graph_time_us, l2_busting_count
+from salaserve.quant import rtn
+
+
+def main(path: str) -> None:
+    cfg = preset_config("full")
+    bw = measure_ceilings().copy_gbps * 1e9  # the micro-benchmark's floor bandwidth
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    rows, step = [], {"w8a16": 0.0, "fp8_gemv": 0.0, "bf16": 0.0, "floor_fp8": 0.0, "floor_bf16": 0.0}
+    for name, N, K, uses in G.model_linear_shapes(cfg):
+        n = l2_busting_count(N * K)
+        g = torch.Generator(device="cuda").manual_seed(N + K)
+        f8 = [rtn.quantize_fp8(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5) for _ in range(n)]
+        x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
+        r = dict(name=name, N=N, K=K, uses=uses)
+        r["w8a16"] = graph_time_us(lambda i: Q.w8a16_gemv(x, f8[i % n].weight, f8[i % n].scale), calls=max(8, n))
+        r["gemv"] = {}
+        for c in G.FP8_FMA_CONFIGS[1]:
+            auto = G._auto_split(N, K, c, torch.device("cuda"))
+            for split in sorted({auto, 1, 2, 4, 8}):
+                if K // split < c.block_k or K % split:
+                    continue
+                cs = dataclasses.replace(c, split_k=split)
+                t = graph_time_us(lambda i: G.gemv_fp8(x, f8[i % n].weight, f8[i % n].scale, cs), calls=max(8, n))
+                r["gemv"][str(cs)] = t
+        best = min(r["gemv"].items(), key=lambda kv: kv[1])
+        bfs = G.weight_copies(N, K, torch.bfloat16, "cuda")
+        G.calibrate([(N, K)], "cuda", m_values=(1,))
+        r["bf16"] = graph_time_us(lambda i: G.linear(x, bfs[i % len(bfs)]), calls=max(8, len(bfs)))
+        b8, b16 = N * K + 4 * N, 2 * N * K
+        r["floor_fp8_us"], r["floor_bf16_us"] = b8 / bw * 1e6, b16 / bw * 1e6
+        print(f"{name:9s} {N:6d}x{K:5d} | w8a16 {r['w8a16']:6.1f} us ({b8 / r['w8a16'] / 1e3:4.0f} GB/s)"
+              f" | gemv best {best[1]:6.1f} ({b8 / best[1] / 1e3:4.0f} GB/s) {best[0]}"
+              f" | bf16 {r['bf16']:6.1f} ({b16 / r['bf16'] / 1e3:4.0f} GB/s) | fp8 floor {r['floor_fp8_us']:5.1f}",
+              flush=True)
+        print("           " + ", ".join(f"{k}: {v:.1f}" for k, v in r["gemv"].items()), flush=True)
+        rows.append(r)
+        step["w8a16"] += uses * r["w8a16"]
+        step["fp8_gemv"] += uses * min(best[1], r["w8a16"])
+        step["bf16"] += uses * r["bf16"]
+        step["floor_fp8"] += uses * r["floor_fp8_us"]
+        step["floor_bf16"] += uses * r["floor_bf16_us"]
+        del f8, bfs
+        torch.cuda.empty_cache()
+    print("\nall linears per decode step at one row (ms):")
+    for k in ("w8a16", "fp8_gemv", "bf16"):
+        fl = step["floor_bf16" if k == "bf16" else "floor_fp8"]
+        print(f"  {k:9s} {step[k] / 1e3:6.3f}  (floor {fl / 1e3:.3f}, {fl / step[k]:.0%} of it)")
+    with open(path, "w") as f:
+        json.dump(dict(copy_bandwidth=bw, rows=rows, per_step_us=step), f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
