@@ -5,7 +5,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_quant.py \
-  -k "fp8_fma_gemv or fp8_gemv_calibration" 2>&1 | tee "$OUT/gpu_fp8_gemv_tests.log" | tail -4
+  -k "fp8_fma_gemv or fp8_gemv_calibration or fp8_silu" 2>&1 | tee "$OUT/gpu_fp8_gemv_tests.log" | tail -4
 timeout 220 python3 scripts/fp8_gemv_ab.py "$OUT/fp8-gemv-ab.json" 2>&1 | grep -v -i warn \
   | tee "$OUT/fp8-gemv-ab.log" | tail -22
 SALASERVE_FP8_DECODE=gemv timeout 170 python3 -m salaserve.bench.micro --quantization fp8 --contexts 4096 \

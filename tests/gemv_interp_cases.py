@@ -418,7 +418,8 @@ def test_backend_silu_epilogue_at_one_row(monkeypatch, enabled):
 
 # ---- fp8 weights (gemv_fp8): e4m3 codes with a per-output-channel fp32 scale
 
-FP8_CONFIGS = [G.GemvConfig(16, 64, 1), G.GemvConfig(8, 128, 1, split_k=2), G.GemvConfig(4, 32, 1, split_k=4)]
+# rows per program walked in one (row, K tile) loop: 1, 2 and 4 rows, with and without splits
+FP8_CONFIGS = [G.GemvConfig(4, 64, 1), G.GemvConfig(2, 128, 1, split_k=2), G.GemvConfig(1, 32, 1, split_k=4)]
 
 
 def _fp8_weights(N, K, seed):
@@ -428,8 +429,8 @@ def _fp8_weights(N, K, seed):
     return quantize_fp8_per_channel(torch.randn(N, K, generator=g) * K ** -0.5)
 
 
-@pytest.mark.parametrize("M", [1, 2, 5, 8])
-@pytest.mark.parametrize("N,K", [(64, 64), (96, 128), (64, 96)])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N,K", [(64, 64), (42, 96)])  # (42, 96): a partial row tile, an uneven K split
 def test_gemv_fp8_matches_reference(M, N, K):
     """fp8 weights against quant.matmul.fp8_matmul_ref (dequantize in fp32, then x @ W^T): fp32 x to
     ~1e-5, bf16 x within one bf16 ulp of the fp64 product of the same values."""
@@ -448,6 +449,26 @@ def test_gemv_fp8_matches_reference(M, N, K):
                 _close(y, fp8_matmul_ref(x, w8, scale).double())
             else:
                 assert_within_ulps(y, exact.to(bf16), max_ulps=1, max_frac=0.05)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_fp8_silu_out_matches_reference(M):
+    """fp8 [gate | up] weights with the silu_mul epilogue: equal to fused.silu_mul of gemv_fp8's
+    own output (the same sums, the same roundings), for every even-BLOCK_N config; F not a
+    multiple of the tile's columns (a partial last tile)."""
+    F, K = 40, 128
+    w8, scale = _fp8_weights(2 * F, K, seed=M)
+    g = torch.Generator().manual_seed(10 + M)
+    x = torch.randn(M, K, generator=g).to(bf16)
+    for cfg in FP8_CONFIGS + [G.GemvConfig(8, 32, 1), G.GemvConfig(4, 64, 1, split_k=2)]:
+        if cfg.block_n % 2:
+            continue
+        y = G.gemv_fp8(x, w8, scale, cfg, silu_out=True)
+        full = G.gemv_fp8(x, w8, scale, cfg)
+        gate, up = full.float().chunk(2, dim=-1)
+        ref = ((gate * torch.sigmoid(gate)).to(bf16).float() * up).to(bf16)
+        assert y.shape == (M, F) and y.dtype == bf16
+        assert_within_ulps(y, ref, max_ulps=1, max_frac=0.02)
 
 
 def test_gemv_fp8_refuses_bad_input():

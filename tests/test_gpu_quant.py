@@ -130,6 +130,9 @@ def test_fp8_fma_gemv_every_config(name, M):
 def test_fp8_gemv_calibration_records_a_choice():
     """calibrate_fp8_gemv times w8a16 and the fp8 FMA configs; quant_linear then follows the table
     (set to the GEMV by FP8_DECODE = "gemv") and still equals the reference."""
+    import dataclasses
+
+    from salaserve.kernels import gemv as G
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES["o_proj"]
@@ -138,7 +141,8 @@ def test_fp8_gemv_calibration_records_a_choice():
     assert set(res) == {(1, N, K), (8, N, K)}
     for m in (1, 8):
         cfg, t, t_ref = res[(m, N, K)]
-        assert t > 0 and t_ref > 0 and (cfg is None or cfg.block_k == 512 * cfg.num_warps)
+        assert t > 0 and t_ref > 0
+        assert cfg is None or dataclasses.replace(cfg, split_k=0) in G.FP8_FMA_CONFIGS[m]  # a candidate, its split set
         assert (cfg is None) == (t == t_ref)
     old = Q.FP8_DECODE
     try:

@@ -206,41 +206,90 @@ def _x_quads(x_ptr, rows, kw, mask, stride_xm, X_WORDS: tl.constexpr):
 
 
 @triton.jit
-def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm, stride_wn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr):
-    """The FMA path for fp8 weights: w_scale[n] * sum_k x[m, k] w[n, k] over [k_begin, k_end) ->
-    [BM, BN] fp32. W is read as int32 words of 4 codes (BK = 512 * num_warps: one 16-byte vector
-    per thread and row) and x as the matching 4 values per word, so every operand shares the words'
-    thread mapping; acc [BM, BN, BK / 4] takes 4 FMAs per word."""
+def _fp8_row(pid_n, j, N, BLOCK_N: tl.constexpr, SILU_OUT: tl.constexpr):
+    """(W row of the tile's j-th column, whether it exists): the kernel's offs_n and n_mask for
+    one column, SILU_OUT's row map included; j = BLOCK_N (past the tile) does not exist."""
+    if SILU_OUT:
+        col = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)
+        return col + (j // (BLOCK_N // 2)) * (N // 2), (j < BLOCK_N) & (col < N // 2)
+    return pid_n * BLOCK_N + j, (j < BLOCK_N) & (pid_n * BLOCK_N + j < N)
+
+
+@triton.jit
+def _tile_mask(ok, kw, kw_end, EVEN_K: tl.constexpr, GPU: tl.constexpr):
+    """Load mask of one row's W tile: the row's scalar `ok`, and K's end unless EVEN_K. (The
+    interpreter's masked load wants a full-shape mask: there the scalar is widened by a compare.)"""
+    if GPU:
+        if EVEN_K:
+            mask = ok
+        else:
+            mask = ok & (kw < kw_end)
+    else:
+        # the interpreter broadcasts a 0-d int1 tensor to int32, which its load refuses; where() does not
+        mask = tl.where(ok, kw < kw_end, False)
+    return mask  # one return: the compiler checks every return's type, constexpr-dead ones included
+
+
+@triton.jit
+def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end, stride_xm,
+              stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr, SILU_OUT: tl.constexpr):
+    """The FMA path for fp8 weights: w_scale[n] * sum_k x[m, k] w[n, k] over [k_begin, k_end) for
+    the tile's BN rows -> [BM, BN] fp32. W is read as int32 words of 4 codes (BK = 512 * num_warps
+    * vectors: whole 16-byte vectors per thread) and x as the matching 4 values per word, so every
+    operand has the words' thread mapping. The rows are walked one after another in a single
+    pipelined loop over (row, K tile), the next step's W tile issued before this one is consumed:
+    W tiles of one row each ([1, 1, BK / 4]; a [BN, BK / 4] tile puts x through shared memory
+    every iteration), and a program still streams BN rows' bytes, so the grid's launch and tail
+    costs are paid once per BN rows."""
     kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
-    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
-    nm = n_mask[None, :, None]
+    wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     rows = offs_m[:, None, None]
     row_mask = m_mask[:, None, None]
     kw_begin = k_begin // 4
     kw_end = k_end // 4  # K % 4 == 0 (the launcher checks)
     # first W tile before the dependency wait: weights never depend on the previous kernel
+    row, ok = _fp8_row(pid_n, tl.full((), 0, tl.int32), N, BLOCK_N, SILU_OUT)
     kw = kw_begin + kt
-    w = tl.load(w_rows + kw, mask=nm if EVEN_K else nm & (kw < kw_end), other=0)
+    w = tl.load(wp + row.to(tl.int64) * (stride_wn // 4) + kw, mask=_tile_mask(ok, kw, kw_end, EVEN_K, ASM), other=0)
+    scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)  # off the tail's critical path
     if PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
-    for kw0 in range(kw_begin, kw_end, BLOCK_K // 4):
-        kw = kw0 + kt
-        nk = kw + BLOCK_K // 4
+    acc = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
+    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    j = 0  # the row and word offset of this step; jn, kn: the next step's (prefetched) tile
+    kq = kw_begin
+    jn = 0
+    kn = kw_begin
+    n_steps = BLOCK_N * tl.cdiv(kw_end - kw_begin, BLOCK_K // 4)
+    for _ in range(n_steps):
+        kw = kq + kt
         x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask if EVEN_K else row_mask & (kw < kw_end), stride_xm,
                                   X_WORDS)
-        # the next tile is issued before this one is consumed: two tiles in flight per thread
-        w_next = tl.load(w_rows + nk, mask=nm & (nk < kw_end), other=0)
+        kn += BLOCK_K // 4
+        if kn >= kw_end:
+            kn = kw_begin
+            jn += 1
+        # the next step's tile (a row past the tile's last is masked off): two tiles in flight
+        row, ok = _fp8_row(pid_n, jn, N, BLOCK_N, SILU_OUT)
+        nk = kn + kt
+        w_next = tl.load(wp + row.to(tl.int64) * (stride_wn // 4) + nk, mask=_tile_mask(ok, nk, kw_end, EVEN_K, ASM),
+                         other=0)
         w0, w1, w2, w3 = _e4m3_words_to_f32(w, ASM)
         acc += w0 * x0
         acc += w1 * x1
         acc += w2 * x2
         acc += w3 * x3
         w = w_next
+        kq += BLOCK_K // 4
+        if kq >= kw_end:  # row j's K range done: its sum goes to column j
+            y = tl.where(cols == j, tl.sum(acc, axis=2), y)
+            acc = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
+            kq = kw_begin
+            j += 1
     # per output channel; a split's scaled partial adds up like the unscaled ones
-    return tl.sum(acc, axis=2) * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    return y * scale[None, :]
 
 @triton.jit
 def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale,
@@ -344,8 +393,8 @@ def _gemv_kernel(
                 acc = tl.dot(w, tl.trans(xt.to(w.dtype)), acc, input_precision="ieee")
         y = tl.trans(acc)  # [BM, BN]
     elif W_SCALE:
-        y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
-                      stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM)
+        y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end,
+                      stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT)
     else:
         # x [BM, 1, BK] against W [1, BN, BK]: acc [BM, BN, BK] in registers, reduced over K once
         # after the loop (BK = 256 * num_warps: one 16-byte W vector per thread and row, x's
@@ -436,15 +485,14 @@ FMA_CONFIGS = {  # M bucket -> configs; sm_90 registers per thread in the commen
 }
 FMA_MAX_M = 8  # above, the register accumulators get too many: tensor cores only
 # fp8 weights (gemv_fp8, `_fp8_sums`): 16 weights per 16-byte vector, BLOCK_K = 512 * num_warps *
-# vectors per thread and row. One W row per tile: with BLOCK_N >= 2 or M >= 2, Triton moves x's
-# values through shared memory in every iteration (sm_90 compile). sm_90 registers per thread and
-# loop instructions per weight at M = 1 in the comments.
+# vectors per thread and row; BLOCK_N rows walked one after another by each program. Loop SASS at
+# one row (sm_90): ~87 instructions per 16 weights (5.4 per weight; 29-63 registers), plus a
+# cross-warp sum at each row's end.
 FP8_FMA_CONFIGS = {
-    1: (GemvConfig(1, 2048, 4), GemvConfig(1, 4096, 8),  # 1 vector: 29 registers, 5.4 per weight
-        GemvConfig(1, 4096, 4), GemvConfig(1, 8192, 8),  # 2 vectors: 38 / 43, 4.9 / 4.7
-        GemvConfig(1, 8192, 4)),  # 4 vectors: 71, 4.4
-    2: (GemvConfig(1, 2048, 4), GemvConfig(1, 4096, 4)),
-    4: (GemvConfig(1, 2048, 4),),
+    1: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4), GemvConfig(4, 2048, 4), GemvConfig(8, 2048, 4),
+        GemvConfig(4, 4096, 8), GemvConfig(8, 4096, 8), GemvConfig(4, 4096, 4)),
+    2: (GemvConfig(1, 2048, 4), GemvConfig(4, 2048, 4)),
+    4: (GemvConfig(1, 2048, 4), GemvConfig(4, 2048, 4)),
     8: (GemvConfig(1, 2048, 4),),
 }
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
@@ -607,9 +655,8 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
             raise ValueError(f"residual must be [{M}, {N}], got {tuple(residual.shape)}")
         out_dt = promote(residual.dtype, y_dt)
     n_out = N // 2 if silu_out else N
-    if silu_out and (N % 2 or residual is not None or w_scale is not None):
-        raise ValueError("the silu_mul epilogue takes an even number of plain weight rows [gate | up] and no "
-                         "residual")
+    if silu_out and (N % 2 or residual is not None):
+        raise ValueError("the silu_mul epilogue takes an even number of weight rows [gate | up] and no residual")
     if out is None:
         out = torch.empty(M, n_out, dtype=out_dt, device=x.device)
     elif out.shape != (M, n_out) or out.dtype != out_dt or out.stride(-1) != 1:
@@ -650,11 +697,13 @@ def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None =
     return _launch(x, w, out=out, config=config, pdl=pdl)
 
 
-def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | None = None):
+def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | None = None, silu_out: bool = False):
     """x [M, K] @ (w_fp8 [N, K] e4m3 * w_scale [N] fp32)^T -> [M, N] in x.dtype (weight-only fp8,
     quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config: each thread
-    streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs."""
-    return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale)
+    streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs
+    (`_fp8_sums`). silu_out: a [gate | up] weight, silu_mul of the product written ([M, N / 2],
+    as gemv_silu_out; the config's BLOCK_N even)."""
+    return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale, silu_out=silu_out)
 
 
 def gemv_silu_out(x, w, out=None, *, config=None, pdl=None):
