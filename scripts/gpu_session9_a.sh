@@ -11,3 +11,8 @@ timeout 220 python3 scripts/fp8_gemv_ab.py "$OUT/fp8-gemv-ab.json" 2>&1 | grep -
 SALASERVE_FP8_DECODE=gemv timeout 170 python3 -m salaserve.bench.micro --quantization fp8 --contexts 4096 \
   --batches 1 --prefill "" --json "$OUT/micro-fp8-gemv.json" 2>&1 | grep -v -i warn \
   | tee "$OUT/micro-fp8-gemv.log" | tail -4
+# same-call references: fp8 with the default w8a16 decode kernel, and bf16
+timeout 120 python3 -m salaserve.bench.micro --quantization fp8 --contexts 4096 --batches 1 --prefill "" \
+  --json "$OUT/micro-fp8-w8a16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-fp8-w8a16.log" | tail -2
+timeout 100 python3 -m salaserve.bench.micro --contexts 4096 --batches 1 --prefill "" \
+  --json "$OUT/micro-bf16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-bf16.log" | tail -2
