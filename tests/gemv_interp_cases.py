@@ -471,6 +471,38 @@ def test_gemv_fp8_silu_out_matches_reference(M):
         assert_within_ulps(y, ref, max_ulps=1, max_frac=0.02)
 
 
+def test_backend_fp8_gate_up_takes_the_silu_epilogue(monkeypatch):
+    """fp8 weights at one row (SALASERVE_FP8_DECODE=gemv, a calibrated even-BLOCK_N config): the
+    gate_up junction writes silu_mul through gemv_fp8(silu_out=True), equal to TorchBackend's
+    silu_mul of the fp8 linear; without a calibrated GEMV config the junction falls back."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.triton_backend import TritonBackend
+    from salaserve.quant import rtn
+
+    gen = torch.Generator().manual_seed(97)
+    H, F = 64, 40
+    h = torch.randn(1, H, generator=gen).to(bf16)
+    o = torch.randn(1, H, generator=gen).to(bf16)
+    w_o = rtn.quantize_fp8(0.1 * torch.randn(H, H, generator=gen))
+    nw = (1 + 0.2 * torch.randn(H, generator=gen)).to(bf16)
+    w_gu = rtn.quantize_fp8(0.3 * torch.randn(2 * F, H, generator=gen))
+    monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
+    tb = TritonBackend()
+    ref_h, ref_act = TB.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
+    calls = []
+    real = G.gemv_fp8
+    monkeypatch.setattr(G, "gemv_fp8", lambda *a, **kw: calls.append(kw.get("silu_out", False)) or real(*a, **kw))
+    for cfg, fused in ((G.GemvConfig(4, 64, 1), True), (G.GemvConfig(1, 64, 1), False), (None, False)):
+        calls.clear()
+        monkeypatch.setitem(Q._FP8_GEMV_TABLE, Q._fp8_gemv_key(1, w_gu, "cpu"), cfg)
+        monkeypatch.setitem(Q._FP8_GEMV_TABLE, Q._fp8_gemv_key(1, w_o, "cpu"), cfg)
+        h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
+        assert (True in calls) == fused, (cfg, calls)
+        assert act.shape == (1, F)
+        assert_within_ulps(h1, ref_h, max_ulps=1, max_frac=0.05)
+        assert (act.float() - ref_act.float()).norm() / ref_act.float().norm() < 2e-2
+
+
 def test_gemv_fp8_refuses_bad_input():
     w8, scale = _fp8_weights(64, 64, seed=1)
     x = torch.randn(1, 64)

@@ -234,3 +234,34 @@ def test_speculative_decoding_follows_plain_decoding(full_dir):
             print(f"  first difference at {n}: plain logit gap {gap:.3f} (logit std {row.std().item():.2f})")
             assert gap < 0.1 * row.std().item()
     assert eng.resource_counters() == initial
+
+
+def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
+    """fp8 weights quantized on load: decode batches through the graphs with the default fp8 decode
+    kernels (SALASERVE_FP8_DECODE=gemv: the calibrated FMA GEMV, at one row its silu_mul epilogue
+    on gate_up) give the logits of an eager forward through w8a16 on tensor cores: the same fp8
+    products summed in fp32 by other kernels, so the bf16 noise bound applies."""
+    from salaserve.bench.micro import fake_decoding_requests, release
+    from salaserve.config import EngineArgs
+    from salaserve.engine.runner import ModelRunner
+    from salaserve.engine.scheduler import ScheduledWork
+    from salaserve.kernels import quant_gemm as Q
+
+    monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
+    runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
+                                    quantization="fp8", max_running_requests=8, max_total_tokens=100_000), full_dir)
+    assert Q._FP8_GEMV_TABLE, "the start-up calibration chose no fp8 GEMV config for any shape"
+    for B, ctx in [(1, 300), (1, 9000), (4, 1000)]:
+        reqs = fake_decoding_requests(runner, B, ctx)
+        slots = [r.state_slot for r in reqs]
+        saved = runner.caches.states.state[slots].clone()
+        work = [ScheduledWork(r, 1) for r in reqs]
+        monkeypatch.setattr(Q, "FP8_DECODE", "w8a16")
+        eager = runner.model.forward(runner.build_batch(work), runner.caches).float()
+        monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
+        runner.caches.states.state[slots] = saved
+        graph = runner.forward(work).float()
+        rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
+        print(f"fp8 B={B} ctx={ctx}: graph (gemv) vs eager (w8a16) rel err {rel:.2e}")
+        assert torch.isfinite(graph).all() and rel < REL_ERR
+        release(runner, reqs)

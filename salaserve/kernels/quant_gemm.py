@@ -11,8 +11,8 @@
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
       - M <= GEMV_MAX_M: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows) with the
-        weights converted to bf16 and x exact; with SALASERVE_FP8_DECODE=gemv (M <= 8) gemv.py's
-        FMA GEMV on the fp8 codes where `calibrate_fp8_gemv` measured it faster; or with
+        weights converted to bf16 and x exact; by default (SALASERVE_FP8_DECODE=gemv, M <= 8)
+        gemv.py's FMA GEMV on the fp8 codes where `calibrate_fp8_gemv` measured it faster; or with
         SALASERVE_FP8_DECODE=w8a8 (and K a
         multiple of 128) `w8a8_gemv`: x quantized to e4m3 per (token, 128 channels) inside the
         kernel and an fp8 x fp8 tensor-core dot.
@@ -52,12 +52,12 @@ GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
 SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
 SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# fp8 weights at decode sizes: "w8a16" (weights converted to bf16 in the kernel; x exact) or
-# "w8a8" (x quantized per 128 channels, fp8 tensor cores): w8a16 measured faster so far (perf notes)
-FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "w8a16")
-# "gemv": gemv.py's FMA GEMV with fp8 weights (16 per 16-byte vector) wherever the start-up
-# calibration measures it faster than w8a16 (M <= 8); opt-in: on the H200 it won only o_proj
-# (BENCHMARKS run 18: 9.1 vs 9.6 us)
+# fp8 weights at decode sizes: "gemv" (default: gemv.py's FMA GEMV on the fp8 codes, per shape
+# where the start-up calibration measures it faster than w8a16, M <= 8; with PDL and the silu_mul
+# epilogue on gate_up), "w8a16" (tensor cores, weights converted to bf16; x exact) or "w8a8" (x
+# quantized per 128 channels, fp8 tensor cores). Measured (BENCHMARKS run 36): batch-1 decode at
+# 4K 3.637 ms with w8a16, 3.351 ms with gemv.
+FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "gemv")
 if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
     raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
 

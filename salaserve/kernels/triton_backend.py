@@ -128,6 +128,19 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return (self._gemv_fuses(x, w, min_rows=1)
                 and gemv_ops.choose_config(x.shape[0], *w.shape, x.device).block_n % 2 == 0)
 
+    @staticmethod
+    def _fp8_silu_config(x, w):
+        """The fp8 GEMV config under which an fp8 [gate | up] weight takes the silu_mul epilogue
+        (gemv_fp8(silu_out=True)), or None: SALASERVE_FP8_DECODE=gemv and its start-up calibration
+        chose the GEMV for this shape and row count, with an even BLOCK_N; bf16 x."""
+        if not (isinstance(w, QuantizedLinearWeights) and w.format == "fp8" and x.dim() == 2
+                and x.dtype == torch.bfloat16 and (x.is_cuda or gemv_ops._INTERPRET)):
+            return None
+        from salaserve.kernels import quant_gemm
+
+        cfg = quant_gemm.fp8_gemv_choice(x.shape[0], w, x.device) if quant_gemm.FP8_DECODE == "gemv" else None
+        return cfg if cfg is not None and cfg.block_n % 2 == 0 else None
+
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
                              silu_out: bool = False):
         """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
@@ -139,6 +152,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
             if self._silu_epilogue(normed, w_in):
                 return h, gemv_ops.gemv_silu_out(normed, w_in)
+            if (cfg := self._fp8_silu_config(normed, w_in)) is not None:
+                return h, gemv_ops.gemv_fp8(normed, w_in.weight, w_in.scale, cfg, silu_out=True)
             return h, self.silu_mul(self.linear(normed, w_in))
         if not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
             return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu)
