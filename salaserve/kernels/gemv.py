@@ -231,38 +231,67 @@ def _tile_mask(ok, kw, kw_end, EVEN_K: tl.constexpr, GPU: tl.constexpr):
 
 
 @triton.jit
+def _fp8_tile(wp, pid_n, j, kn, kt, kw_end, N, stride_wn, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr,
+              EVEN_K: tl.constexpr, SILU_OUT: tl.constexpr, GPU: tl.constexpr):
+    """The int32 W words [1, 1, BK / 4] of the tile's column j at word offset kn; all lanes masked
+    off for a column past N_COLS (the loop's prefetch after its last step) or past N."""
+    row, ok = _fp8_row(pid_n, j, N, BLOCK_N, SILU_OUT)
+    nk = kn + kt
+    return tl.load(wp + row.to(tl.int64) * (stride_wn // 4) + nk,
+                   mask=_tile_mask(ok & (j < N_COLS), nk, kw_end, EVEN_K, GPU), other=0)
+
+
+@triton.jit
+def _fp8_acc(acc, words, x0, x1, x2, x3, ASM: tl.constexpr):
+    w0, w1, w2, w3 = _e4m3_words_to_f32(words, ASM)
+    acc += w0 * x0
+    acc += w1 * x1
+    acc += w2 * x2
+    acc += w3 * x3
+    return acc
+
+
+@triton.jit
 def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end, stride_xm,
               stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr, SILU_OUT: tl.constexpr):
+              PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr, SILU_OUT: tl.constexpr,
+              PAIRS: tl.constexpr):
     """The FMA path for fp8 weights: w_scale[n] * sum_k x[m, k] w[n, k] over [k_begin, k_end) for
-    the tile's BN rows -> [BM, BN] fp32. W is read as int32 words of 4 codes (BK = 512 * num_warps
+    the tile's BN columns -> [BM, BN] fp32. W is read as int32 words of 4 codes (BK = 512 * num_warps
     * vectors: whole 16-byte vectors per thread) and x as the matching 4 values per word, so every
-    operand has the words' thread mapping. The rows are walked one after another in a single
-    pipelined loop over (row, K tile), the next step's W tile issued before this one is consumed:
-    W tiles of one row each ([1, 1, BK / 4]; a [BN, BK / 4] tile puts x through shared memory
-    every iteration), and a program still streams BN rows' bytes, so the grid's launch and tail
-    costs are paid once per BN rows."""
+    operand has the words' thread mapping. One pipelined loop walks (column, K tile), the next
+    step's W tiles issued before this step's are consumed; PAIRS (BN even): each step takes
+    columns j and j + BN/2 together, so x's loads and bf16 -> fp32 shifts serve two rows (SILU_OUT:
+    an output's gate and up rows). W tiles of one row each ([1, 1, BK / 4]: a [BN, BK / 4] tile
+    puts x through shared memory every iteration); a program streams BN rows, so the grid's launch
+    and tail costs are paid once per BN rows."""
+    N_COLS: tl.constexpr = BLOCK_N // 2 if PAIRS else BLOCK_N  # columns walked (the first of each pair)
     kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
     wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     rows = offs_m[:, None, None]
     row_mask = m_mask[:, None, None]
     kw_begin = k_begin // 4
     kw_end = k_end // 4  # K % 4 == 0 (the launcher checks)
-    # first W tile before the dependency wait: weights never depend on the previous kernel
-    row, ok = _fp8_row(pid_n, tl.full((), 0, tl.int32), N, BLOCK_N, SILU_OUT)
-    kw = kw_begin + kt
-    w = tl.load(wp + row.to(tl.int64) * (stride_wn // 4) + kw, mask=_tile_mask(ok, kw, kw_end, EVEN_K, ASM), other=0)
+    # first W tiles before the dependency wait: weights never depend on the previous kernel
+    j0 = tl.full((), 0, tl.int32)  # a tensor: its compares are masks
+    wa = _fp8_tile(wp, pid_n, j0, kw_begin, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K, SILU_OUT, ASM)
+    if PAIRS:
+        wb = _fp8_tile(wp, pid_n, j0 + N_COLS, kw_begin, kt, kw_end, N, stride_wn, BLOCK_N, BLOCK_N, EVEN_K,
+                       SILU_OUT, ASM)
+    else:
+        wb = wa
     scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)  # off the tail's critical path
     if PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
+    acc_a = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
     y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    j = 0  # the row and word offset of this step; jn, kn: the next step's (prefetched) tile
+    j = 0  # this step's column and word offset; jn, kn: the next step's (prefetched) tiles
     kq = kw_begin
-    jn = 0
+    jn = j0
     kn = kw_begin
-    n_steps = BLOCK_N * tl.cdiv(kw_end - kw_begin, BLOCK_K // 4)
+    n_steps = N_COLS * tl.cdiv(kw_end - kw_begin, BLOCK_K // 4)
     for _ in range(n_steps):
         kw = kq + kt
         x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask if EVEN_K else row_mask & (kw < kw_end), stride_xm,
@@ -271,21 +300,25 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
         if kn >= kw_end:
             kn = kw_begin
             jn += 1
-        # the next step's tile (a row past the tile's last is masked off): two tiles in flight
-        row, ok = _fp8_row(pid_n, jn, N, BLOCK_N, SILU_OUT)
-        nk = kn + kt
-        w_next = tl.load(wp + row.to(tl.int64) * (stride_wn // 4) + nk, mask=_tile_mask(ok, nk, kw_end, EVEN_K, ASM),
-                         other=0)
-        w0, w1, w2, w3 = _e4m3_words_to_f32(w, ASM)
-        acc += w0 * x0
-        acc += w1 * x1
-        acc += w2 * x2
-        acc += w3 * x3
-        w = w_next
+        # the next step's tiles (past the last column: masked off): two steps in flight
+        wa_next = _fp8_tile(wp, pid_n, jn, kn, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K, SILU_OUT, ASM)
+        if PAIRS:
+            wb_next = _fp8_tile(wp, pid_n, jn + N_COLS, kn, kt, kw_end, N, stride_wn, BLOCK_N, BLOCK_N, EVEN_K,
+                                SILU_OUT, ASM)
+        else:
+            wb_next = wa_next
+        acc_a = _fp8_acc(acc_a, wa, x0, x1, x2, x3, ASM)
+        if PAIRS:
+            acc_b = _fp8_acc(acc_b, wb, x0, x1, x2, x3, ASM)
+        wa = wa_next
+        wb = wb_next
         kq += BLOCK_K // 4
-        if kq >= kw_end:  # row j's K range done: its sum goes to column j
-            y = tl.where(cols == j, tl.sum(acc, axis=2), y)
-            acc = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
+        if kq >= kw_end:  # column j's K range done: its sum (and its pair's) go to y
+            y = tl.where(cols == j, tl.sum(acc_a, axis=2), y)
+            acc_a = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
+            if PAIRS:
+                y = tl.where(cols == j + N_COLS, tl.sum(acc_b, axis=2), y)
+                acc_b = tl.zeros((BLOCK_M, 1, BLOCK_K // 4), dtype=tl.float32)
             kq = kw_begin
             j += 1
     # per output channel; a split's scaled partial adds up like the unscaled ones
@@ -394,7 +427,8 @@ def _gemv_kernel(
         y = tl.trans(acc)  # [BM, BN]
     elif W_SCALE:
         y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end,
-                      stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT)
+                      stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT,
+                      BLOCK_N % 2 == 0)
     else:
         # x [BM, 1, BK] against W [1, BN, BK]: acc [BM, BN, BK] in registers, reduced over K once
         # after the loop (BK = 256 * num_warps: one 16-byte W vector per thread and row, x's
@@ -485,14 +519,14 @@ FMA_CONFIGS = {  # M bucket -> configs; sm_90 registers per thread in the commen
 }
 FMA_MAX_M = 8  # above, the register accumulators get too many: tensor cores only
 # fp8 weights (gemv_fp8, `_fp8_sums`): 16 weights per 16-byte vector, BLOCK_K = 512 * num_warps *
-# vectors per thread and row; BLOCK_N rows walked one after another by each program. Loop SASS at
-# one row (sm_90): ~87 instructions per 16 weights (5.4 per weight; 29-63 registers), plus a
-# cross-warp sum at each row's end.
+# vectors per thread and row; an even BLOCK_N walks its columns in pairs (x shared by two rows).
+# Loop SASS at one row (sm_90): ~100 instructions per 16 weights of one row, ~170 per pair of rows,
+# plus a cross-warp sum at each column's end; 31-80 registers.
 FP8_FMA_CONFIGS = {
-    1: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4), GemvConfig(4, 2048, 4), GemvConfig(8, 2048, 4),
-        GemvConfig(4, 4096, 8), GemvConfig(8, 4096, 8), GemvConfig(4, 4096, 4)),
-    2: (GemvConfig(1, 2048, 4), GemvConfig(4, 2048, 4)),
-    4: (GemvConfig(1, 2048, 4), GemvConfig(4, 2048, 4)),
+    1: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4), GemvConfig(4, 2048, 4), GemvConfig(2, 4096, 8),
+        GemvConfig(2, 4096, 4), GemvConfig(4, 4096, 4)),
+    2: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4)),
+    4: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4)),
     8: (GemvConfig(1, 2048, 4),),
 }
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
