@@ -1,7 +1,8 @@
 """Where a decode (or verify) step's time goes: per-kernel device time of one step.
 
     python -m salaserve.bench.profile_step [--model DIR] [--batch 1] [--context 131072[,4096...]]
-                                           [--verify-k 0] [--graph] [--top 25] [--json OUT.json]
+                                           [--verify-k 0] [--graph] [--quantization fp8] [--top 25]
+                                           [--json OUT.json]
     python -m salaserve.bench.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
 
 Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", default="131072", help="context length(s), comma-separated")
     ap.add_argument("--verify-k", type=int, default=0, help="draft tokens per sequence (0: plain decode)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"],
+                    help="weights quantized on load (default: bf16)")
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--top", type=int, default=25)
@@ -153,7 +156,8 @@ def main(argv=None) -> int:
     if a.prefill:
         runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=1,
                                         max_total_tokens=a.prefill + 4096, context_length=a.prefill + 1024,
-                                        enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype), model_dir)
+                                        enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype,
+                                        quantization=a.quantization), model_dir)
         rows, seconds = profile_prefill(runner, a.prefill)
         total = sum(r["total_us"] for r in rows)
         print(f"prefill of {a.prefill} tokens: {seconds:.3f} s under the profiler, {total / 1e6:.3f} s of kernels")
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
                                     max_total_tokens=tokens, context_length=max(contexts) + 1024,
                                     enable_cuda_graph=a.graph, cuda_graph_max_bs=a.batch if a.graph else None,
-                                    kv_cache_dtype=a.kv_cache_dtype), model_dir)
+                                    kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization), model_dir)
     results = []
     for context in contexts:
         if a.graph:
