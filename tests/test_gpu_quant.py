@@ -153,3 +153,30 @@ def test_fp8_gemv_calibration_records_a_choice():
         assert Q.fp8_gemv_choice(1, w, "cuda") is res[(1, N, K)][0]
     finally:
         Q.FP8_DECODE = old
+
+
+def test_fp8_gemv_calibration_times_the_silu_junction():
+    """A [gate | up] shape given as a silu shape is timed at one row as the junction runs it; the
+    choice recorded, whichever kernel won, computes silu_mul of the linear through the backend."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.torch_ops import TorchBackend
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    N, K = 2 * 2048, 4096
+    w = _weights("fp8", N, K, 14)
+    res = Q.calibrate_fp8_gemv([w], "cuda", m_values=(1,), silu_shapes={(N, K)})
+    cfg, t, t_ref = res[(1, N, K)]
+    assert t > 0 and t_ref > 0 and (cfg is None) == (t == t_ref)
+    old = Q.FP8_DECODE
+    try:
+        Q.FP8_DECODE = "gemv"
+        g = torch.Generator(device="cuda").manual_seed(3)
+        h = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+        o = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+        w_o = (torch.randn(K, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+        nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+        _, act = TritonBackend().residual_norm_linear(h, o, w_o, 0.5, nw, 1e-6, w, silu_out=True)
+        _, ref = TorchBackend().residual_norm_linear(h, o, w_o, 0.5, nw, 1e-6, w, silu_out=True)
+        assert act.shape == (1, N // 2) and _rel(act, ref) < 2e-2
+    finally:
+        Q.FP8_DECODE = old

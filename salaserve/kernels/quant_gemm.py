@@ -1039,11 +1039,16 @@ def fp8_gemv_choice(M: int, w: QuantizedLinearWeights, device):
     return _FP8_GEMV_TABLE.get(_fp8_gemv_key(M, w, device))
 
 
-def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False) -> dict:
+def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
+                       silu_shapes=frozenset()) -> dict:
     """Per (M bucket, fp8 shape): time w8a16_gemv and every gemv.FP8_FMA_CONFIGS config (CUDA graphs
     of back-to-back calls over L2-busting random weights) and record the faster for quant_linear.
-    Returns {(M, N, K): (config or None, its us, w8a16 us)}. GPU only."""
+    silu_shapes: (N, K) of [gate | up] weights, which one-row steps call through the silu_mul
+    junction (TritonBackend.residual_norm_linear): at M = 1 those are timed as the junction runs
+    them, w8a16 or an odd-BLOCK_N GEMV followed by the silu_mul kernel against the GEMV with its
+    silu_mul epilogue. Returns {(M, N, K): (config or None, its us, w8a16 us)}. GPU only."""
     from salaserve.kernels import gemv as G
+    from salaserve.kernels.fused import silu_mul
     from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
     device = torch.device(device)
@@ -1055,13 +1060,20 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
         copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n)]
         for m in todo:
             x = torch.randn(G._bucket(m), K, device=device).to(torch.bfloat16)
-            t_ref = graph_time_us(lambda i: w8a16_gemv(x, copies[i % n], w.scale), calls=max(8, n))
+            junction = m == 1 and (N, K) in silu_shapes
+            after = silu_mul if junction else (lambda y: y)
+            t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
             for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)]:
                 cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
-                t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg), calls=max(8, n))
+                if junction and cfg.block_n % 2 == 0:
+                    t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
+                                      calls=max(8, n))
+                else:
+                    t = graph_time_us(lambda i: after(G.gemv_fp8(x, copies[i % n], w.scale, cfg)), calls=max(8, n))
                 if verbose:
-                    print(f"  fp8 gemv M={m} N={N} K={K} {cfg}: {t:.1f} us (w8a16 {t_ref:.1f})")
+                    print(f"  fp8 gemv M={m} N={N} K={K} {cfg}{' (silu_mul junction)' if junction else ''}: "
+                          f"{t:.1f} us (w8a16 {t_ref:.1f})")
                 if t < best[1]:
                     best = (cfg, t)
             _FP8_GEMV_TABLE[_fp8_gemv_key(m, w, device)] = best[0]

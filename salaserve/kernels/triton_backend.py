@@ -91,7 +91,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if fp8 and quant_gemm.FP8_DECODE == "w8a8":
             quant_gemm.calibrate_w8a8(list(fp8.values()), device)
         if fp8 and quant_gemm.FP8_DECODE == "gemv":
-            quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device)
+            # gate_up at one row runs through the silu_mul junction: timed that way
+            silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
+            quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device, silu_shapes=silu)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes (M <= gemv.DOT_MAX_M = 128): the GEMV or cuBLAS
