@@ -25,7 +25,7 @@ whether it beats cuBLAS; uncalibrated shapes above M = 8 stay on cuBLAS.
 Kernel shape. One program owns BLOCK_N output columns (rows of W) for ALL M rows of x, so W is
 read exactly once whatever M is, and one contiguous K range (split-K). The grid is sized for
 several programs per SM (Little's law: 4.27 TB/s x ~1 us loaded latency wants ~32 KB of loads in
-flight per SM); small N (4096) is split over K to get there. Two inner paths, chosen by the config:
+flight per SM); small N (4096) is split over K to get there. Inner paths, chosen by the config:
   - FMA (M <= FMA_MAX_M = 8): W tile [BN, BK] with BK = 256 * num_warps, so each thread holds exactly one
     16-byte vector (8 bf16 along K) per W row, and x's [BM, BK] slice lands in the same thread
     mapping (8 values per thread and row): no shuffles or shared memory inside the loop.
@@ -35,6 +35,11 @@ flight per SM); small N (4096) is split over K to get there. Two inner paths, ch
     BM = max(16, M's bucket) (x padded with zero rows; W is the MMA's 64/128-row side, so Hopper's
     wgmma applies). Triton pipelines the W (and x) tiles into shared memory with 16-byte cp.async
     (num_stages deep): few registers, deep queues.
+  - fp8 weights (`gemv_fp8`, M <= 8; quant_gemm's default decode kernel where its calibration
+    measures it faster than w8a16): the FMA structure on e4m3 codes read as int32 words, each word
+    converted by inline PTX (cvt.rn.f16x2.e4m3x2, then f16 -> f32), x read as int64 words of 4 bf16
+    in the same thread mapping; a program walks its BLOCK_N rows one (or, BLOCK_N even, a pair)
+    at a time in one pipelined loop, per-channel scales on the sums (`_fp8_sums`).
 fp32 accumulation everywhere (tensor cores accumulate in fp32 too).
 
 Split-K reduction: "last program reduces", inside the same launch. Every split stores its fp32
@@ -148,7 +153,6 @@ def _x_tile(x_ptr, nw_ptr, rows, kk, row_mask, k_mask, rstd, stride_xm, K,
     return x
 
 
-
 @triton.jit
 def _e4m3_to_f32_bits(words, byte: tl.constexpr):
     """Code `byte` of each int32 word as fp32, by integer operations (exact, subnormals included):
@@ -162,9 +166,9 @@ def _e4m3_to_f32_bits(words, byte: tl.constexpr):
 def _e4m3_words_to_f32(words, ASM: tl.constexpr):
     """int32 words of 4 e4m3 codes -> 4 fp32 tensors of words' shape (codes 0..3, memory order).
     ASM: two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 converts per word (1.5 instructions per
-    weight, no byte shuffles). Triton's own cast of a byte tile spent ~7.5 instructions per weight
-    on sm_90 (byte extracts and repacks around the same cvts, x through shared memory) and capped
-    the kernel near 2 TB/s. The bit-op variant serves the interpreter, which has no inline asm."""
+    weight, no byte shuffles). Triton's own cast of a byte tile spent ~7.5 loop instructions per
+    weight on sm_90 (byte extracts and repacks around the same cvts) and capped the kernel near
+    2 TB/s. The bit-op variant serves the interpreter, which has no inline asm."""
     if ASM:
         w0, w1, w2, w3 = tl.inline_asm_elementwise(
             asm="""{
@@ -243,6 +247,7 @@ def _fp8_tile(wp, pid_n, j, kn, kt, kw_end, N, stride_wn, N_COLS: tl.constexpr, 
 
 @triton.jit
 def _fp8_acc(acc, words, x0, x1, x2, x3, ASM: tl.constexpr):
+    """acc + the products of the words' 4 codes with x's 4 matching values (4 fp32 FMAs each)."""
     w0, w1, w2, w3 = _e4m3_words_to_f32(words, ASM)
     acc += w0 * x0
     acc += w1 * x1
@@ -323,6 +328,7 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
             j += 1
     # per output channel; a split's scaled partial adds up like the unscaled ones
     return y * scale[None, :]
+
 
 @triton.jit
 def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale,
