@@ -246,6 +246,18 @@ def _fp8_tile(wp, pid_n, j, kn, kt, kw_end, N, stride_wn, N_COLS: tl.constexpr, 
 
 
 @triton.jit
+def _fp8_step_tiles(wp, pid_n, j, kn, kt, kw_end, N, stride_wn, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVEN_K: tl.constexpr, SILU_OUT: tl.constexpr, PAIRS: tl.constexpr, GPU: tl.constexpr):
+    """One loop step's W tiles: column j's, and (PAIRS) column j + N_COLS's (else column j's again)."""
+    wa = _fp8_tile(wp, pid_n, j, kn, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K, SILU_OUT, GPU)
+    if PAIRS:
+        wb = _fp8_tile(wp, pid_n, j + N_COLS, kn, kt, kw_end, N, stride_wn, BLOCK_N, BLOCK_N, EVEN_K, SILU_OUT, GPU)
+    else:
+        wb = wa
+    return wa, wb
+
+
+@triton.jit
 def _fp8_acc(acc, words, x0, x1, x2, x3, ASM: tl.constexpr):
     """acc + the products of the words' 4 codes with x's 4 matching values (4 fp32 FMAs each)."""
     w0, w1, w2, w3 = _e4m3_words_to_f32(words, ASM)
@@ -279,12 +291,8 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
     kw_end = k_end // 4  # K % 4 == 0 (the launcher checks)
     # first W tiles before the dependency wait: weights never depend on the previous kernel
     j0 = tl.full((), 0, tl.int32)  # a tensor: its compares are masks
-    wa = _fp8_tile(wp, pid_n, j0, kw_begin, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K, SILU_OUT, ASM)
-    if PAIRS:
-        wb = _fp8_tile(wp, pid_n, j0 + N_COLS, kw_begin, kt, kw_end, N, stride_wn, BLOCK_N, BLOCK_N, EVEN_K,
-                       SILU_OUT, ASM)
-    else:
-        wb = wa
+    wa, wb = _fp8_step_tiles(wp, pid_n, j0, kw_begin, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K, SILU_OUT,
+                             PAIRS, ASM)
     scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)  # off the tail's critical path
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -306,12 +314,8 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
             kn = kw_begin
             jn += 1
         # the next step's tiles (past the last column: masked off): two steps in flight
-        wa_next = _fp8_tile(wp, pid_n, jn, kn, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K, SILU_OUT, ASM)
-        if PAIRS:
-            wb_next = _fp8_tile(wp, pid_n, jn + N_COLS, kn, kt, kw_end, N, stride_wn, BLOCK_N, BLOCK_N, EVEN_K,
-                                SILU_OUT, ASM)
-        else:
-            wb_next = wa_next
+        wa_next, wb_next = _fp8_step_tiles(wp, pid_n, jn, kn, kt, kw_end, N, stride_wn, N_COLS, BLOCK_N, EVEN_K,
+                                           SILU_OUT, PAIRS, ASM)
         acc_a = _fp8_acc(acc_a, wa, x0, x1, x2, x3, ASM)
         if PAIRS:
             acc_b = _fp8_acc(acc_b, wb, x0, x1, x2, x3, ASM)
