@@ -1053,8 +1053,9 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
 
     device = torch.device(device)
     result = {}
-    for w, todo in _to_calibrate(weights, device, m_values, lambda w: w.format == "fp8", _fp8_gemv_key,
-                                 _FP8_GEMV_TABLE):
+    # (the GEMV reads the codes as int32 words: K a multiple of 4; other shapes stay on w8a16)
+    for w, todo in _to_calibrate(weights, device, m_values, lambda w: w.format == "fp8" and w.in_features % 4 == 0,
+                                 _fp8_gemv_key, _FP8_GEMV_TABLE):
         N, K = w.out_features, w.in_features
         n = l2_busting_count(w.weight.nbytes)
         copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n)]
