@@ -60,12 +60,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "gemv")
 if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
     raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
-# the calibration keeps the fp8 GEMV unless w8a16 is faster by more than this fraction (the GEMV
-# chains with its neighbours under PDL, which a timing of back-to-back calls of one kernel does
-# not show; 0: the faster one alone)
-FP8_GEMV_MARGIN = float(os.environ.get("SALASERVE_FP8_GEMV_MARGIN", "0"))
-if not 0 <= FP8_GEMV_MARGIN < 1:
-    raise ValueError(f"SALASERVE_FP8_GEMV_MARGIN must be in [0, 1), got {FP8_GEMV_MARGIN}")
 
 
 def _configs(configs: list) -> list:
@@ -1070,7 +1064,7 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
             junction = m == 1 and (N, K) in silu_shapes
             after = silu_mul if junction else (lambda y: y)
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
-            best = (None, t_ref * (1 + FP8_GEMV_MARGIN))
+            best = (None, t_ref)
             for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)]:
                 cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
                 if junction and cfg.block_n % 2 == 0:
@@ -1084,7 +1078,7 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
                 if t < best[1]:
                     best = (cfg, t)
             _FP8_GEMV_TABLE[_fp8_gemv_key(m, w, device)] = best[0]
-            result[(m, N, K)] = (best[0], best[1] if best[0] is not None else t_ref, t_ref)
+            result[(m, N, K)] = (best[0], best[1], t_ref)
         del copies
     return result
 
