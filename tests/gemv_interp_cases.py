@@ -418,6 +418,8 @@ def test_backend_silu_epilogue_at_one_row(monkeypatch, enabled):
 
 # ---- fp8 weights (gemv_fp8): e4m3 codes with a per-output-channel fp32 scale
 
+# fp8 on tensor cores (FP8_DOT_CONFIGS' structure at small tiles), one with a K split
+FP8_DOT = [G.GemvConfig(16, 32, 1, dot=True), G.GemvConfig(16, 32, 1, split_k=2, dot=True)]
 # rows per program walked in one (row, K tile) loop: 1, 2 and 4 rows, with and without splits
 FP8_CONFIGS = [G.GemvConfig(4, 64, 1), G.GemvConfig(2, 128, 1, split_k=2), G.GemvConfig(1, 32, 1, split_k=4)]
 
@@ -449,6 +451,11 @@ def test_gemv_fp8_matches_reference(M, N, K):
                 _close(y, fp8_matmul_ref(x, w8, scale).double())
             else:
                 assert_within_ulps(y, exact.to(bf16), max_ulps=1, max_frac=0.05)
+        if dtype == bf16:  # tensor cores: f16 operands, x * 2^-8 (bf16 values stay exact in range)
+            for cfg in FP8_DOT:
+                y = G.gemv_fp8(x, w8, scale, cfg)
+                assert y.shape == (M, N) and y.dtype == bf16
+                assert_within_ulps(y, exact.to(bf16), max_ulps=1, max_frac=0.05)
 
 
 @pytest.mark.parametrize("M", [1, 3])
@@ -460,7 +467,7 @@ def test_gemv_fp8_silu_out_matches_reference(M):
     w8, scale = _fp8_weights(2 * F, K, seed=M)
     g = torch.Generator().manual_seed(10 + M)
     x = torch.randn(M, K, generator=g).to(bf16)
-    for cfg in FP8_CONFIGS + [G.GemvConfig(8, 32, 1), G.GemvConfig(4, 64, 1, split_k=2)]:
+    for cfg in FP8_CONFIGS + [G.GemvConfig(8, 32, 1), G.GemvConfig(4, 64, 1, split_k=2)] + FP8_DOT:
         if cfg.block_n % 2:
             continue
         y = G.gemv_fp8(x, w8, scale, cfg, silu_out=True)
@@ -510,5 +517,5 @@ def test_gemv_fp8_refuses_bad_input():
         G.gemv_fp8(x, w8, scale.half(), FP8_CONFIGS[0])
     with pytest.raises(TypeError, match="w_scale"):
         G.gemv_fp8(x, w8.float(), scale, FP8_CONFIGS[0])
-    with pytest.raises(ValueError, match="FMA configs"):
-        G.gemv_fp8(x, w8, scale, DOT[0])
+    with pytest.raises(ValueError, match="int32 words"):
+        G.gemv_fp8(torch.randn(1, 62), w8[:, :62], scale, FP8_CONFIGS[0])

@@ -116,14 +116,14 @@ def test_w8a8_calibration_records_a_candidate():
 @pytest.mark.parametrize("M", [1, 2, 8])
 def test_fp8_fma_gemv_every_config(name, M):
     """gemv.gemv_fp8 (SALASERVE_FP8_DECODE=gemv) with every FP8_FMA_CONFIGS config of the M bucket
-    against the dequantize-then-matmul reference at the real shapes."""
+    and every FP8_DOT_CONFIGS one against the dequantize-then-matmul reference at the real shapes."""
     from salaserve.kernels import gemv as G
 
     N, K = SHAPES[name]
     w = _weights("fp8", N, K, 20 + M)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = linear_ref(x, w)
-    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)]:
+    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)] + G.FP8_DOT_CONFIGS:
         assert _rel(G.gemv_fp8(x, w.weight, w.scale, cfg), ref) < TOL, cfg
 
 

@@ -70,6 +70,9 @@ def _aot_cases():
                 cases[f"m128-{cfg}-residual"] = (cfg, 128, dict(SPLIT_K=cfg.split_k, PDL=True, RESIDUAL=True))
                 cases[f"m128-{cfg}-uneven-k"] = (cfg, 128, dict(SPLIT_K=cfg.split_k, PDL=True, EVEN_K=False,
                                                                 divisible=("K",)))
+    for cfg in G.FP8_DOT_CONFIGS:  # fp8 weights on tensor cores (SALASERVE_FP8_DOT), as launched
+        cases[f"fp8-dot-{cfg}"] = (cfg, 16, dict(W_SCALE=True, PDL=True, SPLIT_K=2))
+        cases[f"fp8-dot-{cfg}-silu-out"] = (cfg, 16, dict(W_SCALE=True, PDL=True, SILU_OUT=True))
     for bucket, cfgs in G.FP8_FMA_CONFIGS.items():  # fp8 weights with their scales (gemv_fp8)
         for cfg in cfgs:
             cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, X_WORDS=True, PDL=True, SPLIT_K=2))

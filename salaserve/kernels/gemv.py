@@ -428,13 +428,24 @@ def _gemv_kernel(
             w = tl.load(w_rows + kk, mask=n_mask[:, None] if EVEN_K else n_mask[:, None] & k_mask, other=0.0)
             xt = _x_tile(x_ptr, nw_ptr, offs_m[:, None], kk, m_mask[:, None], k_mask, rstd, stride_xm, K,
                          PROLOGUE, X_DT, XN_DT)
-            if DOT_FP32:
+            if W_SCALE:
+                # fp8 codes are exact in f16 (one cvt per two, no f16 -> bf16 F2F at a quarter of
+                # the issue rate); x * 2^-8 in f16 keeps bf16's 8 bits up to |x| < 2^24 (f16's own
+                # range would cap x at 65504); the 2^8 goes back on with the scales
+                xh = (xt * 0.00390625).to(tl.float16)
+                if DOT_FP32:  # the interpreter: the same f16 operand values, fp32 dot
+                    acc = tl.dot(w.to(tl.float32), tl.trans(xh.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w.to(tl.float16), tl.trans(xh), acc, input_precision="ieee")
+            elif DOT_FP32:
                 # the interpreter's tl.dot misreads bf16 operands; fp32 gives the same exact products
                 acc = tl.dot(w.to(tl.float32), tl.trans(xt), acc, input_precision="ieee")
             else:
                 # x values are exact in W's dtype (bf16 inputs, or bf16-rounded prologue output)
                 acc = tl.dot(w, tl.trans(xt.to(w.dtype)), acc, input_precision="ieee")
         y = tl.trans(acc)  # [BM, BN]
+        if W_SCALE:
+            y = y * (256.0 * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0))[None, :]
     elif W_SCALE:
         y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end,
                       stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT,
@@ -539,6 +550,12 @@ FP8_FMA_CONFIGS = {
     4: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4)),
     8: (GemvConfig(1, 2048, 4),),
 }
+# fp8 weights on tensor cores (gemv_fp8 with a DOT config; opt-in, SALASERVE_FP8_DOT=1 adds them to
+# quant_gemm's calibration; NOT yet measured or tested on a GPU): W's codes converted to f16 in
+# registers after the pipelined load, x * 2^-8 in f16. sm_90 loop SASS at one row: 3.5 / 3.2
+# instructions per weight (the FMA path: ~5.3; with bf16 operands instead of f16 this tile needs an
+# F2F per weight, 4.1-4.8, quarter-rate); 99 / 171 registers.
+FP8_DOT_CONFIGS = (GemvConfig(64, 128, 4, 4, dot=True), GemvConfig(64, 256, 4, 3, dot=True))
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
     GemvConfig(64, 128, 4, 4, dot=True),  # 48 registers, 80 KB shared memory
     GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB
@@ -711,8 +728,6 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         raise ValueError(f"the silu_mul epilogue needs an even BLOCK_N, got {cfg}")
     if not cfg.dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
-    if w_scale is not None and cfg.dot:
-        raise ValueError(f"fp8 weights take the FMA configs, got {cfg}")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
     block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
     tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
@@ -743,10 +758,11 @@ def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None =
 
 def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | None = None, silu_out: bool = False):
     """x [M, K] @ (w_fp8 [N, K] e4m3 * w_scale [N] fp32)^T -> [M, N] in x.dtype (weight-only fp8,
-    quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config: each thread
-    streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs
-    (`_fp8_sums`). silu_out: a [gate | up] weight, silu_mul of the product written ([M, N / 2],
-    as gemv_silu_out; the config's BLOCK_N even)."""
+    quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config (each thread
+    streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs:
+    `_fp8_sums`) or an FP8_DOT_CONFIGS one (tensor cores on f16 operands, x scaled by 2^-8).
+    silu_out: a [gate | up] weight, silu_mul of the product written ([M, N / 2], as gemv_silu_out;
+    the config's BLOCK_N even)."""
     return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale, silu_out=silu_out)
 
 

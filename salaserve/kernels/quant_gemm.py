@@ -60,6 +60,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "gemv")
 if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
     raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
+# SALASERVE_FP8_DOT=1 adds gemv.FP8_DOT_CONFIGS (fp8 on tensor cores with f16 operands) to the fp8
+# GEMV calibration's candidates. Off: not yet run on a GPU (perf notes, end of the ninth session).
+FP8_DOT = os.environ.get("SALASERVE_FP8_DOT", "0") == "1"
 
 
 def _configs(configs: list) -> list:
@@ -1065,7 +1068,7 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
             after = silu_mul if junction else (lambda y: y)
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
-            for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)]:
+            for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)] + (G.FP8_DOT_CONFIGS if FP8_DOT else ()):
                 cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
                 if junction and cfg.block_n % 2 == 0:
                     t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
