@@ -61,8 +61,12 @@ class TorchBackend:
         if norm_w is None:
             return h + u * scale, None
         h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
-        y = self.linear(normed, w_in)
-        return h, self.silu_mul(y) if silu_out else y
+        return h, self.silu_linear(normed, w_in) if silu_out else self.linear(normed, w_in)
+
+    def silu_linear(self, x, w):
+        """silu_mul(linear(x, w)) for a [gate | up] weight w: the gate_up side of the silu_out
+        junction (a backend may write the activation straight from the linear)."""
+        return self.silu_mul(self.linear(x, w))
 
     def silu_after_gate_up(self, rows: int) -> bool:
         """Where a step of `rows` tokens applies the MLP's silu_mul: True, in the gate_up junction

@@ -143,22 +143,25 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         cfg = quant_gemm.fp8_gemv_choice(x.shape[0], w, x.device) if quant_gemm.FP8_DECODE == "gemv" else None
         return cfg if cfg is not None and cfg.block_n % 2 == 0 else None
 
+    def silu_linear(self, x, w):
+        """silu_mul(linear(x, w)) with the activation written by the gate_up GEMV itself where it
+        can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones; else the
+        linear and the silu_mul kernel."""
+        if self._silu_epilogue(x, w):
+            return gemv_ops.gemv_silu_out(x, w)
+        if (cfg := self._fp8_silu_config(x, w)) is not None:
+            return gemv_ops.gemv_fp8(x, w.weight, w.scale, cfg, silu_out=True)
+        return TorchBackend.silu_linear(self, x, w)
+
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
                              silu_out: bool = False):
         """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
         the down GEMV's prologue), the next RMSNorm in the following GEMV's prologue: 2 kernels
         per junction instead of 3-4. silu_out (one-row steps, silu_after_gate_up): the gate_up
-        GEMV writes silu_mul of its output (gemv_silu_out)."""
-        if silu_out and norm_w is not None:
-            u = self.linear(self.silu_mul(x) if silu else x, w_out)
-            h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
-            if self._silu_epilogue(normed, w_in):
-                return h, gemv_ops.gemv_silu_out(normed, w_in)
-            if (cfg := self._fp8_silu_config(normed, w_in)) is not None:
-                return h, gemv_ops.gemv_fp8(normed, w_in.weight, w_in.scale, cfg, silu_out=True)
-            return h, self.silu_mul(self.linear(normed, w_in))
-        if not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
-            return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu)
+        GEMV writes silu_mul of its output (silu_linear)."""
+        # silu_out (one row): nothing rides on o_proj there (_gemv_fuses), gate_up takes silu_linear
+        if silu_out or not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
+            return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu, silu_out)
         if silu:
             h = gemv_ops.gemv_silu_mul(x, w_out, residual=h, scale=scale)
         else:
