@@ -1,5 +1,6 @@
 """fp8 decode GEMVs at one row, per linear of the full model (GPU only): w8a16_gemv (the default
-kernel) against gemv.gemv_fp8 with every FP8_FMA_CONFIGS[1] config and split, and the bf16 GEMV,
+kernel) against gemv.gemv_fp8 with every FP8_FMA_CONFIGS[1] and FP8_DOT_CONFIGS config and split
+(the DOT ones with and without PDL), and the bf16 GEMV,
 each in a CUDA graph of back-to-back calls over L2-busting weight copies. Prints a table and the
 sums per decode step against the weight-read floor; writes JSON to argv[1].
 
@@ -35,14 +36,17 @@ def main(path: str) -> None:
         r = dict(name=name, N=N, K=K, uses=uses)
         r["w8a16"] = graph_time_us(lambda i: Q.w8a16_gemv(x, f8[i % n].weight, f8[i % n].scale), calls=max(8, n))
         r["gemv"] = {}
-        for c in G.FP8_FMA_CONFIGS[1]:
+        for c in G.FP8_FMA_CONFIGS[1] + G.FP8_DOT_CONFIGS:
             auto = G._auto_split(N, K, c, torch.device("cuda"))
             for split in sorted({auto, 1, 2, 4, 8}):
                 if K // split < c.block_k or K % split:
                     continue
                 cs = dataclasses.replace(c, split_k=split)
-                t = graph_time_us(lambda i: G.gemv_fp8(x, f8[i % n].weight, f8[i % n].scale, cs), calls=max(8, n))
-                r["gemv"][str(cs)] = t
+                # the DOT path waits for the previous kernel before its first W load: also without PDL
+                for pdl in (None, False) if c.dot else (None,):
+                    t = graph_time_us(lambda i: G.gemv_fp8(x, f8[i % n].weight, f8[i % n].scale, cs, pdl=pdl),
+                                      calls=max(8, n))
+                    r["gemv"][str(cs) + (" nopdl" if pdl is False else "")] = t
         best = min(r["gemv"].items(), key=lambda kv: kv[1])
         bfs = G.weight_copies(N, K, torch.bfloat16, "cuda")
         G.calibrate([(N, K)], "cuda", m_values=(1,))
