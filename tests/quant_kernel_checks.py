@@ -240,6 +240,32 @@ def w8a8_checks(gen):
     counters_rearmed()
 
 
+def rowquant_checks(gen):
+    """quantize_rows_fp8 bit for bit against its torch twin: several short rows per program, one
+    long row per program with masked tails, the two-pass path of rows too long for registers, and
+    silu_mul fused in (against fused.silu_mul's output, quantized by the twin)."""
+    from salaserve.kernels.fused import silu_mul
+
+    def same(name, got, want):
+        ok = torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        print(f"{'ok ' if ok else 'BAD'} {name}", flush=True)
+        if not ok:
+            sys.exit(1)
+
+    for M, K in ((5, 384), (37, 200), (3, 3 * qg.ROWQUANT_ONE_PASS_MAX // 2)):
+        x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 10
+        x[1] = 0  # an all-zero row takes the 1e-12 floor
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            same(f"quantize_rows_fp8 M={M} K={K} {dtype}", qg.quantize_rows_fp8(xd), qg.fp8_quantize_rows_ref(xd))
+            gate_up = torch.cat([xd, xd.flip(0) * 0.5], dim=1)
+            same(f"quantize_rows_fp8(silu=True) M={M} K={K} {dtype}", qg.quantize_rows_fp8(gate_up, silu=True),
+                 qg.fp8_quantize_rows_ref(silu_mul(gate_up)))
+    refused("quantize_rows_fp8 of a strided x", qg.quantize_rows_fp8, torch.randn(4, 64)[:, ::2])
+    refused("quantize_rows_fp8(silu=True) of an odd width", lambda x: qg.quantize_rows_fp8(x, silu=True),
+            torch.randn(4, 63))
+
+
 def dispatch_checks(gen):
     W = torch.randn(96, 256, generator=gen)
     variants = {
@@ -286,5 +312,6 @@ def dispatch_checks(gen):
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks}[sys.argv[1]](gen)
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

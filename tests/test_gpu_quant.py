@@ -72,15 +72,37 @@ def test_prefill_paths(fmt):
     assert _rel(Q.quant_linear(x, w), ref) < (3e-2 if fmt == "fp8" else TOL)
 
 
-def test_row_quantizer_equals_torch():
+@pytest.mark.parametrize("K", [4096, 16384, 24576])
+def test_row_quantizer_equals_torch(K):
+    """quantize_rows_fp8 bit for bit against its torch twin at the model's widths (and a two-pass
+    one), plain and with silu_mul fused in (against fused.silu_mul, then the twin)."""
     from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.fused import silu_mul
 
-    x = (torch.randn(300, 4096, device="cuda") * torch.rand(300, 1, device="cuda") * 10).to(torch.bfloat16)
+    x = (torch.randn(300, K, device="cuda") * torch.rand(300, 1, device="cuda") * 10).to(torch.bfloat16)
     x[7] = 0  # an all-zero row takes the 1e-12 floor
-    q, s = Q.quantize_rows_fp8(x)
-    q_ref, s_ref = Q.fp8_quantize_rows_ref(x)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    for got, want in ((Q.quantize_rows_fp8(x), Q.fp8_quantize_rows_ref(x)),
+                      (Q.quantize_rows_fp8(torch.cat([x, x.flip(0)], 1), silu=True),
+                       Q.fp8_quantize_rows_ref(silu_mul(torch.cat([x, x.flip(0)], 1))))):
+        assert torch.equal(got[1], want[1])
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+def test_fp8_prefill_down_quantizes_inside_silu_mul():
+    """TritonBackend.silu_mul_linear at a prefill size with fp8 weights (silu_mul fused into the
+    activation quantization) equals silu_mul, then quant_linear, bit for bit; at decode sizes it is
+    that very path."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.fused import silu_mul
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    N, K = SHAPES["down"]
+    w = _weights("fp8", N, K, 5)
+    ops = TritonBackend()
+    for M in (3, 300):
+        gate_up = (torch.randn(M, 2 * K, device="cuda") * 2).to(torch.bfloat16)
+        assert Q.fp8_scaled_mm_takes(M, w) == (M > Q.GEMV_MAX_M)
+        assert torch.equal(ops.silu_mul_linear(gate_up, w), Q.quant_linear(silu_mul(gate_up), w))
 
 
 def test_w4a16_calibration_picks_a_valid_config():

@@ -297,7 +297,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 
 
 @pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense",
-                                                                       "w8a16", "w8a8", "dispatch")]
+                                                                       "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
     env = dict(os.environ, TRITON_INTERPRET="1", SALASERVE_FP8_DECODE=fp8_decode,
@@ -385,3 +385,20 @@ def test_backend_finds_every_linear_weight_for_calibration():
     found = _linear_weights(params)
     assert len(found) == 6 and found[0] is head
     assert all(any(f is x for f in found) for x in w.values())
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("K", [4096, 16384, 3 * 16384 // 2])
+def test_row_quantizer_compiles_for_sm90_without_spills(K, silu):
+    """quantize_rows_fp8 at the model's widths as launched (rows held in registers for the one-pass
+    shapes; the two-pass loop above ROWQUANT_ONE_PASS_MAX), plain and with silu_mul fused in: no
+    spills on sm_90, and one division per row, not per element."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import compile_sm90_without_spills
+    import triton.language as tl
+    from salaserve.kernels import quant_gemm as qg
+
+    consts = dict(qg.rowquant_constexprs(K), FP8_MAX_C=448.0, SILU=silu, DT=tl.bfloat16, INTERPRET=False)
+    kernel = compile_sm90_without_spills(qg._quantize_rows_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv",
+                                         s_ptr="*fp32"), consts, 8, divisible=("K",))
+    assert kernel.asm["ptx"].count("div.rn.f32") <= consts["ROWS"]

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_supported, pdl_wait_first, round_to_e4m3
+from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_supported, pdl_wait_first, round_to, round_to_e4m3, tl_dtype
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -1097,53 +1097,121 @@ def w8a8_block_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) ->
 
 
 @triton.jit
-def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, FP8_MAX_C: tl.constexpr, BLOCK: tl.constexpr):
-    """One row per program: s = max(amax|x|, 1e-12) * (1/448), q = clamp(x / s) in e4m3 (two
-    passes over the row, the second from L2). Bit-equal to fp8_quantize_rows_ref on the GPU: torch
-    divides by a Python scalar as a multiplication by its fp32 reciprocal, tensor by tensor exactly."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        kk = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)))
-    sx = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / FP8_MAX_C)  # as torch: x * fp32(1/448)
-    for k0 in range(0, K, BLOCK):
-        kk = k0 + tl.arange(0, BLOCK)
-        v = tl.math.div_rn(tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32), sx)
-        v = tl.minimum(tl.maximum(v, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(q_ptr + row * K + kk, v.to(q_ptr.dtype.element_ty), mask=kk < K)
-    tl.store(s_ptr + row, sx)
+def _rows_tile(x_rows, kk, mask, K, SILU: tl.constexpr, DT: tl.constexpr):
+    """fp32 values of x's rows at channels kk; SILU: x is [gate | up] (2K wide) and the values are
+    silu_mul's, rounded to DT after the silu and after the product as fused.silu_mul."""
+    if SILU:
+        gate = tl.load(x_rows + kk, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + kk, mask=mask, other=0.0).to(tl.float32)
+        return round_to(round_to(gate / (1.0 + tl.exp(-gate)), DT) * up, DT)
+    return tl.load(x_rows + kk, mask=mask, other=0.0).to(tl.float32)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _to_e4m3(v, q_ptr, INTERPRET: tl.constexpr):
+    """clamped fp32 -> e4m3 as torch casts (the interpreter's own cast mis-rounds: round first)."""
+    if INTERPRET:
+        v = round_to_e4m3(v)
+    return v.to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, FP8_MAX_C: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                              SILU: tl.constexpr = False, DT: tl.constexpr = tl.bfloat16,
+                              INTERPRET: tl.constexpr = False):
+    """ROWS rows per program: s = max(amax|x|, 1e-12) * (1/448), q = clamp(x * (1/s)) in e4m3.
+    ONE_PASS (BLOCK >= K): the rows stay in registers between the max and the scaling, so x is read
+    once; otherwise one row, two passes, the second from L2. The reciprocal is IEEE-rounded
+    (div_rn) and the product is torch's too: bit-equal to fp8_quantize_rows_ref. SILU: the rows
+    quantized are silu_mul of x = [gate | up] (the MLP's down input, never written in bf16)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * K
+    if ONE_PASS:
+        kk = tl.arange(0, BLOCK)[None, :]
+        mask = row_mask[:, None] & (kk < K)
+        x = _rows_tile(x_rows, kk, mask, K, SILU, DT)
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            kk = k0 + tl.arange(0, BLOCK)[None, :]
+            xt = _rows_tile(x_rows, kk, row_mask[:, None] & (kk < K), K, SILU, DT)
+            amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=1))
+    sx = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX_C)  # as torch: x * fp32(1/448)
+    inv = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sx)[:, None]
+    if ONE_PASS:
+        v = tl.minimum(tl.maximum(x * inv, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_rows + kk, _to_e4m3(v, q_ptr, INTERPRET), mask=mask)
+    else:
+        for k0 in range(0, K, BLOCK):
+            kk = k0 + tl.arange(0, BLOCK)[None, :]
+            mask = row_mask[:, None] & (kk < K)
+            v = _rows_tile(x_rows, kk, mask, K, SILU, DT) * inv
+            v = tl.minimum(tl.maximum(v, -FP8_MAX_C), FP8_MAX_C)
+            tl.store(q_rows + kk, _to_e4m3(v, q_ptr, INTERPRET), mask=mask)
+    tl.store(s_ptr + rows, sx, mask=row_mask)
+
+
+ROWQUANT_ONE_PASS_MAX = 16384  # elements per program held in registers (64 per thread at 8 warps)
+
+
+def quantize_rows_fp8(x: torch.Tensor, *, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic fp8: x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]) in one kernel, the
-    same values as fp8_quantize_rows_ref (the five torch kernels it replaces)."""
+    same values as fp8_quantize_rows_ref (the torch kernels it replaces). Rows up to
+    ROWQUANT_ONE_PASS_MAX channels are read once (several rows per program when they are short).
+    silu: x is [M, 2K] = [gate | up] and the rows quantized are fused.silu_mul(x)'s."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be a 2-D tensor with unit column stride, got {tuple(x.shape)}")
     M, K = x.shape
+    if silu:
+        if K % 2:
+            raise ValueError(f"silu: x = [gate | up] needs an even width, got {K}")
+        K //= 2
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     sx = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
-        _quantize_rows_fp8_kernel[(M,)](x, q, sx, K, x.stride(0), FP8_MAX_C=FP8_MAX, BLOCK=1024, num_warps=4)
+        consts = rowquant_constexprs(K)
+        _quantize_rows_fp8_kernel[(triton.cdiv(M, consts["ROWS"]),)](
+            x, q, sx, M, K, x.stride(0), FP8_MAX_C=FP8_MAX, **consts, SILU=silu,
+            DT=tl_dtype(x.dtype),
+            INTERPRET=_INTERPRET, num_warps=8)
     return q, sx
+
+
+def rowquant_constexprs(K: int) -> dict:
+    """ROWS, BLOCK, ONE_PASS of _quantize_rows_fp8_kernel for rows of K channels."""
+    block = triton.next_power_of_2(K)
+    if block <= ROWQUANT_ONE_PASS_MAX:
+        return dict(ROWS=min(ROWQUANT_ONE_PASS_MAX // block, 16), BLOCK=block, ONE_PASS=True)
+    return dict(ROWS=1, BLOCK=4096, ONE_PASS=False)
 
 
 def fp8_quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of quantize_rows_fp8."""
     xf = x.float()
-    sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
-    return (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
+    sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)  # [M, 1], as CUDA's / 448
+    # times the rounded reciprocal, as the kernel (a division per element costs it ~10 instructions)
+    return (xf * (1.0 / sx)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
 
 
-def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """w8a8 on cuBLAS: per-token dynamic activation scales x rowwise weight scales (CUDA only)."""
-    x8, sx = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
+def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
+    """w8a8 on cuBLAS: per-token dynamic activation scales x rowwise weight scales (CUDA only).
+    silu: the input is fused.silu_mul(x) (x = [gate | up]), quantized in the same kernel."""
+    x8, sx = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), silu=silu)
     y = torch._scaled_mm(x8, w_fp8.t(), scale_a=sx, scale_b=scale.float().view(1, -1), out_dtype=torch.bfloat16)
     return y.to(x.dtype)
 
 
 # ---------------------------------------------------------------- dispatch
+
+
+def fp8_scaled_mm_takes(M: int, w: QuantizedLinearWeights) -> bool:
+    """Whether quant_linear sends M rows through w8a8 on cuBLAS (prefill sizes; cuBLAS fp8
+    needs K and N multiples of 16) rather than a decode kernel."""
+    return w.format == "fp8" and M > GEMV_MAX_M and w.in_features % 16 == 0 and w.out_features % 16 == 0
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "auto") -> torch.Tensor:
@@ -1169,7 +1237,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
             from salaserve.kernels import gemv as G
 
             y = G.gemv_fp8(x2, w.weight, w.scale, cfg)
-        elif M <= GEMV_MAX_M or K % 16 or N % 16:  # cuBLAS fp8 needs K, N multiples of 16
+        elif not fp8_scaled_mm_takes(M, w):
             y = w8a16_gemv(x2, w.weight, w.scale)
         elif x2.is_cuda:
             y = fp8_scaled_mm(x2, w.weight, w.scale)

@@ -57,7 +57,7 @@ class TorchBackend:
         """h' = h + linear(x, w_out) * scale (x through silu_mul first if `silu`); returns
         (h', linear(rms_norm(h', norm_w), w_in)), or (h', None) when norm_w is None. silu_out: the
         second value is silu_mul of that linear (w_in a [gate | up] weight)."""
-        u = self.linear(self.silu_mul(x) if silu else x, w_out)
+        u = self.silu_mul_linear(x, w_out) if silu else self.linear(x, w_out)
         if norm_w is None:
             return h + u * scale, None
         h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
@@ -67,6 +67,11 @@ class TorchBackend:
         """silu_mul(linear(x, w)) for a [gate | up] weight w: the gate_up side of the silu_out
         junction (a backend may write the activation straight from the linear)."""
         return self.silu_mul(self.linear(x, w))
+
+    def silu_mul_linear(self, gate_up, w):
+        """linear(silu_mul(gate_up), w): the down side of the MLP when silu_mul comes before it
+        (a backend may quantize the activation as it computes it)."""
+        return self.linear(self.silu_mul(gate_up), w)
 
     def silu_after_gate_up(self, rows: int) -> bool:
         """Where a step of `rows` tokens applies the MLP's silu_mul: True, in the gate_up junction

@@ -153,6 +153,18 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             return gemv_ops.gemv_fp8(x, w.weight, w.scale, cfg, silu_out=True)
         return TorchBackend.silu_linear(self, x, w)
 
+    def silu_mul_linear(self, gate_up, w):
+        """fp8 weights at prefill sizes (w8a8 on cuBLAS): silu_mul and the per-token quantization
+        of down's input in one kernel, never written in bf16; else silu_mul, then the linear."""
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        if isinstance(w, QuantizedLinearWeights) and rows.is_cuda:
+            from salaserve.kernels import quant_gemm
+
+            if quant_gemm.fp8_scaled_mm_takes(rows.shape[0], w):
+                y = quant_gemm.fp8_scaled_mm(rows, w.weight, w.scale, silu=True)
+                return y.view(*gate_up.shape[:-1], w.out_features)
+        return TorchBackend.silu_mul_linear(self, gate_up, w)
+
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
                              silu_out: bool = False):
         """Decode-sized steps: the residual add in the o_proj / down GEMV's epilogue (silu_mul in
