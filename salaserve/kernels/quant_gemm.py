@@ -1158,11 +1158,13 @@ def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, FP8_MAX_C: t
 ROWQUANT_ONE_PASS_MAX = 16384  # elements per program held in registers (64 per thread at 8 warps)
 
 
-def quantize_rows_fp8(x: torch.Tensor, *, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, *, silu: bool = False, rows: Optional[int] = None,
+                      num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic fp8: x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]) in one kernel, the
     same values as fp8_quantize_rows_ref (the torch kernels it replaces). Rows up to
     ROWQUANT_ONE_PASS_MAX channels are read once (several rows per program when they are short).
-    silu: x is [M, 2K] = [gate | up] and the rows quantized are fused.silu_mul(x)'s."""
+    silu: x is [M, 2K] = [gate | up] and the rows quantized are fused.silu_mul(x)'s. rows,
+    num_warps: launch overrides for benchmarks (rows per program of the one-pass kernel)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be a 2-D tensor with unit column stride, got {tuple(x.shape)}")
     M, K = x.shape
@@ -1174,10 +1176,11 @@ def quantize_rows_fp8(x: torch.Tensor, *, silu: bool = False) -> tuple[torch.Ten
     sx = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
         consts = rowquant_constexprs(K)
+        if rows and consts["ONE_PASS"]:
+            consts["ROWS"] = rows
         _quantize_rows_fp8_kernel[(triton.cdiv(M, consts["ROWS"]),)](
-            x, q, sx, M, K, x.stride(0), FP8_MAX_C=FP8_MAX, **consts, SILU=silu,
-            DT=tl_dtype(x.dtype),
-            INTERPRET=_INTERPRET, num_warps=8)
+            x, q, sx, M, K, x.stride(0), FP8_MAX_C=FP8_MAX, **consts, SILU=silu, DT=tl_dtype(x.dtype),
+            INTERPRET=_INTERPRET, num_warps=num_warps)
     return q, sx
 
 
