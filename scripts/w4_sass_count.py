@@ -5,8 +5,9 @@
 Compiles `_w4_gemv_fma_kernel` ahead of time for sm_90 as the launcher would at the model's shapes
 (bf16 x as int32 pairs, group 128, split-K 4, N and K multiples of 16), disassembles the cubin with
 triton's bundled nvdisasm, takes the backward branch with the largest body as the main loop and
-prints its instruction count per nibble (nibbles per thread per iteration = BLOCK_R * 8 * BLOCK_N
-/ (32 * warps)), the registers, and with --ops the per-opcode counts (--dump: the loop's SASS).
+prints its instruction count per nibble (nibbles per thread per tile = BLOCK_R * 8 * BLOCK_N
+/ (32 * warps), times the tiles of an unrolled iteration, told by its fma count), the registers,
+and with --ops the per-opcode counts (--dump: the loop's SASS).
 Default configs: W4_FMA_CONFIGS[M].
 """
 
@@ -39,6 +40,8 @@ def compile_kernel(cfg, block_m: int = 1, pdl: bool = False):
     block_n, block_r, warps, prefetch = cfg
     constexprs = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
                       SPLIT_K=4, PREFETCH=prefetch, PDL=pdl)
+    if hasattr(qg, "w4_fma_layout"):  # the constexprs the launcher adds at the model's shapes
+        constexprs.update(qg.w4_fma_layout(block_n, block_r, warps), EVEN=True)
     return compile_sm90(qg._w4_gemv_fma_kernel, PTRS, constexprs, warps, fp_fusion=True, divisible=("N", "K"))
 
 
@@ -93,9 +96,11 @@ def main():
         loop = main_loop(sass(kernel))
         block_n, block_r, warps, _ = cfg
         nibbles = block_r * 8 * block_n // (32 * warps)
+        # an unrolled loop holds several tiles: one fma per nibble and x row, ~10% more for the groups
+        tiles = max(1, round(sum(op.startswith("FFMA") for _, op, _ in loop) / (nibbles * args.m)))
         res = cubin_resources(kernel) or {}
-        print(f"{cfg} M={args.m}: {len(loop)} loop instructions / {nibbles} nibbles per thread = "
-              f"{len(loop) / nibbles:.2f} per nibble; regs {res.get('REG')}, stack {res.get('STACK', 0)}")
+        print(f"{cfg} M={args.m}: {len(loop)} loop instructions / ({tiles} x {nibbles}) nibbles per thread = "
+              f"{len(loop) / (tiles * nibbles):.2f} per nibble; regs {res.get('REG')}, stack {res.get('STACK', 0)}")
         if args.ops:
             ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
             print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))

@@ -400,5 +400,5 @@ def test_row_quantizer_compiles_for_sm90_without_spills(K, silu):
 
     consts = dict(qg.rowquant_constexprs(K), FP8_MAX_C=448.0, SILU=silu, DT=tl.bfloat16, INTERPRET=False)
     kernel = compile_sm90_without_spills(qg._quantize_rows_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv",
-                                         s_ptr="*fp32"), consts, 8, divisible=("K",))
+                                         s_ptr="*fp32"), consts, qg.rowquant_warps(K, silu), divisible=("K",))
     assert kernel.asm["ptx"].count("div.rn.f32") <= consts["ROWS"]

@@ -64,14 +64,37 @@ def _kernel_rows(prof, cuda: bool, iters: int = 1) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_us"])
 
 
-def profile_prefill(runner: ModelRunner, tokens: int) -> tuple[list[dict], float]:
-    """Kernel rows of one `tokens`-long prompt prefilled in the engine's chunks, and its wall
-    seconds under the profiler (a first, shorter prompt compiles and autotunes outside it)."""
+def profile_prefill(runner: ModelRunner, tokens: int) -> tuple[list[dict], float, dict]:
+    """Kernel rows of one `tokens`-long prompt prefilled in the engine's chunks, its wall seconds
+    under the profiler (a first, shorter prompt compiles and autotunes outside it), and on a GPU
+    its kernel_timeline (without the sequence) plus the CUDA runtime calls that can leave the GPU
+    idle (syncs, copies, allocations: {name: [calls, host us]})."""
     cuda = runner.device.type == "cuda"
     time_prefill(runner, min(2 * runner.args.chunked_prefill_size, tokens))
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]) as prof:
         seconds = time_prefill(runner, tokens)
-    return _kernel_rows(prof, cuda), seconds
+    timeline = {}
+    if cuda:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        timeline = kernel_timeline(events)
+        timeline.pop("sequence")
+        blocking: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        for e in events:
+            name = e.get("name", "")
+            if e.get("cat") == "cuda_runtime" and any(k in name for k in _BLOCKING_CALLS):
+                blocking[name][0] += 1
+                blocking[name][1] += e.get("dur", 0.0)
+        timeline["runtime_calls"] = dict(blocking)
+    return _kernel_rows(prof, cuda), seconds, timeline
+
+
+# CUDA runtime calls during a prefill that can stall the stream or the host: any of them in the
+# trace points at a sync, a host copy or an allocation on the critical path
+_BLOCKING_CALLS = ("Synchronize", "Memcpy", "Malloc", "Free", "HostAlloc", "MemsetAsync")
 
 
 def kernel_timeline(trace_events: list[dict], top_gaps: int = 15) -> dict:
@@ -158,13 +181,21 @@ def main(argv=None) -> int:
                                         max_total_tokens=a.prefill + 4096, context_length=a.prefill + 1024,
                                         enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype,
                                         quantization=a.quantization), model_dir)
-        rows, seconds = profile_prefill(runner, a.prefill)
+        rows, seconds, tl = profile_prefill(runner, a.prefill)
         total = sum(r["total_us"] for r in rows)
         print(f"prefill of {a.prefill} tokens: {seconds:.3f} s under the profiler, {total / 1e6:.3f} s of kernels")
         _print_rows(rows, a.top)
+        if tl:
+            print(f"timeline: span {tl['span_us'] / 1e6:.3f} s = {tl['busy_us'] / 1e6:.3f} s with a kernel running "
+                  f"+ {tl['idle_us'] / 1e6:.3f} s idle; largest gaps (us, after -> before):")
+            for g in tl["gaps"][:10]:
+                print(f"{g['gap_us']:>9.1f} at {g['at_us'] / 1e3:8.1f} ms  {g['after'][:40]} -> {g['before'][:40]}")
+            print("runtime calls that can block (calls, host us): "
+                  + ", ".join(f"{n} {c} {us:.0f}" for n, (c, us) in sorted(tl["runtime_calls"].items())))
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"prefill": a.prefill, "seconds": seconds, "total_us": total, "kernels": rows}, f, indent=2)
+                json.dump({"prefill": a.prefill, "seconds": seconds, "total_us": total, "kernels": rows,
+                           "timeline": tl}, f, indent=2)
         return 0
     tokens = a.batch * (max(contexts) + a.verify_k + 256) + 4096
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
