@@ -1,13 +1,13 @@
 """Instructions per nibble in the sm_90 SASS of the w4 decode GEMV's main loop (no GPU needed).
 
-    .venv/bin/python scripts/w4_sass_count.py [BLOCK_N,BLOCK_R,WARPS,PREFETCH ...] [--m 1] [--ops] [--dump]
+    .venv/bin/python scripts/w4_sass_count.py [BLOCK_N,BLOCK_R,WARPS,PREFETCH ...] [--m 1] [--dump]
 
 Compiles `_w4_gemv_fma_kernel` ahead of time for sm_90 as the launcher would at the model's shapes
-(bf16 x as int32 pairs, group 128, split-K 4, N and K multiples of 16), disassembles the cubin with
+(bf16 x as int32 pairs, group 128, split-K 4, N and K whole tiles), disassembles the cubin with
 triton's bundled nvdisasm, takes the backward branch with the largest body as the main loop and
 prints its instruction count per nibble (nibbles per thread per tile = BLOCK_R * 8 * BLOCK_N
-/ (32 * warps), times the tiles of an unrolled iteration, told by its fma count), the registers,
-and with --ops the per-opcode counts (--dump: the loop's SASS).
+/ (32 * warps), times the tiles of an unrolled iteration, told by its fma count), the registers
+and the loop's per-opcode counts (--dump: its SASS).
 Default configs: W4_FMA_CONFIGS[M].
 """
 
@@ -39,9 +39,7 @@ _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*
 def compile_kernel(cfg, block_m: int = 1, pdl: bool = False):
     block_n, block_r, warps, prefetch = cfg
     constexprs = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-                      SPLIT_K=4, PREFETCH=prefetch, PDL=pdl)
-    if hasattr(qg, "w4_fma_layout"):  # the constexprs the launcher adds at the model's shapes
-        constexprs.update(qg.w4_fma_layout(block_n, block_r, warps), EVEN=True)
+                      SPLIT_K=4, **qg.w4_fma_layout(block_n, block_r, warps), EVEN=True, PREFETCH=prefetch, PDL=pdl)
     return compile_sm90(qg._w4_gemv_fma_kernel, PTRS, constexprs, warps, fp_fusion=True, divisible=("N", "K"))
 
 
@@ -87,7 +85,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="*", help="BLOCK_N,BLOCK_R,WARPS,PREFETCH")
     ap.add_argument("--m", type=int, default=1, help="BLOCK_M (1, 2 or 4)")
-    ap.add_argument("--ops", action="store_true", help="per-opcode counts of the loop body")
     ap.add_argument("--dump", action="store_true", help="print the loop's SASS")
     args = ap.parse_args()
     cfgs = [tuple(int(v) for v in c.split(",")) for c in args.configs] or list(qg.W4_FMA_CONFIGS[args.m])
@@ -96,14 +93,13 @@ def main():
         loop = main_loop(sass(kernel))
         block_n, block_r, warps, _ = cfg
         nibbles = block_r * 8 * block_n // (32 * warps)
-        # an unrolled loop holds several tiles: one fma per nibble and x row, ~10% more for the groups
-        tiles = max(1, round(sum(op.startswith("FFMA") for _, op, _ in loop) / (nibbles * args.m)))
+        # an unrolled loop holds several tiles: one fma per nibble and x row, plus 12-25% for the groups
+        tiles = max(1, int(sum(op.startswith("FFMA") for _, op, _ in loop) / (nibbles * args.m)))
         res = cubin_resources(kernel) or {}
         print(f"{cfg} M={args.m}: {len(loop)} loop instructions / ({tiles} x {nibbles}) nibbles per thread = "
               f"{len(loop) / (tiles * nibbles):.2f} per nibble; regs {res.get('REG')}, stack {res.get('STACK', 0)}")
-        if args.ops:
-            ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-            print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
+        ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+        print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
         if args.dump:
             for addr, op, rest in loop:
                 print(f"   {addr:05x} {op} {rest}")

@@ -110,9 +110,10 @@ def w4a16_gemv_checks(gen):
 
 
 def w4a16_fma_checks(gen):
-    """The decode FMA kernel (1 + q/16 mantissa trick, zero and 1 folded out per packed row):
-    every M bucket and config, split-K 1..4 (empty splits included), groups 32..K, ragged N, a
-    reordered act-order layout, fp32 (summation order only) and fp16 activations."""
+    """The decode FMA kernel (1 + q/16 mantissa trick, the constant parts and the zero folded into
+    each group's start value): every M bucket and config, split-K 1..4 (empty splits included),
+    groups 32..K, ragged N, a reordered act-order layout, fp32 (summation order only), fp16 and bf16
+    activations (bf16: read as int32 pairs, 16 bytes per packed row)."""
     for K, N, gs in ((256, 128, 64), (512, 72, 128), (256, 100, 256), (384, 64, 32)):
         w = random_w4a16(K, N, gs, False, gen)
         for M in (1, 2, 3, 4):
@@ -128,6 +129,16 @@ def w4a16_fma_checks(gen):
             xh = x.half()
             y = qg.w4a16_gemv_fma(xh, w, config=(64, 4, 4), split_k=2)
             check(f"w4a16_gemv_fma fp16 K={K} N={N} gs={gs} M={M}", y, linear_ref(xh, w), tol(xh.dtype))
+    # bf16 x as the model runs it: whole tiles (EVEN, no masks) and ragged N and K (the last group
+    # half full); within the bf16 output's rounding (the interpreter truncates where the GPU rounds)
+    for K, N in ((256, 128), (320, 72)):
+        w = random_w4a16(K, N, 128, False, gen)
+        for M in (1, 2, 3, 4):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            ref = linear_ref(x.float(), w)
+            for cfg in qg.W4_FMA_CONFIGS[1 if M == 1 else (2 if M == 2 else 4)]:
+                y = qg.w4a16_gemv_fma(x, w, config=cfg, split_k=2)
+                check(f"w4a16_gemv_fma bf16 K={K} N={N} M={M} cfg={cfg}", y, ref, 2 ** -7)
     wr = formats.reorder_act_order(random_w4a16(256, 128, 64, True, gen))
     x = torch.randn(2, 256, generator=gen)
     y = qg.w4a16_gemv_fma(x, wr, config=(64, 8, 4), split_k=2)

@@ -108,7 +108,9 @@ class FakeFla:
         self.calls = []
 
     def _run(self, form, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens):
-        assert q.dim() == 4 and q.shape[0] == 1, "varlen wants [1, T, H, d]"
+        assert q.dim() == 4 and q.shape[0] == 1, "varlen (or one sequence) wants [1, T, H, d]"
+        if cu_seqlens is None:  # fixed length, batch 1: the whole T is one sequence
+            cu_seqlens = torch.tensor([0, q.shape[1]], dtype=torch.int64)
         assert q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
         assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         assert g is None and g_gamma.dtype == torch.float32 and g_gamma.shape == (q.shape[2],)
@@ -127,9 +129,13 @@ class FakeFla:
     def chunk_simple_gla(self, q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
                          output_final_state=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None):
         assert not state_v_first
-        assert cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type == "cpu"
-        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-        self.calls.append("chunk")
+        if cu_seqlens is None:  # fixed length: no index tensors at all
+            assert cu_seqlens_cpu is None
+            self.calls.append("chunk-fixed")
+        else:
+            assert cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type == "cpu"
+            assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+            self.calls.append("chunk")
         return self._run(spec.gla_chunked, q, k, v, g, g_gamma, scale, initial_state, output_final_state,
                          cu_seqlens)
 
@@ -159,7 +165,8 @@ def _pools(num_slots, n_layers, heads, d, gen):
     return ours, ref, ours.state.clone()
 
 
-@pytest.mark.parametrize("lens,route", [([5, 70, 1, 130], "chunk"), ([3, 1, 40], "recurrent")])
+@pytest.mark.parametrize("lens,route", [([5, 70, 1, 130], "chunk"), ([3, 1, 40], "recurrent"),
+                                        ([200], "chunk-fixed"), ([9], "recurrent")])
 def test_gla_prefill_packing_and_slots(fake_fla, lens, route):
     from salaserve.kernels.lightning import gla_prefill
 

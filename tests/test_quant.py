@@ -313,13 +313,15 @@ def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
 def _w4_fma_cases():
     from salaserve.kernels import quant_gemm as qg
 
-    return [(bucket, cfg) for bucket, cfgs in qg.W4_FMA_CONFIGS.items() for cfg in cfgs]
+    # whole tiles (EVEN) as at the model's shapes; the masked variant for each bucket's first config
+    return [(bucket, cfg, even) for bucket, cfgs in qg.W4_FMA_CONFIGS.items() for cfg in cfgs
+            for even in ((True, False) if cfg == cfgs[0] else (True,))]
 
 
-@pytest.mark.parametrize("bucket,cfg", _w4_fma_cases())
-def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg):
+@pytest.mark.parametrize("bucket,cfg,even", _w4_fma_cases())
+def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
     """Every decode FMA config compiles for the H200 without register spills and reads qweight in
-    16-byte vectors (N, K multiples of 16 as at the model's shapes)."""
+    16-byte vectors (N, K multiples of 16 as at the model's shapes; also with the masks of ragged ones)."""
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
@@ -328,7 +330,7 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg):
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", perm_ptr="*i32",
                 out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
     constexprs = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r,
-                      SPLIT_K=4, PREFETCH=prefetch)
+                      SPLIT_K=4, **qg.w4_fma_layout(block_n, block_r, warps), EVEN=even, PREFETCH=prefetch, PDL=False)
     kernel = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     assert "ld.global.v4.b32" in kernel.asm["ptx"]
@@ -343,7 +345,8 @@ def test_w4_gemv_compiles_with_and_without_pdl():
 
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", perm_ptr="*i32",
                 out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
-    consts = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=1, BLOCK_N=128, BLOCK_R=16, SPLIT_K=4)
+    consts = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=1, BLOCK_N=128, BLOCK_R=16, SPLIT_K=4,
+                  **qg.w4_fma_layout(128, 16, 4), EVEN=True, PREFETCH=1)
     for pdl in (False, True):
         ptx = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, dict(consts, PDL=pdl), 4, fp_fusion=True,
                                           divisible=("N", "K")).asm["ptx"]

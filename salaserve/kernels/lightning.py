@@ -378,7 +378,8 @@ def gla_prefill(q, k, v, batch, states, layer, log_decay, scale, *, input_dtype=
         impl: "fla", "torch" (TorchBackend.gla) or "auto" (fla on CUDA, torch elsewhere).
     Returns:
         o: [N, H, d] fp32.
-    Not graph-capturable (fla's varlen index preparation); prefill runs eagerly.
+    Not graph-capturable (fla's varlen index preparation); prefill runs eagerly. A batch of one
+    sequence goes through fla's fixed-length call, which needs no host sync.
     Note: fla's chunk kernels use tl.dot's default precision, i.e. TF32 for fp32 inputs (HF's own
     numerics), so expect ~1e-3 relative differences from the fp32 torch twin on the GPU.
     """
@@ -407,6 +408,13 @@ def gla_prefill(q, k, v, batch, states, layer, log_decay, scale, *, input_dtype=
     if max(lens) < recurrent_below:
         o, ht = fused_recurrent_simple_gla(q1, k1, v1, g_gamma=g_gamma, scale=scale, initial_state=h0,
                                            output_final_state=True, cu_seqlens=cu_seqlens)
+    elif len(lens) == 1:
+        # one sequence (a long prompt's chunks): fla's fixed-length call. Its varlen path reads
+        # chunk counts back to the host twice per call (fla 0.6: chunk_fwd_h's .item(),
+        # chunk_fwd_o's index preparation), and each stream sync leaves the GPU idle while
+        # Python launches the next kernels: 192 syncs in a 32K prefill (BENCHMARKS run 48).
+        o, ht = chunk_simple_gla(q1, k1, v1, g_gamma=g_gamma, scale=scale, initial_state=h0,
+                                 output_final_state=True)
     else:
         cu_cpu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int64)  # no device sync
         o, ht = chunk_simple_gla(q1, k1, v1, g_gamma=g_gamma, scale=scale, initial_state=h0,
