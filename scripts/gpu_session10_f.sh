@@ -4,7 +4,7 @@
 # call; w4a16 decode at batch 1, 4K.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_quant.py -k "w4" \
+timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_quant.py -k "w4 or gla_prefill" \
   tests/test_kernels_lightning.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 for q in fp8 bf16; do
   flag=""; [[ $q == fp8 ]] && flag="--quantization fp8"
