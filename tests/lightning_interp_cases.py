@@ -139,6 +139,10 @@ def test_qk_norm_rope_matches_torch(dtype):
         assert_within_ulps(ko, kr, max_ulps=1, max_frac=0.02)
     q32, _ = lightning.qk_norm_rope(q, k, qw, kw, pos, EPS, THETA, out_dtype=torch.float32)
     assert q32.dtype == torch.float32 and torch.equal(q32, qo.float())
+    # the backend writes them in fla's input dtype (fp32 by default: the same values, no cast pass)
+    qb, kb = lightning.TritonLightningOps().lightning_qk_norm_rope(q, k, qw, kw, pos, EPS, THETA)
+    assert qb.dtype == kb.dtype == lightning.TritonLightningOps.gla_input_dtype == torch.float32
+    assert torch.equal(qb, qo.float()) and torch.equal(kb, ko.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,6 +17,7 @@ rounding by one bf16 ulp now and then.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -435,6 +436,16 @@ def _cumsum(xs):
 # ---------------------------------------------------------------------------------------------
 
 
+def _gla_input_dtype() -> torch.dtype:
+    """SALASERVE_GLA_INPUT: fla's q/k/v precision in prefill. fp32 (default) is HF parity; bf16
+    halves fla's input bytes and is what SGLang feeds it (fla then keeps its per-chunk states in
+    bf16 too)."""
+    name = os.environ.get("SALASERVE_GLA_INPUT", "fp32")
+    if name not in ("fp32", "bf16"):
+        raise ValueError(f"SALASERVE_GLA_INPUT must be fp32 or bf16, got {name!r}")
+    return torch.float32 if name == "fp32" else torch.bfloat16
+
+
 class TritonLightningOps:
     """Mixin with TorchBackend's Lightning-layer method names, for TritonBackend.
 
@@ -443,10 +454,12 @@ class TritonLightningOps:
     `gla_input_dtype` selects fla's input precision for prefill (fp32 = HF parity).
     """
 
-    gla_input_dtype = torch.float32
+    gla_input_dtype = _gla_input_dtype()
 
     def lightning_qk_norm_rope(self, q, k, q_norm, k_norm, positions, eps, theta):
-        return qk_norm_rope(q, k, q_norm, k_norm, positions, eps, theta)
+        """q', k' in fla's input dtype straight from the kernel (the torch twin's values; with fp32,
+        exactly them): gla_prefill then has no cast pass over q and k."""
+        return qk_norm_rope(q, k, q_norm, k_norm, positions, eps, theta, out_dtype=self.gla_input_dtype)
 
     def lightning_decode(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
         """Decode batch (one token per sequence): o [B, H, d] fp32; states updated in place."""
