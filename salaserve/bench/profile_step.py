@@ -75,11 +75,7 @@ def profile_prefill(runner: ModelRunner, tokens: int) -> tuple[list[dict], float
         seconds = time_prefill(runner, tokens)
     timeline = {}
     if cuda:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                events = json.load(f)["traceEvents"]
+        events = _trace_events(prof)
         timeline = kernel_timeline(events)
         timeline.pop("sequence")
         blocking: dict[str, list] = defaultdict(lambda: [0, 0.0])
@@ -90,6 +86,15 @@ def profile_prefill(runner: ModelRunner, tokens: int) -> tuple[list[dict], float
                 blocking[name][1] += e.get("dur", 0.0)
         timeline["runtime_calls"] = dict(blocking)
     return _kernel_rows(prof, cuda), seconds, timeline
+
+
+def _trace_events(prof) -> list[dict]:
+    """The chrome-trace events of a finished torch.profiler run."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
 
 
 # CUDA runtime calls during a prefill that can stall the stream or the host: any of them in the
@@ -134,12 +139,7 @@ def profile_graph_replay(runner: ModelRunner, batch: int, context: int) -> dict:
         runner.graphs.run(b)
         torch.cuda.synchronize()
     release(runner, reqs)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    tl = kernel_timeline(events)
+    tl = kernel_timeline(_trace_events(prof))
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for k in tl["sequence"]:
         totals[k["name"]][0] += k["dur_us"]
