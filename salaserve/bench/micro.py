@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,32768,131072,524288")
     ap.add_argument("--prefill", default="8192,32768,131072", help='"" skips the prefill rows')
+    ap.add_argument("--prefill-repeats", type=int, default=3,
+                    help="timed prompts per prefill length after an uncounted first one (median reported)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"], help="quantize the weights on load")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
@@ -235,19 +237,22 @@ def main(argv=None) -> int:
     # first calls compile kernels and run fla's autotuner (tens of seconds): not part of a prefill
     if prefills:
         time_prefill(runner, min(2 * runner.args.chunked_prefill_size, max(prefills)))
-        print(f"{'prefill':>8} {'tokens':>8} {'seconds':>8} {'floor s':>8} {'floor/ach':>9} {'tok/s':>9} {'first s':>8}")
+        print(f"{'prefill':>8} {'tokens':>8} {'seconds':>8} {'floor s':>8} {'floor/ach':>9} {'tok/s':>9} {'first s':>8}"
+              f" {'min-max s':>11}")
     for n in prefills:
-        # Timed twice, the second reported: later chunks of a long prompt meet kernel
+        # The first prompt is not counted: later chunks of a long prompt meet kernel
         # specialisations the warm-up did not (integer arguments' divisibility), and compiling
-        # them cost the cold first process ~0.6 s of a 128K prefill (runs 19, 25, 26).
+        # them cost the cold first process ~0.6 s of a 128K prefill (runs 19, 25, 26). Then the
+        # median of --prefill-repeats prompts (one prompt varied by 2-3% between processes).
         first = time_prefill(runner, n)
-        dt = time_prefill(runner, n)
+        runs = [time_prefill(runner, n) for _ in range(max(1, a.prefill_repeats))]
+        dt = statistics.median(runs)
         floor_s = prefill_flops(cfg, n) / (ceil.matmul_tflops * 1e12)
-        row = {"tokens": n, "seconds": dt, "first_seconds": first, "floor_s": floor_s,
+        row = {"tokens": n, "seconds": dt, "runs_seconds": runs, "first_seconds": first, "floor_s": floor_s,
                "achieved_over_floor": floor_s / dt, "tokens_per_s": n / dt}
         result["prefill"].append(row)
-        print(f"{'':>8} {n:>8} {dt:>8.2f} {floor_s:>8.2f} {row['achieved_over_floor']:>9.2f} {n / dt:>9.0f} "
-              f"{first:>8.2f}")
+        print(f"{'':>8} {n:>8} {dt:>8.3f} {floor_s:>8.2f} {row['achieved_over_floor']:>9.2f} {n / dt:>9.0f} "
+              f"{first:>8.2f} {min(runs):>5.3f}-{max(runs):.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
