@@ -189,6 +189,13 @@ def test_rms_norm_and_add_rms_norm(dtype, cols):
     assert torch.equal(h, h_ref)  # two roundings, no reduction: bit-exact
     _check(n, n_ref, dtype)
     assert torch.equal(x, big[:, cols: 2 * cols])  # inputs untouched
+    # fp8_out (a w8a8 linear next): the per-token quantization of that normed output, bit for bit
+    from salaserve.kernels.quant_gemm import quantize_rows_fp8
+
+    h8, (q, s) = fused.add_rms_norm(x, upd, r, w, EPS, fp8_out=True)
+    q_ref, s_ref = quantize_rows_fp8(n)
+    assert torch.equal(h8, h) and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -88,6 +88,27 @@ def test_row_quantizer_equals_torch(K):
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
+def test_fp8_prefill_qkv_and_gate_up_quantize_inside_the_norm():
+    """TritonBackend.add_rms_norm_linear at a prefill size with fp8 weights (the add + RMSNorm
+    kernel writes fp8 codes and scales) equals add_rms_norm, then quant_linear, bit for bit; at
+    decode sizes it is that very path."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.fused import add_rms_norm
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    N, K = SHAPES["gate_up"]
+    w = _weights("fp8", N, K, 6)
+    norm_w = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    ops = TritonBackend()
+    for M in (3, 300):
+        h = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        u = (torch.randn(M, K, device="cuda") * 3).to(torch.bfloat16)
+        h_ref, normed = add_rms_norm(h, u, 0.25, norm_w, 1e-6)
+        h_got, y = ops.add_rms_norm_linear(h, u, 0.25, norm_w, 1e-6, w)
+        assert torch.equal(h_got, h_ref)
+        assert torch.equal(y, Q.quant_linear(normed, w))
+
+
 def test_fp8_prefill_down_quantizes_inside_silu_mul():
     """TritonBackend.silu_mul_linear at a prefill size with fp8 weights (silu_mul fused into the
     activation quantization) equals silu_mul, then quant_linear, bit for bit; at decode sizes it is

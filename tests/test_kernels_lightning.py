@@ -67,6 +67,8 @@ def _compile_cases():
                      dict(BLOCK=4096, X_DT=b16, OUT_DT=b16), 8),
         "add_rms_norm": (fused._add_rms_norm_kernel, dict(r_ptr=bf, u_ptr=bf, w_ptr=bf, h_ptr=bf, out_ptr=bf),
                          dict(BLOCK=4096, U_DT=b16, H_DT=b16, OUT_DT=b16), 8),
+        "add_rms_norm_fp8": (fused._add_rms_norm_kernel, dict(r_ptr=bf, u_ptr=bf, w_ptr=bf, h_ptr=bf, out_ptr="*fp8e4nv"),
+                             dict(BLOCK=4096, U_DT=b16, H_DT=b16, OUT_DT=b16, FP8_OUT=True, INTERPRET=False), 8),
         "silu_mul": (fused._silu_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, DT=b16), 4),
         "sigmoid_mul": (fused._sigmoid_mul_kernel, dict(x_ptr=bf, g_ptr=bf, out_ptr=bf),
                         dict(BLOCK=1024, G_DT=b16, OUT_DT=b16), 4),
@@ -74,7 +76,7 @@ def _compile_cases():
 
 
 @pytest.mark.parametrize("name", ["decode_bv16", "decode_bv32", "decode_bv64", "decode_bv32_batch_major", "decode_fp32", "qk_norm_rope", "output",
-                                  "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul"])
+                                  "rms_norm", "add_rms_norm", "add_rms_norm_fp8", "silu_mul", "sigmoid_mul"])
 def test_kernel_compiles_for_sm90_without_spills(name):
     """Ahead-of-time compile for sm_90 at the real shapes (no GPU needed): the interpreter does not
     type-check or lower the kernels, this does; spilling registers would cost bandwidth."""

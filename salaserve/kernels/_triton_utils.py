@@ -74,6 +74,24 @@ def round_to_e4m3(x):
     return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def fp8_row_scale(amax, FP8_MAX_C: tl.constexpr):
+    """Per-token dynamic fp8 scale of rows with absolute maxima amax: s = max(amax, 1e-12) times
+    fp32(1 / FP8_MAX_C) (torch's division by a Python scalar), and its IEEE reciprocal."""
+    sx = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX_C)
+    return sx, tl.math.div_rn(1.0, sx)
+
+
+@triton.jit
+def fp8_codes(v, inv, q_ptr, FP8_MAX_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 values times inv, clamped to +-FP8_MAX_C, as q_ptr's e4m3 codes, the way torch casts
+    (the interpreter's own cast mis-rounds, so there the value is rounded first)."""
+    v = tl.minimum(tl.maximum(v * inv, -FP8_MAX_C), FP8_MAX_C)
+    if INTERPRET:
+        v = round_to_e4m3(v)
+    return v.to(q_ptr.dtype.element_ty)
+
+
 # ---- programmatic dependent launch (PDL, sm_90+): on by default; SALASERVE_PDL=0 or set_pdl(False) turns
 # it off. Measured on the H200: batch-1 decode at 4K 5.154 -> 4.970 ms with the GEMVs and row
 # kernels (BENCHMARKS run 13), -> 4.846 ms with the rest of the decode chain (run 15).

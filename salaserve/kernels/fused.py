@@ -15,11 +15,18 @@ fused projection outputs). Outputs are new contiguous tensors. No host syncs: gr
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import NO_FMA, pdl_launch_kwargs, pdl_wait_first, promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_wait_first, promote,
+                                             round_to, rsqrt_rn, tl_dtype)
+from salaserve.quant.formats import FP8_MAX
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_FP8_MAX = tl.constexpr(FP8_MAX)  # a global the kernels may read
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -77,10 +84,12 @@ def rms_norm(x, w, eps, *, num_warps: int | None = None):
 
 
 @triton.jit
-def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, stride_r, stride_u, stride_h, stride_out,
+def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, s_ptr, stride_r, stride_u, stride_h, stride_out,
                          n_cols, scale, eps,
                          BLOCK: tl.constexpr, U_DT: tl.constexpr, H_DT: tl.constexpr, OUT_DT: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    """FP8_OUT: the normed row (its OUT_DT values) goes out as per-token fp8 codes and a scale
+    (s_ptr), exactly quant_gemm.quantize_rows_fp8 of the OUT_DT output, for a w8a8 linear."""
     pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
@@ -91,14 +100,21 @@ def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, stride_r, stride_u
     h = round_to(r + round_to(u * scale, U_DT), H_DT)
     tl.store(h_ptr + row * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
     y = _normalize(h, w_ptr, cols, mask, n_cols, eps, H_DT, OUT_DT)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:
+        sx, inv = fp8_row_scale(tl.max(tl.abs(y), axis=0), _FP8_MAX)
+        tl.store(out_ptr + row * stride_out + cols, fp8_codes(y, inv, out_ptr, _FP8_MAX, INTERPRET), mask=mask)
+        tl.store(s_ptr + row, sx)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = None):
+def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = None, fp8_out: bool = False):
     """(residual + update*scale, its RMSNorm) in one pass, as TorchBackend.add_rms_norm:
     round(update*scale) in update.dtype, then round(residual + that) in promote(residual, update);
     the norm as rms_norm. residual, update [..., D] same shape (unit last-dim stride); scale: float;
-    w [D]. Returns (new_residual, normed), new contiguous tensors; the inputs are not modified."""
+    w [D]. Returns (new_residual, normed), new contiguous tensors; the inputs are not modified.
+    fp8_out: normed comes back as (e4m3 codes [rows, D], fp32 scales [rows, 1]), the per-token
+    quantization of the normed rows (quant_gemm.quantize_rows_fp8's values) for a w8a8 linear."""
     r2, u2 = _rows(residual, "residual"), _rows(update, "update")
     if r2.shape != u2.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and update {tuple(update.shape)} differ")
@@ -106,15 +122,18 @@ def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = Non
     h_dt = promote(residual.dtype, update.dtype)
     out_dt = promote(h_dt, w.dtype)
     h = torch.empty(n_rows, n_cols, dtype=h_dt, device=residual.device)
-    out = torch.empty(n_rows, n_cols, dtype=out_dt, device=residual.device)
+    out = torch.empty(n_rows, n_cols, dtype=torch.float8_e4m3fn if fp8_out else out_dt, device=residual.device)
+    sx = torch.empty(n_rows if fp8_out else 0, 1, dtype=torch.float32, device=residual.device)
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         _add_rms_norm_kernel[(n_rows,)](
-            r2, u2, w, h, out, r2.stride(0), u2.stride(0), h.stride(0), out.stride(0), n_cols,
+            r2, u2, w, h, out, sx, r2.stride(0), u2.stride(0), h.stride(0), out.stride(0), n_cols,
             float(scale), float(eps), BLOCK=block, U_DT=tl_dtype(update.dtype), H_DT=tl_dtype(h_dt),
-            OUT_DT=tl_dtype(out_dt), num_warps=num_warps or _norm_warps(block), **NO_FMA,
-            **pdl_launch_kwargs(r2.device))
+            OUT_DT=tl_dtype(out_dt), FP8_OUT=fp8_out, INTERPRET=_INTERPRET, num_warps=num_warps or _norm_warps(block),
+            **NO_FMA, **pdl_launch_kwargs(r2.device))
     shape = (*residual.shape[:-1], n_cols)
+    if fp8_out:
+        return h.view(shape), (out, sx)
     return h.view(shape), out.view(shape)
 
 

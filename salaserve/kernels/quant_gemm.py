@@ -44,7 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_supported, pdl_wait_first, round_to, round_to_e4m3, tl_dtype
+from salaserve.kernels._triton_utils import (fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_supported, pdl_wait_first,
+                                             round_to, round_to_e4m3, tl_dtype)
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -1221,14 +1222,6 @@ def _rows_tile(x_rows, kk, mask, K, SILU: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(v, q_ptr, INTERPRET: tl.constexpr):
-    """clamped fp32 -> e4m3 as torch casts (the interpreter's own cast mis-rounds: round first)."""
-    if INTERPRET:
-        v = round_to_e4m3(v)
-    return v.to(q_ptr.dtype.element_ty)
-
-
-@triton.jit
 def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, FP8_MAX_C: tl.constexpr,
                               ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                               SILU: tl.constexpr = False, DT: tl.constexpr = tl.bfloat16,
@@ -1253,18 +1246,15 @@ def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, FP8_MAX_C: t
             kk = k0 + tl.arange(0, BLOCK)[None, :]
             xt = _rows_tile(x_rows, kk, row_mask[:, None] & (kk < K), K, SILU, DT)
             amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=1))
-    sx = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX_C)  # as torch: x * fp32(1/448)
-    inv = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), sx)[:, None]
+    sx, inv = fp8_row_scale(amax, FP8_MAX_C)
     if ONE_PASS:
-        v = tl.minimum(tl.maximum(x * inv, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(q_rows + kk, _to_e4m3(v, q_ptr, INTERPRET), mask=mask)
+        tl.store(q_rows + kk, fp8_codes(x, inv[:, None], q_ptr, FP8_MAX_C, INTERPRET), mask=mask)
     else:
         for k0 in range(0, K, BLOCK):
             kk = k0 + tl.arange(0, BLOCK)[None, :]
             mask = row_mask[:, None] & (kk < K)
-            v = _rows_tile(x_rows, kk, mask, K, SILU, DT) * inv
-            v = tl.minimum(tl.maximum(v, -FP8_MAX_C), FP8_MAX_C)
-            tl.store(q_rows + kk, _to_e4m3(v, q_ptr, INTERPRET), mask=mask)
+            v = _rows_tile(x_rows, kk, mask, K, SILU, DT)
+            tl.store(q_rows + kk, fp8_codes(v, inv[:, None], q_ptr, FP8_MAX_C, INTERPRET), mask=mask)
     tl.store(s_ptr + rows, sx, mask=row_mask)
 
 
@@ -1325,8 +1315,14 @@ def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, *, 
     """w8a8 on cuBLAS: per-token dynamic activation scales x rowwise weight scales (CUDA only).
     silu: the input is fused.silu_mul(x) (x = [gate | up]), quantized in the same kernel."""
     x8, sx = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), silu=silu)
+    return fp8_scaled_mm_quantized(x8, sx, w_fp8, scale, x.dtype)
+
+
+def fp8_scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """fp8_scaled_mm of activations already quantized per token (x8 e4m3 [M, K], sx fp32 [M, 1])."""
     y = torch._scaled_mm(x8, w_fp8.t(), scale_a=sx, scale_b=scale.float().view(1, -1), out_dtype=torch.bfloat16)
-    return y.to(x.dtype)
+    return y.to(dtype)
 
 
 # ---------------------------------------------------------------- dispatch

@@ -60,8 +60,16 @@ class TorchBackend:
         u = self.silu_mul_linear(x, w_out) if silu else self.linear(x, w_out)
         if norm_w is None:
             return h + u * scale, None
+        if silu_out:
+            h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
+            return h, self.silu_linear(normed, w_in)
+        return self.add_rms_norm_linear(h, u, scale, norm_w, eps, w_in)
+
+    def add_rms_norm_linear(self, h, u, scale, norm_w, eps, w):
+        """(h + u * scale, linear(its RMSNorm, w)): the norm side of a junction (a backend may
+        quantize the normed rows as it computes them)."""
         h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
-        return h, self.silu_linear(normed, w_in) if silu_out else self.linear(normed, w_in)
+        return h, self.linear(normed, w)
 
     def silu_linear(self, x, w):
         """silu_mul(linear(x, w)) for a [gate | up] weight w: the gate_up side of the silu_out

@@ -24,7 +24,7 @@ from salaserve.kernels._triton_utils import promote
 from salaserve.kernels import attention as attn
 from salaserve.kernels import gemv as gemv_ops
 from salaserve.kernels import sparse as sparse_ops
-from salaserve.kernels.fused import TritonFusedOps
+from salaserve.kernels.fused import TritonFusedOps, add_rms_norm
 from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.torch_ops import TorchBackend
@@ -164,6 +164,18 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
                 y = quant_gemm.fp8_scaled_mm(rows, w.weight, w.scale, silu=True)
                 return y.view(*gate_up.shape[:-1], w.out_features)
         return TorchBackend.silu_mul_linear(self, gate_up, w)
+
+    def add_rms_norm_linear(self, h, u, scale, norm_w, eps, w):
+        """fp8 weights at prefill sizes (w8a8 on cuBLAS): the add + RMSNorm kernel writes the
+        normed rows as their per-token fp8 codes and scales, never in bf16; else the norm, then
+        the linear."""
+        if isinstance(w, QuantizedLinearWeights) and h.is_cuda and h.dim() == 2:
+            from salaserve.kernels import quant_gemm
+
+            if quant_gemm.fp8_scaled_mm_takes(h.shape[0], w):
+                h, (x8, sx) = add_rms_norm(h, u, scale, norm_w, eps, fp8_out=True)
+                return h, quant_gemm.fp8_scaled_mm_quantized(x8, sx, w.weight, w.scale, promote(h.dtype, norm_w.dtype))
+        return TorchBackend.add_rms_norm_linear(self, h, u, scale, norm_w, eps, w)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
                              silu_out: bool = False):
