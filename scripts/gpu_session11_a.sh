@@ -3,6 +3,7 @@
 # did not cover (w4, fla's fixed-length path, fp8 quantization inside the norm, the engine), the
 # 32K prefill fp8/bf16 (median of 3 prompts), then the 128K prefill after the host-side fixes
 # (sync-free one-sequence GLA, q/k written in fla's input dtype) with the bf16 GLA opt-in next to it.
+# Longer than one 600 s call: run the tests and the micros as two calls.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short \
