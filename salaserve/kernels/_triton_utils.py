@@ -75,6 +75,21 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, ACT_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    """silu(gate) * up on fp32 values as torch computes F.silu(gate) * up: the activation rounded
+    to ACT_DT (F.silu's output dtype), the product to OUT_DT; returned as fp32. Every silu_mul
+    in the kernels (the row kernel, the GEMV's prologue and epilogue, the fp8 quantizer) is this."""
+    return round_to(round_to(gate / (1.0 + tl.exp(-gate)), ACT_DT) * up, OUT_DT)
+
+
+@triton.jit
+def bf16_pair(u):
+    """int32 words each holding two bf16 values (memory order: low half first) -> both as fp32:
+    bf16 -> fp32 is a 16-bit shift, or a mask for the high half."""
+    return (u << 16).to(tl.float32, bitcast=True), (u & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp8_row_scale(amax, FP8_MAX_C: tl.constexpr):
     """Per-token dynamic fp8 scale of rows with absolute maxima amax: s = max(amax, 1e-12) times
     fp32(1 / FP8_MAX_C) (torch's division by a Python scalar), and its IEEE reciprocal."""

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_wait_first, promote,
-                                             round_to, rsqrt_rn, tl_dtype)
+                                             round_to, rsqrt_rn, silu_mul_rounded, tl_dtype)
 from salaserve.quant.formats import FP8_MAX
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -151,8 +151,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols,
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = round_to(gate / (1.0 + tl.exp(-gate)), DT)  # F.silu output, stored in DT
-    out = round_to(act * up, DT)
+    out = silu_mul_rounded(gate, up, DT, DT)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

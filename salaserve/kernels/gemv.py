@@ -96,7 +96,8 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn,
+                                             silu_mul_rounded, tl_dtype)
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
@@ -140,8 +141,7 @@ def _x_tile(x_ptr, nw_ptr, rows, kk, row_mask, k_mask, rstd, stride_xm, K,
         # silu_mul: x = [gate | up] with K columns each; roundings as fused.silu_mul
         gate = tl.load(base + kk, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(base + K + kk, mask=mask, other=0.0).to(tl.float32)
-        act = round_to(gate / (1.0 + tl.exp(-gate)), X_DT)
-        return round_to(act * up, X_DT)
+        return silu_mul_rounded(gate, up, X_DT, X_DT)
     x = tl.load(base + kk, mask=mask, other=0.0).to(tl.float32)
     if PROLOGUE == 1:
         # reference.rms_norm: normalised value rounded to x's dtype, times the weight
@@ -200,10 +200,9 @@ def _x_quads(x_ptr, rows, kw, mask, stride_xm, X_WORDS: tl.constexpr):
     if X_WORDS:
         quads = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + rows.to(tl.int64) * (stride_xm // 4)
         v = tl.load(quads + kw, mask=mask, other=0)
-        lo = v.to(tl.int32)
-        hi = (v >> 32).to(tl.int32)
-        return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
-                (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
+        x0, x1 = bf16_pair(v.to(tl.int32))
+        x2, x3 = bf16_pair((v >> 32).to(tl.int32))
+        return x0, x1, x2, x3
     base = x_ptr + rows.to(tl.int64) * stride_xm + 4 * kw
     return (tl.load(base, mask=mask, other=0.0).to(tl.float32), tl.load(base + 1, mask=mask, other=0.0).to(tl.float32),
             tl.load(base + 2, mask=mask, other=0.0).to(tl.float32), tl.load(base + 3, mask=mask, other=0.0).to(tl.float32))
@@ -360,8 +359,7 @@ def _write_silu(y, offs_m, m_mask, pid_n, F, out_ptr, stride_om,
     outputs, with fused.silu_mul's roundings on the linear's rounded output."""
     y = round_to(y, Y_DT)  # gate_up as x @ w.t() stores it
     gate, up = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
-    act = round_to(gate / (1.0 + tl.exp(-gate)), Y_DT)  # F.silu's output, stored in Y_DT
-    out = round_to(act * up, OUT_DT)
+    out = silu_mul_rounded(gate, up, Y_DT, OUT_DT)  # F.silu's output stored in Y_DT
     cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & (cols < F)[None, :])
@@ -551,7 +549,8 @@ FP8_FMA_CONFIGS = {
     8: (GemvConfig(1, 2048, 4),),
 }
 # fp8 weights on tensor cores (gemv_fp8 with a DOT config; opt-in, SALASERVE_FP8_DOT=1 adds them to
-# quant_gemm's calibration; NOT yet measured or tested on a GPU): W's codes converted to f16 in
+# quant_gemm's calibration; correct on the H200 but slower than the FMA path at every shape,
+# BENCHMARKS run 44: gate_up 43.4 vs 38.6 us): W's codes converted to f16 in
 # registers after the pipelined load, x * 2^-8 in f16. sm_90 loop SASS at one row: 3.5 / 3.2
 # instructions per weight (the FMA path: ~5.3; with bf16 operands instead of f16 this tile needs an
 # F2F per weight, 4.1-4.8, quarter-rate); 99 / 171 registers.

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import (fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_supported, pdl_wait_first,
-                                             round_to, round_to_e4m3, tl_dtype)
+from salaserve.kernels._triton_utils import (bf16_pair, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_supported,
+                                             pdl_wait_first, round_to_e4m3, silu_mul_rounded, tl_dtype)
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights, is_trivial_g_idx
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -62,7 +62,8 @@ FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "gemv")
 if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
     raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
 # SALASERVE_FP8_DOT=1 adds gemv.FP8_DOT_CONFIGS (fp8 on tensor cores with f16 operands) to the fp8
-# GEMV calibration's candidates. Off: not yet run on a GPU (perf notes, end of the ninth session).
+# GEMV calibration's candidates. Off: correct on the GPU but slower than the FMA GEMV at every
+# shape (BENCHMARKS run 44).
 FP8_DOT = os.environ.get("SALASERVE_FP8_DOT", "0") == "1"
 
 
@@ -292,12 +293,6 @@ _w4a16_gemm_tuned = triton.autotune(configs=_configs(_W4_GEMM), key=["m_bucket",
 
 
 @triton.jit
-def _bf16_pair(u):
-    """int32 holding bf16 x[k] (low half) and x[k + 1] -> both as fp32 (16-bit shifts)."""
-    return (u << 16).to(tl.float32, bitcast=True), (u & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _x_pair(x_row, rows, t: tl.constexpr, perm_ptr, mask, X_PERM: tl.constexpr):
     """x[8r + 2t], x[8r + 2t + 1] of packed rows r as fp32, one value per load (through perm when X_PERM)."""
     ka = rows * 8 + 2 * t
@@ -322,8 +317,8 @@ def _x_row(x_row, rows, x_quads, perm_ptr, mask, X_PAIRS: tl.constexpr, X_PERM: 
         u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
         u0, u2 = tl.split(u02)
         u1, u3 = tl.split(u13)
-        xp = (_bf16_pair(u0[:, :, :, None]), _bf16_pair(u1[:, :, :, None]), _bf16_pair(u2[:, :, :, None]),
-              _bf16_pair(u3[:, :, :, None]))
+        xp = (bf16_pair(u0[:, :, :, None]), bf16_pair(u1[:, :, :, None]), bf16_pair(u2[:, :, :, None]),
+              bf16_pair(u3[:, :, :, None]))
     else:
         if mask is None:
             mask = rows >= 0
@@ -526,6 +521,7 @@ def _w4_gemv_fma_kernel(
         y = tl.where(sel == 2, _w4_out_row(acc2, BLOCK_N), y)
         y = tl.where(sel == 3, _w4_out_row(acc3, BLOCK_N), y)
     _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+
 
 # fp32 sign/exponent bits of 16 and 1: OR-ed over a nibble at mantissa bits 15..18 / 19..22 they
 # read 16 + q/16 and 1 + q/16. Passed as kernel arguments, not literals: as literals ptxas
@@ -1217,7 +1213,7 @@ def _rows_tile(x_rows, kk, mask, K, SILU: tl.constexpr, DT: tl.constexpr):
     if SILU:
         gate = tl.load(x_rows + kk, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_rows + K + kk, mask=mask, other=0.0).to(tl.float32)
-        return round_to(round_to(gate / (1.0 + tl.exp(-gate)), DT) * up, DT)
+        return silu_mul_rounded(gate, up, DT, DT)
     return tl.load(x_rows + kk, mask=mask, other=0.0).to(tl.float32)
 
 

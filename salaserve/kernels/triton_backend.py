@@ -153,28 +153,36 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             return gemv_ops.gemv_fp8(x, w.weight, w.scale, cfg, silu_out=True)
         return TorchBackend.silu_linear(self, x, w)
 
+    @staticmethod
+    def _w8a8_prefill(rows, w) -> bool:
+        """Whether rows [M, K] meet w through w8a8 on cuBLAS (fp8 weights at prefill sizes on the
+        GPU), whose per-token activation quantization a producer kernel can take over."""
+        if not (isinstance(w, QuantizedLinearWeights) and rows.is_cuda):
+            return False
+        from salaserve.kernels import quant_gemm
+
+        return quant_gemm.fp8_scaled_mm_takes(rows.shape[0], w)
+
     def silu_mul_linear(self, gate_up, w):
         """fp8 weights at prefill sizes (w8a8 on cuBLAS): silu_mul and the per-token quantization
         of down's input in one kernel, never written in bf16; else silu_mul, then the linear."""
         rows = gate_up.reshape(-1, gate_up.shape[-1])
-        if isinstance(w, QuantizedLinearWeights) and rows.is_cuda:
+        if self._w8a8_prefill(rows, w):
             from salaserve.kernels import quant_gemm
 
-            if quant_gemm.fp8_scaled_mm_takes(rows.shape[0], w):
-                y = quant_gemm.fp8_scaled_mm(rows, w.weight, w.scale, silu=True)
-                return y.view(*gate_up.shape[:-1], w.out_features)
+            y = quant_gemm.fp8_scaled_mm(rows, w.weight, w.scale, silu=True)
+            return y.view(*gate_up.shape[:-1], w.out_features)
         return TorchBackend.silu_mul_linear(self, gate_up, w)
 
     def add_rms_norm_linear(self, h, u, scale, norm_w, eps, w):
         """fp8 weights at prefill sizes (w8a8 on cuBLAS): the add + RMSNorm kernel writes the
         normed rows as their per-token fp8 codes and scales, never in bf16; else the norm, then
         the linear."""
-        if isinstance(w, QuantizedLinearWeights) and h.is_cuda and h.dim() == 2:
+        if h.dim() == 2 and self._w8a8_prefill(h, w):
             from salaserve.kernels import quant_gemm
 
-            if quant_gemm.fp8_scaled_mm_takes(h.shape[0], w):
-                h, (x8, sx) = add_rms_norm(h, u, scale, norm_w, eps, fp8_out=True)
-                return h, quant_gemm.fp8_scaled_mm_quantized(x8, sx, w.weight, w.scale, promote(h.dtype, norm_w.dtype))
+            h, (x8, sx) = add_rms_norm(h, u, scale, norm_w, eps, fp8_out=True)
+            return h, quant_gemm.fp8_scaled_mm_quantized(x8, sx, w.weight, w.scale, promote(h.dtype, norm_w.dtype))
         return TorchBackend.add_rms_norm_linear(self, h, u, scale, norm_w, eps, w)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,
