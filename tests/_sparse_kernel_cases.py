@@ -485,6 +485,88 @@ def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_le
             "counts": ref_count.cpu().tolist()}
 
 
+def stage1_like_keys(g: torch.Generator, hkv: int, qb: torch.Tensor, nb: int, dense: torch.Tensor, levels: int = 0,
+                     init: int = 1, local: int = 2) -> torch.Tensor:
+    """Packed keys [hkv, R, nb] as _stage1_block_keys_kernel's _store_keys writes them, on random
+    block scores (levels > 0: that many values only): +inf for the init blocks (even past qb), the
+    local window and every causal block of a dense row, -inf for the other future blocks."""
+    from salaserve.kernels.sparse import pack_keys
+
+    R = qb.shape[0]
+    if levels:
+        scores = torch.randint(0, levels, (hkv, R, nb), generator=g).float() - levels / 2
+    else:
+        scores = torch.randn(hkv, R, nb, generator=g).abs()  # pooled scores are sums of exps: >= 0
+    blk, qb2 = torch.arange(nb)[None, :], qb[:, None]
+    forced = (blk < init) | ((blk >= qb2 - local) & (blk <= qb2)) | (dense[:, None] & (blk <= qb2))
+    scores = torch.where(forced, float("inf"), torch.where(blk > qb2, float("-inf"), scores))
+    return pack_keys(scores)
+
+
+def check_topk_blocks(seed: int, rows: int = 8, nb: int = 40, width: int = 8, limit="int", keys: str = "stage1",
+                      levels: int = 0, search: str = "score", device: str = "cpu", init: int = 1,
+                      sparse_limit: int | None = None) -> dict:
+    """The fused prefill top-k (topk_blocks) against _topk_blocks on random packed keys [2, rows, nb]:
+    equal output, bit for bit. limit: "int" (width: every row sparse), an int (below width), or
+    "rows", a tensor: width for dense rows, sparse_limit (default width - 3) for the others, and
+    with random keys a row each of limit 0 and 1. keys: "stage1" (stage1_like_keys, dense rows
+    forced as their limit says; init > 1 forces future init blocks of the rows with small qb) or
+    "random" (pack_keys of any scores: non-causal keys outrank causal ones, which _topk_blocks
+    drops, so rows list fewer than min(limit, qb + 1) blocks; `short` counts those rows). qb: each
+    row's last causal block, random but for rows at 0, 1, 2 and nb - 1."""
+    from salaserve.kernels import sparse as ks
+
+    g = torch.Generator().manual_seed(seed)
+    qb = torch.randint(0, nb, (rows,), generator=g)
+    qb[:4] = torch.tensor([0, 1, 2, nb - 1])[:rows]
+    dense = torch.rand(rows, generator=g) < 0.3
+    dense[3] = True  # (with limit="rows") the widest row: more causal blocks than width
+    if limit == "rows":
+        lim = torch.where(dense, width, sparse_limit or max(width - 3, 1))
+        if keys == "random":
+            lim[1], lim[2] = 0, 1
+    else:
+        lim = width if limit == "int" else int(limit)
+    if keys == "stage1":
+        k = stage1_like_keys(g, 2, qb, nb, dense if limit == "rows" else torch.zeros_like(dense), levels, init)
+    elif levels:
+        k = ks.pack_keys(torch.randint(0, levels, (2, rows, nb), generator=g).float())
+    else:
+        k = ks.pack_keys(torch.randn(2, rows, nb, generator=g))
+    k, qb = k.to(device), qb.to(device)
+    lim = lim.to(device) if isinstance(lim, torch.Tensor) else lim
+    want = ks._topk_blocks(k, width, lim, qb)
+    got = ks.topk_blocks(k, width, lim, qb, search=search)
+    count = (want >= 0).sum(-1)
+    full = torch.minimum(torch.as_tensor(lim, device=device).expand(rows), torch.clamp(qb + 1, max=nb)).clamp(min=0)
+    return {"equal": bool(torch.equal(got, want)), "short": int((count < full[None]).sum()),
+            "counts": sorted(set(count.flatten().tolist()))}
+
+
+def check_prefill_topk_switch(case: dict, block_t: int = 8, bb: int = 4) -> dict:
+    """select_blocks_prefill with SALASERVE_FUSED_PREFILL_TOPK on (topk_blocks) and off (the
+    torch _topk_blocks): the same block indices, and both used (calls counted)."""
+    from salaserve.kernels import sparse as ks
+
+    cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
+    calls = {"fused": 0, "torch": 0}
+    fused, torch_fn = ks.topk_blocks, ks._topk_blocks
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    out = {}
+    with _knobs(topk_blocks=counting("fused", fused), _topk_blocks=counting("torch", torch_fn)):
+        for on in (True, False):
+            with _knobs(FUSED_PREFILL_TOPK=on):
+                out[on] = ks.select_blocks_prefill(q, comp, LAYER, batch, cfg.sparse, cfg.head_dim ** -0.5,
+                                                   block_t=block_t, bb=bb)
+    return {"equal": bool(torch.equal(out[True], out[False])), "width": out[True].shape[-1], **calls}
+
+
 def _part_topk() -> dict:
     from salaserve.kernels import sparse as ks
 
@@ -503,7 +585,54 @@ def _part_topk() -> dict:
     return res
 
 
-PARTS = {"select": _part_select, "attention": _part_attention, "topk": _part_topk}
+TOPK_BLOCKS_CASES = {  # name: check_topk_blocks arguments (8 rows, 2 KV heads, 40 blocks, width 8)
+    "stage1": dict(seed=0),  # every row sparse: int limit = width < nb
+    "stage1_rows_ties": dict(seed=1, limit="rows", levels=3),  # dense rows mixed in; 3 score values
+    "stage1_narrow_init3": dict(seed=2, limit="rows", nb=6, init=3),  # nb < width; forced future init blocks
+    "random_rows": dict(seed=3, keys="random", limit="rows"),  # limits 0 and 1 too; short rows
+    "random_limit3_ties": dict(seed=4, keys="random", limit=3, levels=3),  # int limit < width
+    "random_limit1": dict(seed=5, keys="random", limit=1),
+}
+TOPK_BLOCKS_SEGMENTED = {  # TOPK_ONE_PASS_BLOCKS = TOPK_SEGMENT = 16: 40 blocks in 3 segments (+1 empty)
+    "segmented_stage1_rows": dict(seed=6, rows=6, limit="rows"),
+    "segmented_random_ties": dict(seed=7, rows=6, keys="random", limit="rows", levels=3),
+}
+TOPK_BLOCKS_KEY_SEARCH = ("stage1_rows_ties", "random_rows", "segmented_random_ties")  # also with search="key"
+
+
+def _part_topk_blocks() -> dict:
+    """The fused prefill top-k: topk_blocks against _topk_blocks, both searches, one pass and
+    segmented; select_blocks_prefill with SALASERVE_FUSED_PREFILL_TOPK on and off."""
+    res = {}
+    for search in ("score", "key"):
+        for cases, knobs in ((TOPK_BLOCKS_CASES, {}), (TOPK_BLOCKS_SEGMENTED, dict(TOPK_ONE_PASS_BLOCKS=16,
+                                                                                   TOPK_SEGMENT=16))):
+            with _knobs(**knobs):
+                res.update({f"blocks_{n}_{search}": check_topk_blocks(search=search, **kw) for n, kw in cases.items()
+                            if search == "score" or n in TOPK_BLOCKS_KEY_SEARCH})
+    cfg = tiny_cfg()
+    with _knobs(_TARGET_PROGRAMS=1):
+        with _knobs(_SELECT_BUFFER_BYTES=1):  # a chunk per tile: topk_blocks writes into slices of the output
+            res["switch_sparse_chunks"] = check_prefill_topk_switch(make_case(cfg, [(250, 9), (131, 5)], seed=18))
+        # a dense sequence mixed in: the per-row limit; all dense: nb (2) < width (8)
+        res["switch_mixed"] = check_prefill_topk_switch(make_case(cfg, [(170, 6), (40, 10)], seed=19))
+        res["switch_dense_narrow"] = check_prefill_topk_switch(make_case(cfg, [(10, 20)], seed=20))
+    return res
+
+
+def _torch_prefill_topk(part):
+    """`part` with select_blocks_prefill's torch top-k (SALASERVE_FUSED_PREFILL_TOPK=0): the
+    interpreter runs topk_blocks at ~12 ms per (row, KV head) program, which added ~45 s to the
+    select and attention parts. The topk_blocks part shows both paths equal; the GPU tests select
+    with the fused one."""
+    def run():
+        with _knobs(FUSED_PREFILL_TOPK=False):
+            return part()
+    return run
+
+
+PARTS = {"select": _torch_prefill_topk(_part_select), "attention": _torch_prefill_topk(_part_attention),
+         "topk": _part_topk, "topk_blocks": _part_topk_blocks}
 
 if __name__ == "__main__":
     torch.manual_seed(0)

@@ -74,14 +74,16 @@ def assert_rope_within_ulps(a, b, max_ulps: int = 2, max_frac: float = 0.0):
 
 
 def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_stages: int = 3,
-                 fp_fusion: bool = False, divisible: tuple = ()):
+                 fp_fusion: bool = False, divisible: tuple = (), maxnreg: int | None = None,
+                 floats: tuple = ()):
     """Compile a @triton.jit kernel for sm_90 (H100/H200) ahead of time, on a machine without a GPU,
     with the specialisations the JIT would pick at the real shapes (pointers and strides divisible
     by 16). Catches what the interpreter lets through (types, constexpr branches, layouts) and
     reports register use. Arguments named *_ptr are pointers (`ptr_types` overrides the default
     *fp32), scale/eps are fp32, other non-constexpr arguments i32. fp_fusion: as the kernel's
     launches (False for the NO_FMA elementwise kernels). divisible: more integer arguments the JIT
-    would see as multiples of 16 (e.g. N and K at the model's shapes)."""
+    would see as multiples of 16 (e.g. N and K at the model's shapes). maxnreg: the launch's
+    register cap, where it sets one. floats: more fp32 arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
@@ -92,7 +94,7 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_s
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
             sig[n] = ptr_types.get(n, "*fp32")
-        elif n in ("scale", "eps"):
+        elif n in ("scale", "eps") or n in floats:
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
@@ -101,7 +103,8 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_s
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
     return triton_compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion})
+                          options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def cubin_resources(kernel) -> dict | None:

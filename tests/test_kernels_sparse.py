@@ -1,8 +1,9 @@
 """InfLLM-v2 selection and block-sparse attention kernels (salaserve/kernels/sparse.py).
 
-CPU: the Triton kernels run under the interpreter (TRITON_INTERPRET=1, tiny config, fp32) in two
-subprocesses started once per session, since the interpreter must be chosen before triton is
-imported and other test files import triton normally. The cases live in _sparse_kernel_cases.py.
+CPU: the Triton kernels run under the interpreter (TRITON_INTERPRET=1, tiny config, fp32) in
+subprocesses (one per part of the cases) started once per session, since the interpreter must be
+chosen before triton is imported and other test files import triton normally. The cases live in
+_sparse_kernel_cases.py.
 
 Exactness of the selection. The kernel and the reference compute the same fp32 expression in a
 different order (tl.dot vs einsum, exp2 of a base-2 lse vs exp of logsumexp, tree vs sequential
@@ -42,7 +43,7 @@ def interp():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     procs = {part: subprocess.Popen([sys.executable, os.path.join(HERE, "_sparse_kernel_cases.py"), part],
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for part in ("select", "attention", "topk")}
+             for part in ("select", "attention", "topk", "topk_blocks")}
     results = {}
     for part, p in procs.items():
         out, err = p.communicate(timeout=600)
@@ -142,6 +143,36 @@ def test_fused_topk_pages_equals_torch_path(interp, case, search):
     r = interp[f"{case}_{search}"]
     assert r["equal"], r
     assert any(c != [8, 8] for c in r["counts"])  # short and dense rows were in the case
+
+
+@pytest.mark.parametrize("case", [  # _sparse_kernel_cases.TOPK_BLOCKS_*: both searches, or score only
+    f"{n}_{search}" for n, searches in [
+        ("stage1", ["score"]), ("stage1_rows_ties", ["score", "key"]), ("stage1_narrow_init3", ["score"]),
+        ("random_rows", ["score", "key"]), ("random_limit3_ties", ["score"]), ("random_limit1", ["score"]),
+        ("segmented_stage1_rows", ["score"]), ("segmented_random_ties", ["score", "key"])]
+    for search in searches])
+def test_fused_topk_blocks_equals_torch_path(interp, case):
+    """The fused prefill top-k (topk_blocks) gives _topk_blocks' block indices bit for bit: int and
+    per-row limits (dense rows mixed in), ties, nb < width and > width, rows with few causal
+    blocks, forced future init blocks; on stage-1 keys and on arbitrary keys, where a non-causal
+    key can outrank causal ones and the row lists fewer blocks (as the torch function does);
+    one pass and segmented (wide rows); both threshold searches."""
+    r = interp[f"blocks_{case}"]
+    assert r["equal"], r
+    if "random" in case:
+        assert r["short"] > 0, r  # rows that lost blocks to non-causal keys were in the case
+    else:
+        assert r["short"] == 0, r  # stage-1 keys: every row gets min(limit, causal blocks)
+
+
+@pytest.mark.parametrize("case", ["switch_sparse_chunks", "switch_mixed", "switch_dense_narrow"])
+def test_prefill_selection_fused_topk_switch(interp, case):
+    """select_blocks_prefill with SALASERVE_FUSED_PREFILL_TOPK on and off: the same output (every
+    sequence sparse over several chunks; a dense one mixed in; all dense with nb < width)."""
+    r = interp[case]
+    assert r["equal"] and r["fused"] >= 1 and r["torch"] == r["fused"] and r["width"] == 8, r
+    if case == "switch_sparse_chunks":
+        assert r["fused"] >= 2, r  # topk_blocks wrote into slices of the output
 
 
 def test_unpack_keys_inverts_packing():
@@ -274,12 +305,44 @@ def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps
     compile_sm90_without_spills(fn, ptrs, dict(consts, SCORE_SEARCH=score_search), warps, fp_fusion=True)
 
 
+@pytest.mark.parametrize("score_search", [True, False])
+@pytest.mark.parametrize("kernel,width,warps,per_row", [
+    ("one_pass", 2048, 4, False), ("one_pass", 2048, 4, True), ("one_pass", 4096, 8, True),
+    ("segment", 2048, 8, True), ("merge", 32 * 128, 8, True), ("merge", 4 * 128, 4, False)])
+def test_topk_blocks_kernels_compile_for_sm90_without_spills(kernel, width, warps, per_row, score_search):
+    """The fused prefill top-k kernels (topk_blocks) at the widths and warp counts it gives them
+    for width 96 (128 output slots): one pass up to 4096 blocks, 2048-block segments, merges of 4
+    (512K) to 32 (4M tokens) segments; int (every row sparse) and per-row limits; no spills."""
+    from kernel_checks import compile_sm90_without_spills
+
+    from salaserve.kernels import sparse as S
+
+    i32, i64 = "*i32", "*i64"
+    common = dict(LIMIT_PER_ROW=per_row, SCORE_SEARCH=score_search)
+    if kernel == "one_pass":
+        fn, ptrs, consts = S._topk_blocks_kernel, dict(keys_ptr=i32, qb_ptr=i64, limit_ptr=i64, out_ptr=i32), \
+            dict(W=width, OUT_W=128)
+        assert width <= S.TOPK_ONE_PASS_BLOCKS
+    elif kernel == "segment":
+        fn, ptrs, consts = S._topk_blocks_segment_kernel, dict(keys_ptr=i32, limit_ptr=i64, cand_key_ptr=i32,
+                                                                cand_blk_ptr=i32), dict(SEG=width, MAX_SEL=128)
+        assert width == S.TOPK_SEGMENT
+    else:
+        fn, ptrs, consts = S._topk_blocks_merge_kernel, dict(cand_key_ptr=i32, cand_blk_ptr=i32, qb_ptr=i64,
+                                                              limit_ptr=i64, out_ptr=i32), \
+            dict(N_CAND=width, OUT_W=128)
+        assert width <= S._TOPK_MAX_CANDIDATES
+    compile_sm90_without_spills(fn, ptrs, dict(consts, **common), warps, fp_fusion=True)
+
+
 @pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("block_t,bb,warps", [(4, 32, 8), (1, 16, 4)])
-def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps):
+@pytest.mark.parametrize("block_t,bb,warps,maxnreg", [(4, 32, 8, None), (8, 16, 8, 128), (1, 16, 4, None)])
+def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps, maxnreg):
     """The stage-1 kernels at the real shapes (16 query heads per KV group, head dim 128, C1 4 per
-    64-token block), as prefill (4 tokens, 32 blocks per step) and decode (1 token, 16) launch them,
-    default and SALASERVE_STAGE1_FAST variants: both dots on tensor cores, nothing spilled."""
+    64-token block), as prefill (8 tokens, 16 blocks per step, capped at 128 registers:
+    sparse.STAGE1_PREFILL_TILE / STAGE1_PREFILL_LAUNCH; and the former 4 tokens, 32 blocks) and
+    decode (1 token, 16) launch them, default and SALASERVE_STAGE1_FAST variants: both dots on
+    tensor cores, nothing spilled."""
     from kernel_checks import compile_sm90_without_spills
 
     from salaserve.kernels import sparse as S
@@ -291,7 +354,7 @@ def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps
     keys = compile_sm90_without_spills(
         S._stage1_block_keys_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BB=bb, C1PB=4, PAD=1, K1=32,
                                                 S1=16, BS=64, INIT=1, LOCAL=2, DOT_PREC=None, FAST=fast), warps,
-        fp_fusion=True)
+        fp_fusion=True, maxnreg=maxnreg, floats=("qk_scale2",))
     assert "wgmma" in keys.asm["ptx"] or "mma.sync" in keys.asm["ptx"]
     if not fast:
         lse = compile_sm90_without_spills(
@@ -378,3 +441,23 @@ def test_gpu_fused_topk_pages(nb, search, levels):
     r = C.check_topk_pages(nb, sc=sc, nb=nb, max_sel=128, seq_lens=lens, device="cuda", search=search,
                            levels=levels)
     assert r["equal"], r
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("search,levels", [("score", 0), ("score", 5), ("key", 0)])
+@pytest.mark.parametrize("nb", [2048, 4096, 8224])
+def test_gpu_fused_topk_blocks(nb, search, levels):
+    """The fused prefill top-k (topk_blocks, SALASERVE_FUSED_PREFILL_TOPK=1) against _topk_blocks at
+    a 128K and a 256K prompt's widths (one pass) and past 512K (segments + merge), 8192 rows of a
+    selection chunk: every row sparse (width 96), dense rows mixed in (width 128, sparse rows 96),
+    and arbitrary keys (non-causal ones outranking causal ones); both threshold searches; levels 5:
+    scores from 5 values (ties at the threshold in every row)."""
+    import _sparse_kernel_cases as C
+
+    common = dict(rows=8192, nb=nb, levels=levels, search=search, device="cuda")
+    for kw in (dict(width=96), dict(width=128, limit="rows", sparse_limit=96),
+               dict(width=128, limit="rows", sparse_limit=96, keys="random")):
+        r = C.check_topk_blocks(nb, **common, **kw)
+        assert r["equal"], (kw, r)
+        assert (r["short"] > 0) == (kw.get("keys") == "random"), (kw, r)

@@ -119,11 +119,12 @@ def bench_prefill_select(cfg, cache_len: int, chunk: int, reps: int, gen) -> lis
     floor = flops / DOT_FLOPS_PER_S * 1e6
     shape = f"chunk {chunk} at {(cache_len + chunk) // 1024}K"
     nb = -(-batch.seq_lens_host[0] // sc.block_size)
-    tiles = ks.tile_tensors(ks._prefill_tiles(batch, 4), DEVICE)
+    block_t, bb = ks.STAGE1_PREFILL_TILE
+    tiles = ks.tile_tensors(ks._prefill_tiles(batch, block_t), DEVICE)
 
     def scores_only():  # the two stage-1 kernels, without top-k (one chunk: fits the key buffer)
         ks._stage1_keys(q, comp, 0, batch.page_table, batch.seq_lens, batch.positions, tiles, chunk, 0, nb,
-                        scale, 4, 32)
+                        scale, block_t, bb, launch=ks.STAGE1_PREFILL_LAUNCH)
 
     total = _time_us(lambda: ks.select_blocks_prefill(q, comp, 0, batch, sc, scale), reps)
     return [dict(op="prefill select: kernels", shape=shape, us=_time_us(scores_only, reps), floor_us=floor,

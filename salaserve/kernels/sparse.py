@@ -11,7 +11,8 @@ Selection, for one query (token t at absolute position p, KV group g):
      Bscore[b] = max S[j] over j in [c1_per_block*b - pad, c1_per_block*(b+1) - 1]
      forced blocks (init, local window incl. the current block) = +inf, future blocks = -inf
                                                                               (`_stage1_block_keys_kernel`)
-  3. top-k over the blocks with ties toward the lower index                   (`_topk_blocks`, torch)
+  3. top-k over the blocks with ties toward the lower index
+                                        (prefill `topk_blocks`, decode `topk_pages`; torch: `_topk_blocks`)
 
 Step 2 writes, per (group, token, block), one packed int32 key: the bf16 block score's bits mapped
 to an order-preserving int16 in the high half and (65535 - block) in the low half. Keys are unique
@@ -53,6 +54,33 @@ _MAX_BLOCKS = 1 << 16  # the packed key keeps the block index in 16 bits
 # steps) and ~600 (interior steps); measured (run 19): the selection kernels of an 8K chunk at
 # 128K 7.54 -> 5.51 ms, the 128K prefill 5.99 -> 5.41 s. SALASERVE_STAGE1_FAST=0: the first kernel.
 _STAGE1_FAST = os.environ.get("SALASERVE_STAGE1_FAST", "1") == "1"
+
+
+def _launch_env(name: str, default: str) -> dict:
+    """Launch options "num_warps,num_stages,maxnreg" from the environment (0: the default), for
+    A/B runs of the prefill kernels (scripts/sparse_launch_ab.py). maxnreg caps the registers per
+    thread so that more programs fit on an SM; these kernels wait on gathered loads, and with one
+    or two programs per SM there is little to overlap the waits with."""
+    text = os.environ.get(name, default)
+    try:
+        warps, stages, maxnreg = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name} must be 'num_warps,num_stages,maxnreg' (0: default), got {text!r}") from None
+    return {k: v for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", maxnreg)) if v}
+
+
+# Prefill launches of the stage-1 keys kernel (8 warps at the prefill tile unless set), the
+# per-token sparse attention kernel and the window kernel (warps by its tile unless set).
+# Measured on the last 8K chunk of a 128K prompt (run 53, scripts/sparse_launch_ab.py): stage-1
+# 4 tokens x 32 blocks 5.59 ms (172 registers: one program per SM), capped at 120 registers 3.90;
+# 8 tokens x 16 blocks 4.83, capped at 128 registers (no spill) **3.45 ms**, the same keys bit for
+# bit. Window kernel capped at 128 registers (two programs per SM; 120-128 bytes of stack):
+# window + per-token attention 5.83 -> 5.48 ms. The per-token kernel did not gain from a cap
+# (96: 5.78 vs 5.75 ms) or from 8 warps (7.69), so it keeps its defaults.
+STAGE1_PREFILL_TILE = tuple(int(v) for v in os.environ.get("SALASERVE_STAGE1_TILE", "8,16").split(","))
+STAGE1_PREFILL_LAUNCH = _launch_env("SALASERVE_STAGE1_LAUNCH", "0,0,128")
+SPARSE_ATTN_LAUNCH = _launch_env("SALASERVE_SPARSE_ATTN_LAUNCH", "0,0,0")
+SPARSE_WINDOW_LAUNCH = _launch_env("SALASERVE_SPARSE_WINDOW_LAUNCH", "0,0,128")
 
 
 def _pow2(n: int) -> int:
@@ -368,12 +396,14 @@ def _stage1_lse_partials(q, c2, comp: CompressedKeyPool, page_table, positions, 
 
 def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, positions,
                  tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_rows: int, tok_base: int,
-                 nb_out: int, scale: float, block_t: int, bb: int, lse_per_split: int | None = None) -> torch.Tensor:
+                 nb_out: int, scale: float, block_t: int, bb: int, lse_per_split: int | None = None,
+                 launch: dict | None = None) -> torch.Tensor:
     """Packed keys [Hkv, n_rows, nb_out] int32 for the tokens [tok_base, tok_base + n_rows) that
     the tiles cover (see `_stage1_block_keys_kernel`). Fixed shapes for fixed inputs shapes.
     lse_per_split: C2 entries per lse partial (a multiple of _LSE_BLOCK_N); None sizes the
     partials to fill the GPU, which makes the partition (and so the lse's last bits) depend on
-    nb_out and the number of rows."""
+    nb_out and the number of rows. launch: options of the keys kernel's launch (prefill passes
+    STAGE1_PREFILL_LAUNCH)."""
     sc = comp.sc
     _, Hq, D = q.shape
     hkv = comp.c1.shape[3]
@@ -406,7 +436,7 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
         GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BB=bb, C1PB=c1pb, PAD=sc.pool_padding,
         K1=sc.kernel_size, S1=sc.kernel_stride, BS=sc.block_size, INIT=sc.init_blocks,
         LOCAL=sc.local_blocks, DOT_PREC=prec, FAST=_STAGE1_FAST,
-        num_warps=8 if block_t * gp * bb * c1pb > 4096 else 4,
+        **{"num_warps": 8 if block_t * gp * bb * c1pb > 4096 else 4, **(launch or {})},
         **pdl_launch_kwargs(q.device))
     return keys
 
@@ -463,6 +493,14 @@ FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
 FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
 TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
 TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
+# The prefill counterpart (`topk_blocks`): one Triton kernel instead of _topk_blocks' torch ops
+# (topk, where, sort, where, pad) at the end of each prefill selection chunk, which took ~100 ms of
+# a 128K prompt's prefill over 128 calls (radix sort, mbtopk, gather; run 52's profile). The same
+# blocks bit for bit (interpreter cases, any keys; GPU tests at 2048-8224 blocks). Measured on the
+# last 8K chunk of a 128K prompt (run 53): 964 -> 263 us per call, the same blocks.
+# SALASERVE_FUSED_PREFILL_TOPK=0 selects the torch path.
+FUSED_PREFILL_TOPK = os.environ.get("SALASERVE_FUSED_PREFILL_TOPK", "1") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU tensors run Triton kernels (tests)
 # How the top-k kernels find the lim-th largest key. "key": bit by bit over all 32 bits of the
 # packed key (32 counting passes, each a block-wide reduction). "score": bit by bit over the 16
 # score bits only, then the ties at the threshold score by a prefix count in block order (the
@@ -537,6 +575,17 @@ def _write_pages(out_row, count_row, page_row, blk, sel, max_sel, MAX_SEL: tl.co
 
 
 @triton.jit
+def _write_blocks(out_row, blk, sel, width, OUT_W: tl.constexpr):
+    """The selected block indices (ascending in the input order) at out_row[0, count), -1 up to
+    width (count <= width)."""
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    count = tl.sum(sel.to(tl.int32), axis=0)
+    tl.store(out_row + pos, blk, mask=sel)
+    m = tl.arange(0, OUT_W)
+    tl.store(out_row + m, tl.full([OUT_W], -1, tl.int32), mask=(m >= count) & (m < width))
+
+
+@triton.jit
 def _topk_pages_kernel(
     keys_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
@@ -576,6 +625,16 @@ def _topk_segment_kernel(
     g = tl.program_id(1)
     seg = tl.program_id(2)
     qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
+    _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, qb, lim, stride_kg, stride_kt,
+                        stride_cr, stride_cg, SEG, MAX_SEL, SCORE_SEARCH)
+
+
+@triton.jit
+def _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, qb, lim, stride_kg, stride_kt,
+                        stride_cr, stride_cg, SEG: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr):
+    """Segment `seg` of row r, KV head g: the top lim (>= 1) of its keys at blocks <= qb (all of
+    them when it has fewer), in ascending block order, with their block indices, at candidates
+    [seg * MAX_SEL, ...); the rest of the segment's key slots 0."""
     j = seg * SEG + tl.arange(0, SEG)
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
     # lim_s = 0 only where the segment has no causal block (lim >= 1): then u > 0 selects nothing
@@ -603,13 +662,96 @@ def _topk_merge_kernel(
     r = tl.program_id(0)
     g = tl.program_id(1)
     _, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
+    blk, sel = _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, lim, stride_cr, stride_cg, N_CAND, SCORE_SEARCH)
+    _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
+                 page_table_ptr + r.to(tl.int64) * stride_pt, blk, sel, max_sel, MAX_SEL)
+
+
+@triton.jit
+def _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, lim, stride_cr, stride_cg, N_CAND: tl.constexpr,
+                      SCORE_SEARCH: tl.constexpr):
+    """(block indices, selection mask) of the top lim (>= 1) of row r's candidates, KV head g (the
+    segments' candidates one after the other, each ascending: block order)."""
     i = tl.arange(0, N_CAND)
     row = r.to(tl.int64) * stride_cr + g * stride_cg
     u = tl.load(cand_key_ptr + row + i).to(tl.uint32, bitcast=True)
-    sel = _top_keys(u, lim, SCORE_SEARCH)  # candidates are in block order: segment by segment, ascending
+    sel = _top_keys(u, lim, SCORE_SEARCH)
     blk = tl.load(cand_blk_ptr + row + i, mask=sel, other=0)
-    _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
-                 page_table_ptr + r.to(tl.int64) * stride_pt, blk, sel, max_sel, MAX_SEL)
+    return blk, sel
+
+
+@triton.jit
+def _row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW: tl.constexpr):
+    """How many of row r's best keys _topk_blocks keeps (before dropping non-causal ones): k =
+    min(width, nb, int limit) from the host, or min(limit[r], k) with a per-row limit. May be <= 0."""
+    lim = k
+    if LIMIT_PER_ROW:
+        lim = tl.minimum(tl.load(limit_ptr + r), k).to(tl.int32)
+    return lim
+
+
+@triton.jit
+def _topk_blocks_kernel(
+    keys_ptr, qb_ptr, limit_ptr, out_ptr,
+    stride_kg, stride_kt, stride_og, stride_ot,
+    nb, k, width,
+    W: tl.constexpr, OUT_W: tl.constexpr, LIMIT_PER_ROW: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+):
+    """Program (row r, KV head g) of `topk_blocks`: the top lim keys of row r over ALL its nb
+    blocks (as _topk_blocks' torch.topk), then the causal ones (<= qb[r]) among them, ascending,
+    -1 padded to width. (_causal_keys with qb = nb - 1 loads every block.)"""
+    pdl_wait_first(PDL)
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    qb = tl.load(qb_ptr + r)
+    lim = _row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW)
+    j = tl.arange(0, W)
+    u = _causal_keys(keys_ptr, r, g, j, nb, nb - 1, stride_kg, stride_kt)
+    # (lim <= nb nonzero keys; lim <= 0 selects nothing: no causal block then. A full-shape mask:
+    # the interpreter widens a scalar int1 in `&`, which its store refuses.)
+    sel = _top_keys(u, tl.maximum(lim, 1), SCORE_SEARCH) & (j <= tl.where(lim > 0, qb, -1))
+    _write_blocks(out_ptr + g * stride_og + r.to(tl.int64) * stride_ot, j, sel, width, OUT_W)
+
+
+@triton.jit
+def _topk_blocks_segment_kernel(
+    keys_ptr, limit_ptr, cand_key_ptr, cand_blk_ptr,
+    stride_kg, stride_kt, stride_cr, stride_cg,
+    nb, k,
+    SEG: tl.constexpr, MAX_SEL: tl.constexpr, LIMIT_PER_ROW: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+):
+    """`topk_blocks` for wide rows, first step: _topk_segment_kernel's candidates over every block
+    of the segment (causal or not) with the row's lim."""
+    pdl_wait_first(PDL)
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    seg = tl.program_id(2)
+    lim = tl.maximum(_row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW), 1)  # lim <= 0: the merge drops all
+    _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, nb - 1, lim, stride_kg, stride_kt,
+                        stride_cr, stride_cg, SEG, MAX_SEL, SCORE_SEARCH)
+
+
+@triton.jit
+def _topk_blocks_merge_kernel(
+    cand_key_ptr, cand_blk_ptr, qb_ptr, limit_ptr, out_ptr,
+    stride_cr, stride_cg, stride_og, stride_ot,
+    k, width,
+    N_CAND: tl.constexpr, OUT_W: tl.constexpr, LIMIT_PER_ROW: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+):
+    """`topk_blocks` for wide rows, second step: the row's top lim among the candidates, the
+    causal ones of them -> block indices, as _topk_blocks_kernel."""
+    pdl_wait_first(PDL)
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    qb = tl.load(qb_ptr + r)
+    lim = _row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW)
+    blk, sel = _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, tl.maximum(lim, 1), stride_cr, stride_cg,
+                                 N_CAND, SCORE_SEARCH)
+    sel = sel & (blk <= tl.where(lim > 0, qb, -1))
+    _write_blocks(out_ptr + g * stride_og + r.to(tl.int64) * stride_ot, blk, sel, width, OUT_W)
 
 
 def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sc: SparseConfig,
@@ -654,6 +796,76 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
         num_warps=4, **pdl_launch_kwargs(cand_key.device),
     )
     return out, count
+
+
+_TOPK_MAX_CANDIDATES = 4096  # the widest merge of topk_blocks (segments x candidates per segment)
+
+
+def topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: torch.Tensor,
+                search: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """select_blocks_prefill's tail, `_topk_blocks` in Triton: keys [Hkv, R, nb] int32 (packed,
+    unique per row), limit an int or [R] ints, qb [R] the last causal block of each row -> block
+    indices [Hkv, R, width] int32 (written into `out` when given, e.g. a slice of a larger output).
+
+    Per row: of its top min(limit, width, nb) keys over ALL nb blocks, the causal ones (<= qb),
+    ascending, -1 padded at the end: _topk_blocks' output bit for bit for ANY keys, also where a
+    non-causal key outranks causal ones (the torch function then drops it, and so lists fewer than
+    min(limit, qb + 1) blocks; so does this). On stage-1 keys that never happens: future blocks
+    score -inf and rank below every causal block (the lower block wins a tie), and a forced (+inf)
+    future block (init_blocks > qb + 1) only comes when every causal block is forced as well, and
+    lower. There this is the top min(limit, qb + 1) causal blocks, as the decode kernels choose
+    from _causal_keys; loading the future blocks' keys too is the price of the exact contract.
+
+    Rows up to TOPK_ONE_PASS_BLOCKS wide: one program per (row, KV head); wider rows in
+    TOPK_SEGMENT-block segments and a merge, as topk_pages (the torch function where the merge
+    would hold more than _TOPK_MAX_CANDIDATES candidates: never at width <= 128 and nb <= 65536).
+    search: "key" or "score" (TOPK_SEARCH when None), as topk_pages; same result."""
+    if search is not None and search not in ("key", "score"):  # (TOPK_SEARCH is checked at import)
+        raise ValueError(f"search must be 'key' or 'score', got {search!r}")
+    score = (search or TOPK_SEARCH) == "score"
+    hkv, R, nb = keys.shape
+    if out is None:
+        out = torch.empty(hkv, R, width, dtype=torch.int32, device=keys.device)
+    if out.shape != (hkv, R, width) or out.dtype != torch.int32 or (out.numel() and out.stride(2) != 1):
+        raise ValueError(f"out must be int32 [{hkv}, {R}, {width}] with unit last stride")
+    if out.numel() == 0:
+        return out
+    per_row = not isinstance(limit, int)
+    k = min(width, nb) if per_row else max(0, min(limit, width, nb))
+    if k == 0:  # nothing ranks (nb = 0, limit <= 0)
+        return out.fill_(-1)
+    keys = keys if keys.stride(2) == 1 else keys.contiguous()
+    qb = qb.contiguous()
+    limit_arg = limit.contiguous() if per_row else qb  # (an unread pointer with an int limit)
+    out_w = triton.next_power_of_2(width)
+    if nb <= TOPK_ONE_PASS_BLOCKS:
+        _topk_blocks_kernel[(R, hkv)](
+            keys, qb, limit_arg, out,
+            keys.stride(0), keys.stride(1), out.stride(0), out.stride(1), nb, k, width,
+            W=triton.next_power_of_2(nb), OUT_W=out_w, LIMIT_PER_ROW=per_row, SCORE_SEARCH=score,
+            num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
+        )
+        return out
+    n_seg = triton.next_power_of_2(triton.cdiv(nb, TOPK_SEGMENT))
+    n_keep = triton.next_power_of_2(min(k, TOPK_SEGMENT))  # candidate slots per segment
+    if n_seg * n_keep > _TOPK_MAX_CANDIDATES:
+        out.copy_(_topk_blocks(keys, width, limit, qb))
+        return out
+    cand_key = torch.empty(R, hkv, n_seg * n_keep, dtype=torch.int32, device=keys.device)
+    cand_blk = torch.empty_like(cand_key)
+    _topk_blocks_segment_kernel[(R, hkv, n_seg)](
+        keys, limit_arg, cand_key, cand_blk,
+        keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1), nb, k,
+        SEG=TOPK_SEGMENT, MAX_SEL=n_keep, LIMIT_PER_ROW=per_row, SCORE_SEARCH=score,
+        num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
+    )
+    _topk_blocks_merge_kernel[(R, hkv)](
+        cand_key, cand_blk, qb, limit_arg, out,
+        cand_key.stride(0), cand_key.stride(1), out.stride(0), out.stride(1), k, width,
+        N_CAND=n_seg * n_keep, OUT_W=out_w, LIMIT_PER_ROW=per_row, SCORE_SEARCH=score,
+        num_warps=8 if n_seg * n_keep > 2048 else 4, **pdl_launch_kwargs(keys.device),
+    )
+    return out
 
 
 def decode_select_meta(seq_lens: torch.Tensor) -> tuple:
@@ -756,7 +968,8 @@ def prefill_width(batch: ForwardBatch, sc: SparseConfig) -> int:
 
 
 def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
-                          sc: SparseConfig, scale: float, block_t: int = 4, bb: int = 32) -> torch.Tensor:
+                          sc: SparseConfig, scale: float, block_t: int | None = None,
+                          bb: int | None = None) -> torch.Tensor:
     """Per-token block selection for a (chunked) prefill batch.
 
     q [N, Hq, d] (the batch's tokens, packed by sequence); compressed keys read through
@@ -764,8 +977,12 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
     Returns block_idx [Hkv, N, W] int32: block indices, ascending, -1 padded at the end.
     W = topk_eff when every sequence is sparse; a dense sequence (seq_len < dense_len) gets every
     causal block listed and W grows to cover it (see `prefill_width`).
-    Not graph-capturable (host-side tiling from batch.q_lens_host).
+    Not graph-capturable (host-side tiling from batch.q_lens_host). block_t (tokens per stage-1
+    tile), bb (blocks per stage-1 step): STAGE1_PREFILL_TILE where None; the keys do not depend
+    on them.
     """
+    block_t = STAGE1_PREFILL_TILE[0] if block_t is None else block_t
+    bb = STAGE1_PREFILL_TILE[1] if bb is None else bb
     N = q.shape[0]
     hkv = comp.c1.shape[3]
     dev = q.device
@@ -791,8 +1008,12 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
         lo, hi = tok0s[i], tok0s[j - 1] + ntoks[j - 1]
         keys = _stage1_keys(q, comp, layer, batch.page_table, batch.seq_lens, batch.positions,
                             (tile_seq[i:j], tile_tok0[i:j], tile_ntok[i:j]), hi - lo, lo, nb_out,
-                            scale, block_t, bb)
-        out[:, lo:hi] = _topk_blocks(keys, width, limit if isinstance(limit, int) else limit[lo:hi], qb[lo:hi])
+                            scale, block_t, bb, launch=STAGE1_PREFILL_LAUNCH)
+        lim = limit if isinstance(limit, int) else limit[lo:hi]
+        if FUSED_PREFILL_TOPK and (keys.is_cuda or _INTERPRET):
+            topk_blocks(keys, width, lim, qb[lo:hi], out=out[:, lo:hi])
+        else:
+            out[:, lo:hi] = _topk_blocks(keys, width, lim, qb[lo:hi])
         i = j
     return out
 
@@ -1095,13 +1316,13 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
             q, k, v, m_part, l_part, acc_part, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
             pa["k_scale"], pa["v_scale"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             batch.page_table.stride(0), scale * LOG2E, BLOCK_T=win, INIT=init, LOCAL=local,
-            num_warps=4 if win * gp <= 64 else 8, **consts)
+            **{"num_warps": 4 if win * gp <= 64 else 8, **SPARSE_WINDOW_LAUNCH}, **consts)
         after = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True, INIT=init,
                      LOCAL=local)
     _sparse_prefill_attn_kernel[(N, hkv)](
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
-        W=block_idx.shape[-1], **consts, **after)
+        W=block_idx.shape[-1], **consts, **after, **SPARSE_ATTN_LAUNCH)
     return out
 
 

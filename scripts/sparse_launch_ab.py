@@ -1,0 +1,114 @@
+"""A/B of the launch options of the sparse layers' prefill kernels (GPU only).
+
+    python scripts/sparse_launch_ab.py [--cache 122880] [--chunk 8192] [--reps 10] [--env best.env]
+
+One 8K-token chunk at the end of a 128K prompt (bench_sparse's set-up: real config, random bf16
+caches, pages scattered). Times, per variant of (num_warps, num_stages, maxnreg):
+  stage-1   the two stage-1 kernels of the selection (sparse.STAGE1_PREFILL_LAUNCH)
+  top-k     the selection's top-k on the default's keys: torch ops and the fused kernel
+  attention the window kernel + the per-token kernel (SPARSE_WINDOW_LAUNCH, SPARSE_ATTN_LAUNCH)
+with one knob changed at a time from the defaults. Each variant's output is compared with the
+default's (keys bit for bit; attention max abs difference). --env writes the fastest variant of
+each knob whose output agrees as SALASERVE_* lines for a later process.
+Why: the 128K profile (run 52) has these kernels at 1.19 s of 5.02; the sm_90 compiles put the
+stage-1 kernel at 172 registers (one 8-warp program per SM) and the per-token kernel at 128 (four
+4-warp programs per SM), all waiting on gathered loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from salaserve.config import preset_config  # noqa: E402
+from salaserve.kernels import bench_sparse as B  # noqa: E402
+from salaserve.kernels import sparse as ks  # noqa: E402
+
+# stage-1: ((tokens per tile, blocks per step), launch options); only the (4, 32) rows can go to --env
+STAGE1 = [((4, 32), {}), ((4, 32), {"maxnreg": 128}), ((4, 32), {"maxnreg": 120}), ((8, 16), {}),
+          ((8, 16), {"maxnreg": 128})]
+ATTN = [{}, {"maxnreg": 96}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 96}, {"num_warps": 8},
+        {"num_warps": 8, "maxnreg": 64}, {"num_stages": 2, "maxnreg": 96}]
+WINDOW = [{}, {"maxnreg": 128}, {"num_stages": 2}, {"num_stages": 2, "maxnreg": 128}]
+ENV = {"stage1": "SALASERVE_STAGE1_LAUNCH", "attn": "SALASERVE_SPARSE_ATTN_LAUNCH",
+       "window": "SALASERVE_SPARSE_WINDOW_LAUNCH"}
+
+
+def _env_value(opts: dict) -> str:
+    return f"{opts.get('num_warps', 0)},{opts.get('num_stages', 0)},{opts.get('maxnreg', 0)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", type=int, default=120 * 1024)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--env", default=None)
+    a = ap.parse_args()
+    cfg = preset_config("full")
+    sc = cfg.sparse
+    gen = torch.Generator().manual_seed(0)
+    comp, kv, batch, q = B._prefill_setup(cfg, a.cache, a.chunk, gen, with_kv=True)
+    scale = cfg.head_dim ** -0.5
+    nb = -(-batch.seq_lens_host[0] // sc.block_size)
+    tiles = {bt: ks.tile_tensors(ks._prefill_tiles(batch, bt), "cuda") for bt in (4, 8)}
+    idx = ks.select_blocks_prefill(q, comp, 0, batch, sc, scale)
+
+    def keys(shape, opts):
+        bt, bb = shape
+        return ks._stage1_keys(q, comp, 0, batch.page_table, batch.seq_lens, batch.positions, tiles[bt], a.chunk,
+                               0, nb, scale, bt, bb, launch=opts)
+
+    def attn():
+        return ks.sparse_prefill_attention(q, kv, 0, batch, idx, scale, window=(sc.init_blocks, sc.local_blocks),
+                                           ascending=True, tile_tokens=0, window_tokens=ks.SPARSE_ATTN_WINDOW)
+
+    rows, best = [], {}
+    base_keys = keys((4, 32), {})
+    for shape, opts in STAGE1:
+        us = B._time_us(lambda: keys(shape, opts), a.reps)
+        same = bool(torch.equal(keys(shape, opts), base_keys))
+        rows.append((f"stage1 {shape[0]}x{shape[1]}", opts, us, "equal" if same else "KEYS DIFFER"))
+        if same and shape == (4, 32) and ("stage1" not in best or us < best["stage1"][1]):
+            best["stage1"] = (opts, us)
+    # the selection's top-k on those keys: torch ops vs the fused kernel (SALASERVE_FUSED_PREFILL_TOPK)
+    width, qb = ks.prefill_width(batch, sc), batch.positions // sc.block_size
+    ref = ks._topk_blocks(base_keys, width, sc.topk_eff, qb)
+    for name, fn in (("torch", ks._topk_blocks), ("fused", ks.topk_blocks)):
+        us = B._time_us(lambda: fn(base_keys, width, sc.topk_eff, qb), a.reps)
+        same = bool(torch.equal(fn(base_keys, width, sc.topk_eff, qb), ref))
+        rows.append((f"top-k {name}", {}, us, "equal" if same else "BLOCKS DIFFER"))
+    base_out = attn().float()
+    for knob, variants, attr in (("attn", ATTN, "SPARSE_ATTN_LAUNCH"), ("window", WINDOW, "SPARSE_WINDOW_LAUNCH")):
+        saved = getattr(ks, attr)
+        for opts in variants:
+            setattr(ks, attr, dict(opts))
+            try:
+                us = B._time_us(attn, a.reps)
+                diff = float((attn().float() - base_out).abs().max())
+            except Exception as e:  # a launch option this triton rejects: report, keep going
+                rows.append((knob, opts, float("nan"), f"failed: {type(e).__name__}: {e}"[:80]))
+                continue
+            finally:
+                setattr(ks, attr, saved)
+            ok = diff <= 1e-2  # bf16 output; a different warp count may reorder the fp32 sums
+            rows.append((knob, opts, us, f"max|diff| {diff:.1e}"))
+            if ok and (knob not in best or us < best[knob][1]):
+                best[knob] = (opts, us)
+    print(f"chunk {a.chunk} at {(a.cache + a.chunk) // 1024}K")
+    print(f"{'kernels':14s} {'options':38s} {'us':>9s}  output vs default")
+    for knob, opts, us, note in rows:
+        print(f"{knob:14s} {str(opts or 'default'):38s} {us:9.1f}  {note}")
+    lines = [f"export {ENV[k]}={_env_value(o)}" for k, (o, _) in best.items()]
+    print("best:", "; ".join(lines))
+    if a.env:
+        Path(a.env).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
