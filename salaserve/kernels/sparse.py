@@ -563,14 +563,22 @@ def _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt):
 
 
 @triton.jit
+def _write_compact(out_row, vals, sel, fill, n_out, OUT_W: tl.constexpr):
+    """vals where sel (in input order) at out_row[0, count), `fill` from count up to n_out (count
+    <= n_out <= OUT_W). Returns count. The output step of every top-k kernel."""
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    count = tl.sum(sel.to(tl.int32), axis=0)
+    tl.store(out_row + pos, vals, mask=sel)
+    m = tl.arange(0, OUT_W)
+    tl.store(out_row + m, tl.full([OUT_W], fill, tl.int32), mask=(m >= count) & (m < n_out))
+    return count
+
+
+@triton.jit
 def _write_pages(out_row, count_row, page_row, blk, sel, max_sel, MAX_SEL: tl.constexpr):
     """The pages of the selected blocks (ascending in the input order) at out_row[0, count), 0
     up to max_sel, and the count."""
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    count = tl.sum(sel.to(tl.int32), axis=0)
-    tl.store(out_row + pos, tl.load(page_row + blk, mask=sel, other=0), mask=sel)
-    m = tl.arange(0, MAX_SEL)
-    tl.store(out_row + m, tl.zeros([MAX_SEL], tl.int32), mask=(m >= count) & (m < max_sel))
+    count = _write_compact(out_row, tl.load(page_row + blk, mask=sel, other=0), sel, 0, max_sel, MAX_SEL)
     tl.store(count_row, count)
 
 
@@ -578,11 +586,7 @@ def _write_pages(out_row, count_row, page_row, blk, sel, max_sel, MAX_SEL: tl.co
 def _write_blocks(out_row, blk, sel, width, OUT_W: tl.constexpr):
     """The selected block indices (ascending in the input order) at out_row[0, count), -1 up to
     width (count <= width)."""
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    count = tl.sum(sel.to(tl.int32), axis=0)
-    tl.store(out_row + pos, blk, mask=sel)
-    m = tl.arange(0, OUT_W)
-    tl.store(out_row + m, tl.full([OUT_W], -1, tl.int32), mask=(m >= count) & (m < width))
+    _write_compact(out_row, blk, sel, -1, width, OUT_W)
 
 
 @triton.jit
