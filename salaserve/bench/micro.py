@@ -146,10 +146,12 @@ def time_engine_decode(engine: Engine, batch: int, context: int, overlap: bool, 
     return ms
 
 
-def time_prefill(runner: ModelRunner, tokens: int) -> float:
+def time_prefill(runner: ModelRunner, tokens: int, chunk: int | None = None) -> float:
+    """Seconds for one `tokens`-long prompt, in chunks of `chunk` tokens (default: the engine's
+    chunked_prefill_size)."""
     caches = runner.caches
     block = caches.kv.block_size
-    chunk = runner.args.chunked_prefill_size
+    chunk = chunk or runner.args.chunked_prefill_size
     pages = caches.kv.allocator.alloc(-(-tokens // block))
     slot = caches.states.alloc()
     caches.states.state[slot].zero_()
