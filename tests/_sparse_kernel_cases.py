@@ -288,11 +288,12 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int = 32, tile_tokens: int = 0,
-                    window_tokens: int = 0) -> dict:
+                    window_tokens: int = 0, page_list: bool = False) -> dict:
     """sparse_prefill_attention against the torch twin on the kernel's own selection
     (shuffle=True: entries in random order, which the kernel must accept too); tile_tokens > 0
     runs the tile kernel (that many tokens per program), 0 the per-token one; window_tokens > 0
-    the window kernel (that many tokens per program) before the per-token one."""
+    the window kernel (that many tokens per program) before the per-token one; page_list: the
+    per-token kernel reads pages from a list (sparse.SPARSE_ATTN_PAGE_LIST)."""
     from salaserve.kernels import sparse as ks
 
     cfg, kv, comp, batch, q = case["cfg"], case["kv"], case["comp"], case["batch"], case["q"]
@@ -302,9 +303,13 @@ def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int
         g = torch.Generator().manual_seed(1)
         key = torch.rand(idx.shape, generator=g).to(idx.device) + (idx < 0).float() * 2
         idx = torch.gather(idx, -1, key.argsort(-1))
-    got = ks.sparse_prefill_attention(q, kv, LAYER, batch, idx, scale, tile_tokens=tile_tokens,
-                                      window=(cfg.sparse.init_blocks, cfg.sparse.local_blocks),
-                                      window_tokens=window_tokens)
+    saved, ks.SPARSE_ATTN_PAGE_LIST = ks.SPARSE_ATTN_PAGE_LIST, page_list
+    try:
+        got = ks.sparse_prefill_attention(q, kv, LAYER, batch, idx, scale, tile_tokens=tile_tokens,
+                                          window=(cfg.sparse.init_blocks, cfg.sparse.local_blocks),
+                                          window_tokens=window_tokens)
+    finally:
+        ks.SPARSE_ATTN_PAGE_LIST = saved
     want = sparse_twin(q, kv, LAYER, batch, idx, scale)
     return dict(max_abs=float((got.float() - want.float()).abs().max()), rel=_rel_err(got, want),
                 dtype_ok=got.dtype == q.dtype)
@@ -442,6 +447,8 @@ def _part_attention() -> dict:
         # the window kernel: tiles of 4 (crossing the sequences' ends and 16-token blocks) and 8
         res["attention_window4"] = check_attention(att, window_tokens=4, **sel)
         res["attention_window8_shuffled"] = check_attention(att, shuffle=True, window_tokens=8, **sel)
+        res["attention_pages_shuffled"] = check_attention(att, shuffle=True, page_list=True, **sel)
+        res["attention_window8_pages"] = check_attention(att, window_tokens=8, page_list=True, **sel)
         with _knobs(SPARSE_ATTN_WINDOW=4):  # through sparse_attention, dense sequence included
             res["full_mixed_window"] = check_full(make_case(cfg, [(150, 10), (40, 30)], seed=12), **sel)
         res["full_chunked"] = check_full(make_case(cfg, [(131, 20), (250, 7), (300, 3)], seed=11), **sel)

@@ -117,7 +117,8 @@ def test_decode_selection_does_not_depend_on_table_width_or_batch(interp):
 
 
 @pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_tiles4", "attention_tiles2_shuffled",
-                                  "attention_window4", "attention_window8_shuffled"])
+                                  "attention_window4", "attention_window8_shuffled", "attention_pages_shuffled",
+                                  "attention_window8_pages"])
 def test_sparse_prefill_attention_matches_twin(interp, name):
     r = interp[name]
     assert r["dtype_ok"] and r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
@@ -336,11 +337,12 @@ def test_topk_blocks_kernels_compile_for_sm90_without_spills(kernel, width, warp
 
 
 @pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("block_t,bb,warps,maxnreg", [(4, 32, 8, None), (8, 16, 8, 128), (1, 16, 4, None)])
-def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps, maxnreg):
+@pytest.mark.parametrize("block_t,bb,warps,maxnreg,stages", [(4, 32, 8, None, 3), (8, 16, 8, 128, 2),
+                                                              (1, 16, 4, None, 3)])
+def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps, maxnreg, stages):
     """The stage-1 kernels at the real shapes (16 query heads per KV group, head dim 128, C1 4 per
     64-token block), as prefill (8 tokens, 16 blocks per step, capped at 128 registers:
-    sparse.STAGE1_PREFILL_TILE / STAGE1_PREFILL_LAUNCH; and the former 4 tokens, 32 blocks) and
+    sparse.STAGE1_PREFILL_TILE / STAGE1_PREFILL_LAUNCH, two stages; and the former 4 tokens, 32 blocks) and
     decode (1 token, 16) launch them, default and SALASERVE_STAGE1_FAST variants: both dots on
     tensor cores, nothing spilled."""
     from kernel_checks import compile_sm90_without_spills
@@ -354,8 +356,10 @@ def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps
     keys = compile_sm90_without_spills(
         S._stage1_block_keys_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BB=bb, C1PB=4, PAD=1, K1=32,
                                                 S1=16, BS=64, INIT=1, LOCAL=2, DOT_PREC=None, FAST=fast), warps,
-        fp_fusion=True, maxnreg=maxnreg, floats=("qk_scale2",))
+        fp_fusion=True, maxnreg=maxnreg, floats=("qk_scale2",), num_stages=stages)
     assert "wgmma" in keys.asm["ptx"] or "mma.sync" in keys.asm["ptx"]
+    if fast:  # the C1 loads are outside the interior/masked branch, so they are prefetched
+        assert "async_copy_global_to_local" in keys.asm["ttgir"]
     if not fast:
         lse = compile_sm90_without_spills(
             S._stage1_lse_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BLOCK_N=64, K2=128, S2=64,
@@ -402,13 +406,16 @@ def test_sparse_window_kernels_compile_for_sm90_without_spills(fp8, window_token
              tile_ntok_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32"),
         dict(common, BLOCK_T=window_tokens, INIT=1, LOCAL=32), 4 if window_tokens * 16 <= 64 else 8, fp_fusion=True)
     assert "mma" in win.asm["ptx"]
-    per_token = compile_sm90_without_spills(
-        S._sparse_prefill_attn_kernel,
-        dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",
-             tok_seq_ptr="*i64", positions_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-             m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32"),
-        dict(common, W=128, AFTER_WINDOW=True, INIT=1, LOCAL=32), 4, fp_fusion=True)
-    assert "mma" in per_token.asm["ptx"]
+    # the per-token kernel as launched (pages from a list, SPARSE_ATTN_PAGE_LIST; 2 warps for bf16
+    # pages, SPARSE_ATTN_LAUNCH, 4 for fp8 ones) and without the list (4 warps)
+    for page_list, warps in ((True, 4 if fp8 else 2), (False, 4)):
+        per_token = compile_sm90_without_spills(
+            S._sparse_prefill_attn_kernel,
+            dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",
+                 tok_seq_ptr="*i64", positions_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                 m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32", page_idx_ptr="*i32"),
+            dict(common, W=128, AFTER_WINDOW=True, INIT=1, LOCAL=32, PAGE_LIST=page_list), warps, fp_fusion=True)
+        assert "mma" in per_token.asm["ptx"]
 
 
 @pytest.mark.gpu

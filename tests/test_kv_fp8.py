@@ -115,10 +115,10 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
 
     for pool, fp8 in (("*bf16", False), ("*fp8e4nv", True)):
         ptrs = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32",
-                    page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32")
+                    page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32", page_idx_ptr="*i32")
         compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
                                     dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
-                                         COMPUTE_DT=tl.bfloat16, HKV=2), 4)
+                                         COMPUTE_DT=tl.bfloat16, HKV=2, PAGE_LIST=S.SPARSE_ATTN_PAGE_LIST), 4)
 
 
 @pytest.mark.gpu

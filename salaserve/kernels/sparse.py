@@ -78,9 +78,14 @@ def _launch_env(name: str, default: str) -> dict:
 # window + per-token attention 5.83 -> 5.48 ms. The per-token kernel did not gain from a cap
 # (96: 5.78 vs 5.75 ms) or from 8 warps (7.69), so it keeps its defaults.
 STAGE1_PREFILL_TILE = tuple(int(v) for v in os.environ.get("SALASERVE_STAGE1_TILE", "8,16").split(","))
-STAGE1_PREFILL_LAUNCH = _launch_env("SALASERVE_STAGE1_LAUNCH", "0,0,128")
-SPARSE_ATTN_LAUNCH = _launch_env("SALASERVE_SPARSE_ATTN_LAUNCH", "0,0,0")
-SPARSE_WINDOW_LAUNCH = _launch_env("SALASERVE_SPARSE_WINDOW_LAUNCH", "0,0,128")
+# Run 57 (same script, after the stage-1 C1 loads were moved out of its branch so that they are
+# prefetched): stage-1 at 8x16, 128 registers: 3 stages 3488 us (8 bytes of stack), **2 stages
+# 3369** (no stack), 1 stage 3621. Per-token kernel with pages from a list (SPARSE_ATTN_PAGE_LIST):
+# window + per-token 5466 -> 5363 us, and **with 2 warps 5203** (the 2-warp kernel alone: 5384);
+# window kernel at 2 stages 5419 -> 5332.
+STAGE1_PREFILL_LAUNCH = _launch_env("SALASERVE_STAGE1_LAUNCH", "0,2,128")
+SPARSE_ATTN_LAUNCH = _launch_env("SALASERVE_SPARSE_ATTN_LAUNCH", "2,0,0")
+SPARSE_WINDOW_LAUNCH = _launch_env("SALASERVE_SPARSE_WINDOW_LAUNCH", "0,2,128")
 
 
 def _pow2(n: int) -> int:
@@ -200,24 +205,27 @@ def _pack_key(score, blk):
 
 
 @triton.jit
-def _pooled_block_scores(q, lse2, c1_ptr, page_row, eb, e_slot, j_ok, keep, g, stride_c1p, stride_c1s, stride_c1h,
-                         qk_scale2, BLOCK_T: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BB: tl.constexpr,
-                         C1PB: tl.constexpr, PAD: tl.constexpr, DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
-                         SCAN_SHIFT: tl.constexpr):
-    """Pooled stage-1 block scores [BLOCK_T, BB] of one step (slot k: block b0 - 1 + k): the step's
-    C1 entries scored by the group's heads, exp2 against lse2, summed over the heads, rounded to
+def _c1_step_scores(q, c1_ptr, page_row, eb, e_slot, j_ok, g, stride_c1p, stride_c1s, stride_c1h, qk_scale2,
+                    D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scores (base 2) of the rows q against one step's C1 entries [rows, entries]: entry slot i
+    is entry e_slot[i] of block (= page) eb[i]; entries outside j_ok load as 0. Kept out of the
+    callers' branches so that the compiler can prefetch the next step's entries (its pipeliner
+    does not look inside an if)."""
+    d = tl.arange(0, D)
+    page = tl.load(page_row + eb, mask=j_ok, other=0).to(tl.int64)
+    c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s + g * stride_c1h + d[None, :],
+                mask=j_ok[:, None], other=0.0)
+    return tl.dot(q, tl.trans(c), input_precision=DOT_PREC) * qk_scale2
+
+
+@triton.jit
+def _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr,
+                         C1PB: tl.constexpr, PAD: tl.constexpr, MASKED: tl.constexpr, SCAN_SHIFT: tl.constexpr):
+    """Pooled stage-1 block scores [BLOCK_T, BB] of one step (slot k: block b0 - 1 + k) from its
+    scores a2 (`_c1_step_scores`): exp2 against lse2, summed over the group's heads, rounded to
     bf16, max-pooled over each block's entries and the previous block's last PAD. MASKED: entries
     outside j_ok [entries] pad the pooling with -inf and (row, entry) pairs outside keep [rows,
     entries] score 0; not MASKED: the step is interior and every entry and pair counts."""
-    d = tl.arange(0, D)
-    if MASKED:
-        page = tl.load(page_row + eb, mask=j_ok, other=0).to(tl.int64)
-        c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s + g * stride_c1h + d[None, :],
-                    mask=j_ok[:, None], other=0.0)
-    else:
-        page = tl.load(page_row + eb).to(tl.int64)
-        c = tl.load(c1_ptr + page[:, None] * stride_c1p + e_slot[:, None] * stride_c1s + g * stride_c1h + d[None, :])
-    a2 = tl.dot(q, tl.trans(c), input_precision=DOT_PREC) * qk_scale2
     p = tl.exp2(a2 - lse2[:, None])
     p = tl.where(p < float("inf"), p, 0.0)  # the reference's nan_to_num(nan=0, posinf=0)
     if MASKED:
@@ -323,18 +331,17 @@ def _stage1_block_keys_kernel(
         j_end = (b0 - 1 + BB) * C1PB  # past the step's last entry
         interior = (FAST & (b0 >= 1) & (b0 >= INIT) & (j_end <= n1) & (j_end <= vis_min)
                     & (b0 + BB - 2 < local_min) & (b0 + BB - 1 <= b_hi))
+        j_ok = (eb >= 0) & (j < n1)  # all true on interior steps
+        a2 = _c1_step_scores(q, c1_ptr, page_row, eb, e_slot, j_ok, g, stride_c1p, stride_c1s, stride_c1h,
+                             qk_scale2, D, DOT_PREC)
         if interior:
-            pooled = _pooled_block_scores(q, lse2, c1_ptr, page_row, eb, e_slot, j, j, g, stride_c1p, stride_c1s,
-                                          stride_c1h, qk_scale2, BLOCK_T, GP, D, BB, C1PB, PAD, DOT_PREC, False, True)
+            pooled = _pooled_block_scores(a2, lse2, j, j, BLOCK_T, GP, BB, C1PB, PAD, False, True)
             blk = b0 - 1 + k
             ptrs = keys_ptr + g * stride_kg + (row0 + t)[:, None] * stride_kt + blk[None, :]
             tl.store(ptrs, _pack_key(pooled, blk[None, :]), mask=(k >= 1)[None, :] & tok_ok[:, None])
         else:
-            j_ok = (eb >= 0) & (j < n1)
             keep = row_ok[:, None] & (j[None, :] < vis1[:, None])
-            pooled = _pooled_block_scores(q, lse2, c1_ptr, page_row, eb, e_slot, j_ok, keep, g, stride_c1p,
-                                          stride_c1s, stride_c1h, qk_scale2, BLOCK_T, GP, D, BB, C1PB, PAD, DOT_PREC,
-                                          True, FAST)
+            pooled = _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T, GP, BB, C1PB, PAD, True, FAST)
             _store_keys(keys_ptr, pooled, b0, b_hi, qb, dense, tok_ok, t, row0, g, stride_kg, stride_kt, BB, INIT,
                         LOCAL)
     rest = b_lo + tl.cdiv(score_hi - b_lo, BB - 1) * (BB - 1)  # where the first loop stopped
@@ -1052,14 +1059,13 @@ def _softmax_block(q, k_ptrs, v_ptrs, visible, scale_off, k_scale_ptr, v_scale_p
 
 
 @triton.jit
-def _selected_block(q, b, pos, seq, g, k_ptr, v_ptr, page_table_ptr, k_scale_ptr, v_scale_ptr,
-                    stride_kp, stride_ks, stride_kh, stride_pt, m, l, acc, scale2,
-                    D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr,
+def _selected_block(q, b, page, pos, g, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, stride_kp, stride_ks, stride_kh, m, l,
+                    acc, scale2, D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr,
                     DOT_PREC: tl.constexpr, HKV: tl.constexpr):
-    """Block b of sequence seq (its page through the page table) in one token's online softmax."""
+    """Block b (in page `page`) of a sequence in one token's online softmax."""
     d = tl.arange(0, D)
     s_off = tl.arange(0, BS)
-    page = tl.load(page_table_ptr + seq * stride_pt + b).to(tl.int64)  # pools exceed 2^31 elements
+    page = page.to(tl.int64)  # pools exceed 2^31 elements
     kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
     # every selected block is <= the query's block, so each has a visible key: m stays finite
     return _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, (b * BS + s_off)[None, :] <= pos, page * HKV + g,
@@ -1078,12 +1084,16 @@ def _sparse_prefill_attn_kernel(
     KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
     m_part_ptr=None, l_part_ptr=None, acc_part_ptr=None,
     AFTER_WINDOW: tl.constexpr = False, INIT: tl.constexpr = 1, LOCAL: tl.constexpr = 32,
+    page_idx_ptr=None, PAGE_LIST: tl.constexpr = False,
 ):
     """One program per (token, KV head g): the group's query heads are the M dimension of tl.dot
     (padded to GP >= 16), iterating over the token's selected blocks (pages through the page
     table). Causal mask inside the current block; fp32 online softmax (base 2).
     AFTER_WINDOW: the forced blocks (init, local window) were done by _sparse_window_attn_kernel;
-    start from its softmax state ([N, Hq] m and l, [N, Hq, D] acc) and skip them here."""
+    start from its softmax state ([N, Hq] m and l, [N, Hq, D] acc) and skip them here.
+    PAGE_LIST: page_idx_ptr holds each entry's page (block_idx's layout), so the loop loads the page
+    and then its K/V (two dependent loads instead of three: the compiler can then keep two K/V
+    stages in flight)."""
     tok, g = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tok_seq_ptr + tok)
     pos = tl.load(positions_ptr + tok)
@@ -1112,9 +1122,13 @@ def _sparse_prefill_attn_kernel(
         first = 0
         end = tl.sum((blocks >= 0).to(tl.int32), axis=0)  # valid entries come first
     for i in range(first, end):
-        m, l, acc = _selected_block(q, tl.load(row + i), pos, seq, g, k_ptr, v_ptr, page_table_ptr,
-                                    k_scale_ptr, v_scale_ptr, stride_kp, stride_ks, stride_kh, stride_pt, m,
-                                    l, acc, scale2, D, BS, KV_FP8, COMPUTE_DT, DOT_PREC, HKV)
+        b = tl.load(row + i)
+        if PAGE_LIST:
+            page = tl.load(page_idx_ptr + g * stride_bg + tok * stride_bt + i)
+        else:
+            page = tl.load(page_table_ptr + seq * stride_pt + b)
+        m, l, acc = _selected_block(q, b, page, pos, g, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, stride_kp,
+                                    stride_ks, stride_kh, m, l, acc, scale2, D, BS, KV_FP8, COMPUTE_DT, DOT_PREC, HKV)
     o = acc / l[:, None]
     tl.store(o_ptr + tok * stride_ot + (g * GROUP + h)[:, None] * stride_oh + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
@@ -1249,6 +1263,11 @@ SPARSE_ATTN_TILE = int(os.environ.get("SALASERVE_SPARSE_ATTN_TILE", "0"))
 # per call): an 8K chunk at 128K 6795 -> 6250 (window 8) / 6446 (4); a 2K chunk at 18K 2025 ->
 # 2042 / 2238. The whole 128K prefill moved less than micro's run-to-run spread (~0.2 s).
 SPARSE_ATTN_WINDOW = int(os.environ.get("SALASERVE_SPARSE_ATTN_WINDOW", "8"))
+# The per-token kernel reads each entry's page from a list made beforehand (one torch gather over
+# the page table) instead of looking it up in its loop: two dependent loads per block instead of
+# three. The sm_90 compile still has one K/V stage, but 82 registers instead of 128; measured -2%
+# at 4 warps, -5% at 2 (run 57, above).
+SPARSE_ATTN_PAGE_LIST = os.environ.get("SALASERVE_SPARSE_ATTN_PAGE_LIST", "1") == "1"
 
 
 def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
@@ -1323,10 +1342,17 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
             **{"num_warps": 4 if win * gp <= 64 else 8, **SPARSE_WINDOW_LAUNCH}, **consts)
         after = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True, INIT=init,
                      LOCAL=local)
+    if SPARSE_ATTN_PAGE_LIST:  # each entry's page, in block_idx's layout (-1 entries: any valid page)
+        pt = batch.page_table
+        flat = (tok_seq * pt.stride(0))[None, :, None] + block_idx.clamp_min(0)
+        after.update(page_idx_ptr=pt.reshape(-1)[flat].contiguous(), PAGE_LIST=True)
+    launch = dict(SPARSE_ATTN_LAUNCH)
+    if pa["fp8"]:  # fp8 pages at 2 warps spill (sm_90 compile: 255 registers, 48 B of stack): 4 warps
+        launch.pop("num_warps", None)
     _sparse_prefill_attn_kernel[(N, hkv)](
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
-        W=block_idx.shape[-1], **consts, **after, **SPARSE_ATTN_LAUNCH)
+        W=block_idx.shape[-1], **consts, **after, **launch)
     return out
 
 
