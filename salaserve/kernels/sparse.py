@@ -1343,9 +1343,8 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         after = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True, INIT=init,
                      LOCAL=local)
     if SPARSE_ATTN_PAGE_LIST:  # each entry's page, in block_idx's layout (-1 entries: any valid page)
-        pt = batch.page_table
-        flat = (tok_seq * pt.stride(0))[None, :, None] + block_idx.clamp_min(0)
-        after.update(page_idx_ptr=pt.reshape(-1)[flat].contiguous(), PAGE_LIST=True)
+        pages = batch.page_table[tok_seq[None, :, None], block_idx.clamp_min(0)]
+        after.update(page_idx_ptr=pages.contiguous(), PAGE_LIST=True)
     launch = dict(SPARSE_ATTN_LAUNCH)
     if pa["fp8"]:  # fp8 pages at 2 warps spill (sm_90 compile: 255 registers, 48 B of stack): 4 warps
         launch.pop("num_warps", None)
