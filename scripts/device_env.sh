@@ -5,3 +5,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Triton's compiled kernels kept in the checkout (ignored), reused while the machine stays warm.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
+# The GPU tests, verbose enough to keep the printed errors and the summary line (pyproject's
+# addopts already has -q).
+GPU_PYTEST="python3 -m pytest -m gpu -s -p no:cacheprovider -rfE --tb=short"

@@ -4,9 +4,7 @@
 # GPU tests, kernel-level A/B (scripts/sparse_launch_ab.py), then the 128K prefill in one process.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-export TRITON_CACHE_DIR=$PWD/.triton-cache
-PYT="python3 -m pytest -m gpu -s -p no:cacheprovider -rfE --tb=short"
-timeout 150 $PYT tests/test_kernels_sparse.py -k "selection or sparse_attention" 2>&1 | tee "$OUT/sparse.log" \
+timeout 150 $GPU_PYTEST tests/test_kernels_sparse.py -k "selection or sparse_attention" 2>&1 | tee "$OUT/sparse.log" \
   | grep -E "passed|failed|Error" | tail -6
 timeout 150 python3 scripts/sparse_launch_ab.py 2>&1 | tee "$OUT/sparse_launch_ab.log" | grep -v -i warn | tail -22
 timeout 260 python3 scripts/prefill_ab.py --reps 3 --json "$OUT/prefill_ab.json" \

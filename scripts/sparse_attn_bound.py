@@ -22,21 +22,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from salaserve.config import preset_config  # noqa: E402
 from salaserve.kernels import bench_sparse as B  # noqa: E402
 from salaserve.kernels import sparse as ks  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cache", type=int, default=120 * 1024)
-    ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=10)
+    B.last_chunk_args(ap)
     a = ap.parse_args()
-    cfg = preset_config("full")
+    cfg, comp, kv, batch, q = B.last_chunk_case(a.cache, a.chunk)
     sc = cfg.sparse
-    gen = torch.Generator().manual_seed(0)
-    comp, kv, batch, q = B._prefill_setup(cfg, a.cache, a.chunk, gen, with_kv=True)
     scale = cfg.head_dim ** -0.5
     idx = ks.select_blocks_prefill(q, comp, 0, batch, sc, scale)
     shared = idx[:, :1, :].expand_as(idx).contiguous()

@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from salaserve.config import preset_config  # noqa: E402
 from salaserve.kernels import bench_sparse as B  # noqa: E402
 from salaserve.kernels import sparse as ks  # noqa: E402
 
@@ -45,15 +44,11 @@ def _env_value(opts: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cache", type=int, default=120 * 1024)
-    ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=10)
+    B.last_chunk_args(ap)
     ap.add_argument("--env", default=None)
     a = ap.parse_args()
-    cfg = preset_config("full")
+    cfg, comp, kv, batch, q = B.last_chunk_case(a.cache, a.chunk)
     sc = cfg.sparse
-    gen = torch.Generator().manual_seed(0)
-    comp, kv, batch, q = B._prefill_setup(cfg, a.cache, a.chunk, gen, with_kv=True)
     scale = cfg.head_dim ** -0.5
     nb = -(-batch.seq_lens_host[0] // sc.block_size)
     tiles = {bt: ks.tile_tensors(ks._prefill_tiles(batch, bt), "cuda") for bt in (4, 8)}

@@ -108,6 +108,22 @@ def _prefill_setup(cfg, cache_len: int, chunk: int, gen, with_kv: bool):
     return comp, kv, batch, q
 
 
+def last_chunk_args(ap: argparse.ArgumentParser) -> None:
+    """The A/B scripts' shared options (scripts/sparse_launch_ab.py, scripts/sparse_attn_bound.py):
+    one prefill chunk of --chunk tokens after --cache cached tokens, timed --reps times."""
+    ap.add_argument("--cache", type=int, default=120 * 1024)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=10)
+
+
+def last_chunk_case(cache_len: int, chunk: int, seed: int = 0):
+    """(cfg, comp, kv, batch, q) of one chunk at the end of a long prompt, real config: random bf16
+    caches and queries, pages scattered (see _prefill_setup)."""
+    cfg = preset_config("full")
+    comp, kv, batch, q = _prefill_setup(cfg, cache_len, chunk, torch.Generator().manual_seed(seed), with_kv=True)
+    return cfg, comp, kv, batch, q
+
+
 def bench_prefill_select(cfg, cache_len: int, chunk: int, reps: int, gen) -> list[dict]:
     sc = cfg.sparse
     comp, _, batch, q = _prefill_setup(cfg, cache_len, chunk, gen, with_kv=False)
