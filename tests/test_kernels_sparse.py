@@ -468,3 +468,17 @@ def test_gpu_fused_topk_blocks(nb, search, levels):
         r = C.check_topk_blocks(nb, **common, **kw)
         assert r["equal"], (kw, r)
         assert (r["short"] > 0) == (kw.get("keys") == "random"), (kw, r)
+
+
+@pytest.mark.parametrize("text,ok", [("8,16", True), ("4,32", True), ("8,x", False), ("6,16", False),
+                                     ("8,1", False), ("8", False)])
+def test_stage1_tile_env_is_checked(monkeypatch, text, ok):
+    """SALASERVE_STAGE1_TILE: two powers of two (blocks >= 2), or a clear error naming the variable."""
+    from salaserve.kernels import sparse as S
+
+    monkeypatch.setenv("SALASERVE_STAGE1_TILE", text)
+    if ok:
+        assert S._tile_env("SALASERVE_STAGE1_TILE", "8,16") == tuple(int(v) for v in text.split(","))
+    else:
+        with pytest.raises(ValueError, match="SALASERVE_STAGE1_TILE"):
+            S._tile_env("SALASERVE_STAGE1_TILE", "8,16")

@@ -69,6 +69,19 @@ def _launch_env(name: str, default: str) -> dict:
     return {k: v for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", maxnreg)) if v}
 
 
+def _tile_env(name: str, default: str) -> tuple[int, int]:
+    """(tokens per tile, blocks per step) from the environment: two powers of two (tl.arange
+    sizes), at least 2 blocks (a step's first block only donates its tail)."""
+    text = os.environ.get(name, default)
+    try:
+        block_t, bb = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name} must be 'tokens,blocks', e.g. '8,16', got {text!r}") from None
+    if block_t < 1 or bb < 2 or block_t & (block_t - 1) or bb & (bb - 1):
+        raise ValueError(f"{name}: tokens and blocks must be powers of two (blocks >= 2), got {text!r}")
+    return block_t, bb
+
+
 # Prefill launches of the stage-1 keys kernel (8 warps at the prefill tile unless set), the
 # per-token sparse attention kernel and the window kernel (warps by its tile unless set).
 # Measured on the last 8K chunk of a 128K prompt (run 53, scripts/sparse_launch_ab.py): stage-1
@@ -77,7 +90,7 @@ def _launch_env(name: str, default: str) -> dict:
 # bit. Window kernel capped at 128 registers (two programs per SM; 120-128 bytes of stack):
 # window + per-token attention 5.83 -> 5.48 ms. The per-token kernel did not gain from a cap
 # (96: 5.78 vs 5.75 ms) or from 8 warps (7.69), so it keeps its defaults.
-STAGE1_PREFILL_TILE = tuple(int(v) for v in os.environ.get("SALASERVE_STAGE1_TILE", "8,16").split(","))
+STAGE1_PREFILL_TILE = _tile_env("SALASERVE_STAGE1_TILE", "8,16")
 # Run 57 (same script, after the stage-1 C1 loads were moved out of its branch so that they are
 # prefetched): stage-1 at 8x16, 128 registers: 3 stages 3488 us (8 bytes of stack), **2 stages
 # 3369** (no stack), 1 stage 3621. Per-token kernel with pages from a list (SPARSE_ATTN_PAGE_LIST):
