@@ -482,3 +482,34 @@ def test_stage1_tile_env_is_checked(monkeypatch, text, ok):
     else:
         with pytest.raises(ValueError, match="SALASERVE_STAGE1_TILE"):
             S._tile_env("SALASERVE_STAGE1_TILE", "8,16")
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.8, 1.0])
+def test_correlated_selection_is_a_valid_selection(keep):
+    """bench_sparse.correlated_selection (the synthetic lists of scripts/sparse_overlap_ab.py):
+    every list ascending and distinct, the init blocks and the whole local window in it, the rest
+    scored blocks before the window, topk_eff entries; neighbours share about `keep` of the
+    scored blocks."""
+    from salaserve.config import preset_config
+    from salaserve.kernels import bench_sparse as B
+
+    sc = preset_config("full").sparse
+    qb = torch.arange(128000, 128000 + 300) // sc.block_size  # 300 tokens over 5 query blocks
+    idx = B.correlated_selection(qb, 2, sc, keep, seed=3)
+    assert idx.shape == (2, 300, sc.topk_eff) and idx.dtype == torch.int32
+    assert (idx[..., 1:] > idx[..., :-1]).all()  # ascending, distinct
+    forced = set(range(sc.init_blocks))
+    n_scored = sc.topk_eff - sc.init_blocks - sc.local_blocks - 1
+    for t in (0, 1, 150, 299):
+        b = int(qb[t])
+        want_forced = forced | set(range(b - sc.local_blocks, b + 1))
+        for g in range(2):
+            row = set(idx[g, t].tolist())
+            assert want_forced <= row and max(row) == b
+            assert all(sc.init_blocks <= x < b - sc.local_blocks for x in row - want_forced)
+            assert len(row - want_forced) == n_scored
+    # neighbours share the forced blocks, ~keep of the scored ones, and by chance ~n_scored / range of
+    # the redrawn ones (loose bound: 600 random draws)
+    span = float(qb.float().mean()) - sc.local_blocks - sc.init_blocks
+    expect = (sc.topk_eff - n_scored + keep * n_scored + (1 - keep) * n_scored * n_scored / span) / sc.topk_eff
+    assert abs(B.neighbour_overlap(idx) - expect) < 0.03

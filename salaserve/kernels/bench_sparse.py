@@ -124,6 +124,43 @@ def last_chunk_case(cache_len: int, chunk: int, seed: int = 0):
     return cfg, comp, kv, batch, q
 
 
+def correlated_selection(qb: torch.Tensor, hkv: int, sc, keep: float, seed: int = 0) -> torch.Tensor:
+    """Block lists [hkv, N, topk_eff] int32 (ascending) for N consecutive tokens of one sequence in
+    query blocks qb [N] (each past the local window), shaped like InfLLM-v2's selection: the
+    init blocks, the local window qb - local .. qb, and topk_eff minus those scored blocks from
+    [init, qb - local). Token t keeps each of token t-1's scored blocks with probability `keep`
+    (if still in range) and draws the rest at random: keep 0 is what dummy weights give (unrelated
+    neighbours), keep near 1 what attention locality on real weights could give. For timing the
+    attention kernels against the overlap of neighbouring tokens' lists (scripts/sparse_overlap_ab.py)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    init, local, topk = sc.init_blocks, sc.local_blocks, sc.topk_eff
+    n_scored = topk - init - (local + 1)
+    qbs = qb.tolist()
+    if min(qbs) - local < init + n_scored:
+        raise ValueError("every token needs at least topk_eff blocks before its local window")
+    out = np.empty((hkv, len(qbs), topk), dtype=np.int32)
+    for g in range(hkv):
+        prev = np.empty(0, dtype=np.int64)
+        for t, b in enumerate(qbs):
+            hi = b - local  # scored blocks lie in [init, hi)
+            kept = prev[(rng.random(prev.size) < keep) & (prev < hi)]
+            pool = np.setdiff1d(np.arange(init, hi), kept, assume_unique=True)
+            scored = np.concatenate([kept, rng.choice(pool, n_scored - kept.size, replace=False)])
+            out[g, t] = np.sort(np.concatenate([np.arange(init), scored, np.arange(hi, b + 1)]))
+            prev = scored
+    return torch.from_numpy(out).to(qb.device)
+
+
+def neighbour_overlap(idx: torch.Tensor) -> float:
+    """Mean fraction of a token's list that the previous token's list also holds (lists [hkv, N,
+    W], -1 padded)."""
+    a, b = idx[:, 1:, :, None], idx[:, :-1, None, :]
+    shared = ((a == b) & (a >= 0)).any(-1).sum(-1).float()
+    return float((shared / (idx[:, 1:] >= 0).sum(-1).clamp(min=1)).mean())
+
+
 def bench_prefill_select(cfg, cache_len: int, chunk: int, reps: int, gen) -> list[dict]:
     sc = cfg.sparse
     comp, _, batch, q = _prefill_setup(cfg, cache_len, chunk, gen, with_kv=False)
