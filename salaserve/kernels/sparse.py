@@ -1105,8 +1105,7 @@ def _sparse_prefill_attn_kernel(
     AFTER_WINDOW: the forced blocks (init, local window) were done by _sparse_window_attn_kernel;
     start from its softmax state ([N, Hq] m and l, [N, Hq, D] acc) and skip them here.
     PAGE_LIST: page_idx_ptr holds each entry's page (block_idx's layout), so the loop loads the page
-    and then its K/V (two dependent loads instead of three: the compiler can then keep two K/V
-    stages in flight)."""
+    and then its K/V: two dependent loads instead of three, and fewer registers."""
     tok, g = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tok_seq_ptr + tok)
     pos = tl.load(positions_ptr + tok)
@@ -1276,10 +1275,10 @@ SPARSE_ATTN_TILE = int(os.environ.get("SALASERVE_SPARSE_ATTN_TILE", "0"))
 # per call): an 8K chunk at 128K 6795 -> 6250 (window 8) / 6446 (4); a 2K chunk at 18K 2025 ->
 # 2042 / 2238. The whole 128K prefill moved less than micro's run-to-run spread (~0.2 s).
 SPARSE_ATTN_WINDOW = int(os.environ.get("SALASERVE_SPARSE_ATTN_WINDOW", "8"))
-# The per-token kernel reads each entry's page from a list made beforehand (one torch gather over
-# the page table) instead of looking it up in its loop: two dependent loads per block instead of
-# three. The sm_90 compile still has one K/V stage, but 82 registers instead of 128; measured -2%
-# at 4 warps, -5% at 2 (run 57, above).
+# The per-token kernel reads each entry's page from a list made beforehand (one indexing of the
+# page table in torch) instead of looking it up in its loop: two dependent loads per block instead
+# of three. The sm_90 compile still has one K/V stage, but 82 registers instead of 128 at 4 warps;
+# measured -2% at 4 warps, -5% at 2 (run 57, above).
 SPARSE_ATTN_PAGE_LIST = os.environ.get("SALASERVE_SPARSE_ATTN_PAGE_LIST", "1") == "1"
 
 
@@ -1339,7 +1338,7 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
     block_idx = block_idx.contiguous()
     tok_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=q.device),
                                       batch.cu_seqlens_q.diff(), output_size=N)
-    after = {}
+    kernel_kw = {}  # the per-token kernel's optional inputs (window state, page list)
     if window is not None and win:
         init, local = window
         if not ascending:
@@ -1353,18 +1352,18 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
             pa["k_scale"], pa["v_scale"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             batch.page_table.stride(0), scale * LOG2E, BLOCK_T=win, INIT=init, LOCAL=local,
             **{"num_warps": 4 if win * gp <= 64 else 8, **SPARSE_WINDOW_LAUNCH}, **consts)
-        after = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True, INIT=init,
-                     LOCAL=local)
+        kernel_kw = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True,
+                         INIT=init, LOCAL=local)
     if SPARSE_ATTN_PAGE_LIST:  # each entry's page, in block_idx's layout (-1 entries: any valid page)
         pages = batch.page_table[tok_seq[None, :, None], block_idx.clamp_min(0)]
-        after.update(page_idx_ptr=pages.contiguous(), PAGE_LIST=True)
+        kernel_kw.update(page_idx_ptr=pages.contiguous(), PAGE_LIST=True)
     launch = dict(SPARSE_ATTN_LAUNCH)
     if pa["fp8"]:  # fp8 pages at 2 warps spill (sm_90 compile: 255 registers, 48 B of stack): 4 warps
         launch.pop("num_warps", None)
     _sparse_prefill_attn_kernel[(N, hkv)](
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
-        W=block_idx.shape[-1], **consts, **after, **launch)
+        W=block_idx.shape[-1], **consts, **kernel_kw, **launch)
     return out
 
 
