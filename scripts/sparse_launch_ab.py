@@ -6,7 +6,8 @@ One 8K-token chunk at the end of a 128K prompt (bench_sparse's set-up: real conf
 caches, pages scattered). Times, per variant of (num_warps, num_stages, maxnreg):
   stage-1   the two stage-1 kernels of the selection (sparse.STAGE1_PREFILL_LAUNCH)
   top-k     the selection's top-k on the default's keys: torch ops and the fused kernel
-  attention the window kernel + the per-token kernel (SPARSE_WINDOW_LAUNCH, SPARSE_ATTN_LAUNCH)
+  attention the window kernel + the per-token kernel (SPARSE_WINDOW_LAUNCH, SPARSE_ATTN_LAUNCH,
+            SPARSE_ATTN_PAGE_LIST)
 with one knob changed at a time from the defaults. Each variant's output is compared with the
 default's (keys bit for bit; attention max abs difference). --env writes the fastest variant of
 each knob whose output agrees as SALASERVE_* lines for a later process.
@@ -28,12 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from salaserve.kernels import bench_sparse as B  # noqa: E402
 from salaserve.kernels import sparse as ks  # noqa: E402
 
-# stage-1: ((tokens per tile, blocks per step), launch options); only the (4, 32) rows can go to --env
+# stage-1: ((tokens per tile, blocks per step), launch options); only the rows at the default tile
+# (sparse.STAGE1_PREFILL_TILE) can go to --env, which sets launch options only
 STAGE1 = [((4, 32), {}), ((4, 32), {"maxnreg": 128}), ((8, 16), {"maxnreg": 128}),
           ((8, 16), {"maxnreg": 128, "num_stages": 2}), ((8, 16), {"maxnreg": 128, "num_stages": 3}),
           ((8, 16), {"maxnreg": 128, "num_stages": 1})]
-ATTN = [{}, {"num_warps": 2}, {"num_stages": 4}, {"maxnreg": 80}]
-WINDOW = [{}, {"maxnreg": 128}, {"num_stages": 2, "maxnreg": 128}]
+# attention: (knob, sparse module settings) with one setting changed from the defaults; the attn
+# and window launch rows can go to --env
+ATTN = [("attn", {"SPARSE_ATTN_LAUNCH": o}) for o in ({}, {"num_warps": 4}, {"num_stages": 4}, {"maxnreg": 80})]
+ATTN += [("window", {"SPARSE_WINDOW_LAUNCH": o}) for o in ({}, {"maxnreg": 128}, {"num_stages": 2, "maxnreg": 128})]
+ATTN += [("page list", {"SPARSE_ATTN_PAGE_LIST": on}) for on in (False, True)]
 ENV = {"stage1": "SALASERVE_STAGE1_LAUNCH", "attn": "SALASERVE_SPARSE_ATTN_LAUNCH",
        "window": "SALASERVE_SPARSE_WINDOW_LAUNCH"}
 
@@ -69,7 +74,7 @@ def main() -> None:
         us = B._time_us(lambda: keys(shape, opts), a.reps)
         same = bool(torch.equal(keys(shape, opts), base_keys))
         rows.append((f"stage1 {shape[0]}x{shape[1]}", opts, us, "equal" if same else "KEYS DIFFER"))
-        if same and shape == (4, 32) and ("stage1" not in best or us < best["stage1"][1]):
+        if same and shape == ks.STAGE1_PREFILL_TILE and ("stage1" not in best or us < best["stage1"][1]):
             best["stage1"] = (opts, us)
     # the selection's top-k on those keys: torch ops vs the fused kernel (SALASERVE_FUSED_PREFILL_TOPK)
     width, qb = ks.prefill_width(batch, sc), batch.positions // sc.block_size
@@ -79,38 +84,27 @@ def main() -> None:
         same = bool(torch.equal(fn(base_keys, width, sc.topk_eff, qb), ref))
         rows.append((f"top-k {name}", {}, us, "equal" if same else "BLOCKS DIFFER"))
     base_out = attn().float()
-    for knob, variants, attr in (("attn", ATTN, "SPARSE_ATTN_LAUNCH"), ("window", WINDOW, "SPARSE_WINDOW_LAUNCH")):
-        saved = getattr(ks, attr)
-        for opts in variants:
-            setattr(ks, attr, dict(opts))
-            try:
-                us = B._time_us(attn, a.reps)
-                diff = float((attn().float() - base_out).abs().max())
-            except Exception as e:  # a launch option this triton rejects: report, keep going
-                rows.append((knob, opts, float("nan"), f"failed: {type(e).__name__}: {e}"[:80]))
-                continue
-            finally:
-                setattr(ks, attr, saved)
-            ok = diff <= 1e-2  # bf16 output; a different warp count may reorder the fp32 sums
-            rows.append((knob, opts, us, f"max|diff| {diff:.1e}"))
-            if ok and (knob not in best or us < best[knob][1]):
-                best[knob] = (opts, us)
-    # the per-token kernel reading each entry's page from a list (SALASERVE_SPARSE_ATTN_PAGE_LIST)
-    saved = ks.SPARSE_ATTN_PAGE_LIST, ks.SPARSE_ATTN_LAUNCH
-    for opts in ({}, {"maxnreg": 80}, {"num_warps": 2}):
-        ks.SPARSE_ATTN_PAGE_LIST, ks.SPARSE_ATTN_LAUNCH = True, dict(opts)
+    for knob, settings in ATTN:
+        saved = {k: getattr(ks, k) for k in settings}
+        for k, v in settings.items():
+            setattr(ks, k, v)
         try:
             us = B._time_us(attn, a.reps)
             diff = float((attn().float() - base_out).abs().max())
-            rows.append(("attn page list", opts, us, f"max|diff| {diff:.1e}"))
-        except Exception as e:
-            rows.append(("attn page list", opts, float("nan"), f"failed: {type(e).__name__}: {e}"[:80]))
+        except Exception as e:  # a launch option this triton rejects: report, keep going
+            rows.append((knob, settings, float("nan"), f"failed: {type(e).__name__}: {e}"[:80]))
+            continue
         finally:
-            ks.SPARSE_ATTN_PAGE_LIST, ks.SPARSE_ATTN_LAUNCH = saved
+            for k, v in saved.items():
+                setattr(ks, k, v)
+        rows.append((knob, settings, us, f"max|diff| {diff:.1e}"))
+        ok = diff <= 1e-2  # bf16 output; a different warp count may reorder the fp32 sums
+        if ok and knob in ENV and (knob not in best or us < best[knob][1]):
+            best[knob] = (next(iter(settings.values())), us)
     print(f"chunk {a.chunk} at {(a.cache + a.chunk) // 1024}K")
-    print(f"{'kernels':14s} {'options':38s} {'us':>9s}  output vs default")
+    print(f"{'kernels':14s} {'options':50s} {'us':>9s}  output vs default")
     for knob, opts, us, note in rows:
-        print(f"{knob:14s} {str(opts or 'default'):38s} {us:9.1f}  {note}")
+        print(f"{knob:14s} {str(opts or 'default'):50s} {us:9.1f}  {note}")
     lines = [f"export {ENV[k]}={_env_value(o)}" for k, (o, _) in best.items()]
     print("best:", "; ".join(lines))
     if a.env:

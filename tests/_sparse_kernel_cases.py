@@ -303,13 +303,10 @@ def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int
         g = torch.Generator().manual_seed(1)
         key = torch.rand(idx.shape, generator=g).to(idx.device) + (idx < 0).float() * 2
         idx = torch.gather(idx, -1, key.argsort(-1))
-    saved, ks.SPARSE_ATTN_PAGE_LIST = ks.SPARSE_ATTN_PAGE_LIST, page_list
-    try:
+    with _knobs(SPARSE_ATTN_PAGE_LIST=page_list):
         got = ks.sparse_prefill_attention(q, kv, LAYER, batch, idx, scale, tile_tokens=tile_tokens,
                                           window=(cfg.sparse.init_blocks, cfg.sparse.local_blocks),
                                           window_tokens=window_tokens)
-    finally:
-        ks.SPARSE_ATTN_PAGE_LIST = saved
     want = sparse_twin(q, kv, LAYER, batch, idx, scale)
     return dict(max_abs=float((got.float() - want.float()).abs().max()), rel=_rel_err(got, want),
                 dtype_ok=got.dtype == q.dtype)
@@ -342,7 +339,7 @@ def check_full(case: dict, **select_kw) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 class _knobs:
-    """Temporarily set launch knobs of salaserve.kernels.sparse (split sizes)."""
+    """Temporarily set module-level knobs of salaserve.kernels.sparse (split sizes, switches)."""
 
     def __init__(self, **kw):
         from salaserve.kernels import sparse as ks

@@ -406,9 +406,9 @@ def test_sparse_window_kernels_compile_for_sm90_without_spills(fp8, window_token
              tile_ntok_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32"),
         dict(common, BLOCK_T=window_tokens, INIT=1, LOCAL=32), 4 if window_tokens * 16 <= 64 else 8, fp_fusion=True)
     assert "mma" in win.asm["ptx"]
-    # the per-token kernel as launched (pages from a list, SPARSE_ATTN_PAGE_LIST; 2 warps for bf16
-    # pages, SPARSE_ATTN_LAUNCH, 4 for fp8 ones) and without the list (4 warps)
-    for page_list, warps in ((True, 4 if fp8 else 2), (False, 4)):
+    # the per-token kernel as launched (pages from a list, SPARSE_ATTN_PAGE_LIST; warps by the pages'
+    # dtype, _PER_TOKEN_WARPS) and without the list (4 warps)
+    for page_list, warps in ((True, S._PER_TOKEN_WARPS[fp8]), (False, 4)):
         per_token = compile_sm90_without_spills(
             S._sparse_prefill_attn_kernel,
             dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",

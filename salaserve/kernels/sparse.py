@@ -56,29 +56,38 @@ _MAX_BLOCKS = 1 << 16  # the packed key keeps the block index in 16 bits
 _STAGE1_FAST = os.environ.get("SALASERVE_STAGE1_FAST", "1") == "1"
 
 
+def _env_ints(name: str, default: str, form: str) -> list[int]:
+    """The comma-separated integers of environment variable `name` (`default` when unset), as
+    many as `form` ("a,b,...") names, or a ValueError naming the variable."""
+    text = os.environ.get(name, default)
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(form.split(",")):
+        raise ValueError(f"{name} must be '{form}', got {text!r}")
+    return values
+
+
+def launch_options(warps: int, stages: int, maxnreg: int) -> dict:
+    """Triton launch options; 0 leaves one at the launch's default."""
+    return {k: v for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", maxnreg)) if v}
+
+
 def _launch_env(name: str, default: str) -> dict:
     """Launch options "num_warps,num_stages,maxnreg" from the environment (0: the default), for
     A/B runs of the prefill kernels (scripts/sparse_launch_ab.py). maxnreg caps the registers per
     thread so that more programs fit on an SM; these kernels wait on gathered loads, and with one
     or two programs per SM there is little to overlap the waits with."""
-    text = os.environ.get(name, default)
-    try:
-        warps, stages, maxnreg = (int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{name} must be 'num_warps,num_stages,maxnreg' (0: default), got {text!r}") from None
-    return {k: v for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", maxnreg)) if v}
+    return launch_options(*_env_ints(name, default, "num_warps,num_stages,maxnreg"))
 
 
 def _tile_env(name: str, default: str) -> tuple[int, int]:
     """(tokens per tile, blocks per step) from the environment: two powers of two (tl.arange
     sizes), at least 2 blocks (a step's first block only donates its tail)."""
-    text = os.environ.get(name, default)
-    try:
-        block_t, bb = (int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{name} must be 'tokens,blocks', e.g. '8,16', got {text!r}") from None
+    block_t, bb = _env_ints(name, default, "tokens,blocks")
     if block_t < 1 or bb < 2 or block_t & (block_t - 1) or bb & (bb - 1):
-        raise ValueError(f"{name}: tokens and blocks must be powers of two (blocks >= 2), got {text!r}")
+        raise ValueError(f"{name}: tokens and blocks must be powers of two (blocks >= 2), got '{block_t},{bb}'")
     return block_t, bb
 
 
@@ -95,9 +104,10 @@ STAGE1_PREFILL_TILE = _tile_env("SALASERVE_STAGE1_TILE", "8,16")
 # prefetched): stage-1 at 8x16, 128 registers: 3 stages 3488 us (8 bytes of stack), **2 stages
 # 3369** (no stack), 1 stage 3621. Per-token kernel with pages from a list (SPARSE_ATTN_PAGE_LIST):
 # window + per-token 5466 -> 5363 us, and **with 2 warps 5203** (the 2-warp kernel alone: 5384);
-# window kernel at 2 stages 5419 -> 5332.
+# window kernel at 2 stages 5419 -> 5332. The per-token kernel's warps default by the pool's dtype
+# (`_PER_TOKEN_WARPS`); SALASERVE_SPARSE_ATTN_LAUNCH overrides them.
 STAGE1_PREFILL_LAUNCH = _launch_env("SALASERVE_STAGE1_LAUNCH", "0,2,128")
-SPARSE_ATTN_LAUNCH = _launch_env("SALASERVE_SPARSE_ATTN_LAUNCH", "2,0,0")
+SPARSE_ATTN_LAUNCH = _launch_env("SALASERVE_SPARSE_ATTN_LAUNCH", "0,0,0")
 SPARSE_WINDOW_LAUNCH = _launch_env("SALASERVE_SPARSE_WINDOW_LAUNCH", "0,2,128")
 
 
@@ -1280,6 +1290,9 @@ SPARSE_ATTN_WINDOW = int(os.environ.get("SALASERVE_SPARSE_ATTN_WINDOW", "8"))
 # of three. The sm_90 compile still has one K/V stage, but 82 registers instead of 128 at 4 warps;
 # measured -2% at 4 warps, -5% at 2 (run 57, above).
 SPARSE_ATTN_PAGE_LIST = os.environ.get("SALASERVE_SPARSE_ATTN_PAGE_LIST", "1") == "1"
+# Warps of the per-token kernel by whether the pages are fp8: 2 for bf16 pages (run 57, above);
+# 4 for fp8 ones, which spill at 2 (sm_90 compile: 255 registers, 48 bytes of stack).
+_PER_TOKEN_WARPS = {False: 2, True: 4}
 
 
 def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
@@ -1357,13 +1370,11 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
     if SPARSE_ATTN_PAGE_LIST:  # each entry's page, in block_idx's layout (-1 entries: any valid page)
         pages = batch.page_table[tok_seq[None, :, None], block_idx.clamp_min(0)]
         kernel_kw.update(page_idx_ptr=pages.contiguous(), PAGE_LIST=True)
-    launch = dict(SPARSE_ATTN_LAUNCH)
-    if pa["fp8"]:  # fp8 pages at 2 warps spill (sm_90 compile: 255 registers, 48 B of stack): 4 warps
-        launch.pop("num_warps", None)
     _sparse_prefill_attn_kernel[(N, hkv)](
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
-        W=block_idx.shape[-1], **consts, **kernel_kw, **launch)
+        W=block_idx.shape[-1], **consts, **kernel_kw,
+        **{"num_warps": _PER_TOKEN_WARPS[pa["fp8"]], **SPARSE_ATTN_LAUNCH})
     return out
 
 
