@@ -157,12 +157,29 @@ def test_training_is_reproducible_from_the_seed(tmp_path):
 
 
 def test_time_budget_mode_plans_the_steps(tmp_path):
+    # --patience 0: no early decay, whose timing (when the validation loss stalls) would
+    # otherwise shorten the planned run on some machines.
     metrics = train_small.main(["--out", str(tmp_path), "--preset", "tiny", "--minutes", "0.2", "--probe-steps", "5",
                                 "--batch-size", "2", "--seq-len", "160", "--max-train-files", "4", "--device", "cpu",
-                                "--no-eval"])
+                                "--no-eval", "--patience", "0"])
     t = metrics["training"]
     (planned,) = [e for e in t["events"] if e["event"] == "planned"]
     assert planned["step"] == 5 and t["steps"] == planned["total"] >= 6
+    assert not [e for e in t["events"] if e["event"] == "early_decay"]
+    assert "--steps {} --decay-start {}".format(t["steps"], t["decay_start"]) in metrics["reproduce"]
+
+
+def test_stalled_validation_decays_early(tmp_path):
+    # An impossible --min-delta makes every evaluation after the first a stall, so with
+    # --patience 1 the first evaluation past warmup starts the decay, whatever the machine's speed.
+    metrics = train_small.main(["--out", str(tmp_path), "--preset", "tiny", "--minutes", "0.2", "--probe-steps", "5",
+                                "--batch-size", "2", "--seq-len", "160", "--max-train-files", "4", "--device", "cpu",
+                                "--no-eval", "--patience", "1", "--min-delta", "1e9", "--eval-every", "2"])
+    t = metrics["training"]
+    (planned,) = [e for e in t["events"] if e["event"] == "planned"]
+    (early,) = [e for e in t["events"] if e["event"] == "early_decay"]
+    assert planned["step"] < early["step"] < t["steps"] == early["total"] < planned["total"]
+    assert t["decay_start"] == early["step"]
     assert "--steps {} --decay-start {}".format(t["steps"], t["decay_start"]) in metrics["reproduce"]
 
 
