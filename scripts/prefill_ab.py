@@ -56,8 +56,9 @@ def main() -> None:
 
     def prompt(chunk: int, gla: str, stage1: str, pages: str) -> float:
         ops.gla_input_dtype = GLA[gla]
-        ks.SPARSE_ATTN_PAGE_LIST = default_pages if pages == "" else pages == "1"
-        ks.STAGE1_PREFILL_LAUNCH = ks.launch_options(*map(int, stage1.split("/"))) if stage1 else default_stage1
+        ks.set_knob("SPARSE_ATTN_PAGE_LIST", default_pages if pages == "" else pages == "1")
+        ks.set_knob("STAGE1_PREFILL_LAUNCH",
+                    ks.launch_options(*map(int, stage1.split("/"))) if stage1 else default_stage1)
         return time_prefill(runner, a.tokens, chunk)
 
     first = {v: prompt(*v) for v in variants}

@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1, tiny config, fp32) and the GPU run (real config, bf16).
 
 Each `check_*` function builds random caches and a batch, runs a kernel from
-salaserve/kernels/sparse.py and its reference twin, and returns a dict of statistics; the tests
+the salaserve/kernels/sparse package and its reference twin, and returns a dict of statistics; the tests
 assert on them. Run as a script, it executes the interpreter cases and prints one JSON object.
 """
 
@@ -240,8 +240,7 @@ def check_decode_width_invariance(case: dict, max_sel: int, bb: int = 4, wide: i
         return partials[-1]
 
     got = {}
-    ks._stage1_lse_partials = recording
-    try:
+    with _knobs(_stage1_lse_partials=recording):
         for name, t, qq, lens in (("tight", table, q[:B], batch.seq_lens),
                                   ("wide", wide_table, q[:B], batch.seq_lens),
                                   ("wide_padded_batch", torch.cat([wide_table, wide_table[:1]]),
@@ -253,8 +252,6 @@ def check_decode_width_invariance(case: dict, max_sel: int, bb: int = 4, wide: i
             keys = ks._stage1_keys(qq, comp, LAYER, t, lens, (lens - 1).long(), (ar, ar, torch.ones_like(ar)),
                                    t.shape[0], 0, t.shape[1], scale, 1, bb, lse_per_split=ks._LSE_BLOCK_N)
             got[name] = (pages[:B], count[:B], keys[:, :B, :table.shape[1]], m[:, :, :B], l[:, :, :B])
-    finally:
-        ks._stage1_lse_partials = orig
     ref = got["tight"]
     n = ref[3].shape[0]
     out = {}
@@ -338,22 +335,12 @@ def check_full(case: dict, **select_kw) -> dict:
 # The interpreter run (tiny config, fp32)
 # ---------------------------------------------------------------------------------------------
 
-class _knobs:
-    """Temporarily set module-level knobs of salaserve.kernels.sparse (split sizes, switches)."""
+def _knobs(**kw):
+    """Temporarily set module-level knobs of salaserve.kernels.sparse (split sizes, switches), in
+    whichever of its modules read them."""
+    from salaserve.kernels import sparse as ks
 
-    def __init__(self, **kw):
-        from salaserve.kernels import sparse as ks
-
-        self.ks, self.kw = ks, kw
-
-    def __enter__(self):
-        self.old = {k: getattr(self.ks, k) for k in self.kw}
-        for k, v in self.kw.items():
-            setattr(self.ks, k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            setattr(self.ks, k, v)
+    return ks.knobs(**kw)
 
 
 def check_stage1_fast(case: dict, block_t: int, bb: int) -> dict:
@@ -579,13 +566,9 @@ def _part_topk() -> dict:
         res.update({f"topk_pages_{s}_{search}": check_topk_pages(s, search=search) for s in range(3)})
         # 3 score levels over 40 blocks: the threshold score is shared by many blocks in most rows
         res[f"topk_pages_ties_{search}"] = check_topk_pages(7, search=search, levels=3)
-        saved = ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT
-        ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = 16, 16  # 40 blocks: 3 segments (+1 empty) and a merge
-        try:
+        with _knobs(TOPK_ONE_PASS_BLOCKS=16, TOPK_SEGMENT=16):  # 40 blocks: 3 segments (+1 empty) and a merge
             res.update({f"topk_pages_segmented_{s}_{search}": check_topk_pages(s, search=search) for s in range(2)})
             res[f"topk_pages_segmented_ties_{search}"] = check_topk_pages(8, search=search, levels=3)
-        finally:
-            ks.TOPK_ONE_PASS_BLOCKS, ks.TOPK_SEGMENT = saved
     return res
 
 

@@ -65,7 +65,7 @@ class ModelRunner:
         self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
 
-        cfg, sc = self.cfg, self.cfg.sparse
+        sc = self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
         state_dtype = DTYPES[args.state_dtype]
         self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype, compressed_dtype=self.dtype)
@@ -138,7 +138,7 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         from salaserve.engine.cuda_graph import StepGraphs
 
-        cfg, sc = self.cfg, self.cfg.sparse
+        sc = self.cfg.sparse
         scratch_page, scratch_slot = self._scratch()
         self.graphs = StepGraphs(
             self.model, self.caches, max_bs=self.args.cuda_graph_max_bs or self.args.max_running_requests,

@@ -1,0 +1,148 @@
+"""InfLLM-v2 block selection over the paged compressed keys: stage 1 (`stage1.py`) then the
+top-k (`topk.py`), for decode (one query per sequence) and for (chunked) prefill (every token)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.config import SparseConfig
+from salaserve.engine.batch import ForwardBatch
+from salaserve.kernels.sparse._common import _step_tiles, _tile_env, _launch_env
+from salaserve.kernels.sparse.stage1 import _LSE_BLOCK_N, _stage1_keys
+from salaserve.kernels.sparse.topk import _topk_blocks, topk_blocks, topk_pages, topk_pages_torch
+
+_SELECT_BUFFER_BYTES = 256 << 20  # bound on the int32 key buffer of one prefill selection chunk
+
+# Prefill launch of the stage-1 keys kernel (8 warps at the prefill tile unless set). Measured on
+# the last 8K chunk of a 128K prompt (run 53, scripts/sparse_launch_ab.py): 4 tokens x 32 blocks
+# 5.59 ms (172 registers: one program per SM), capped at 120 registers 3.90; 8 tokens x 16
+# blocks 4.83, capped at 128 registers (no spill) **3.45 ms**, the same keys bit for bit.
+STAGE1_PREFILL_TILE = _tile_env("SALASERVE_STAGE1_TILE", "8,16")
+# Run 57 (same script, after the stage-1 C1 loads were moved out of its branch so that they are
+# prefetched): at 8x16, 128 registers: 3 stages 3488 us (8 bytes of stack), **2 stages 3369**
+# (no stack), 1 stage 3621.
+STAGE1_PREFILL_LAUNCH = _launch_env("SALASERVE_STAGE1_LAUNCH", "0,2,128")
+
+
+# One Triton kernel instead of torch.topk + sort + ~8 small ops per sparse layer and decode step
+# (0.43 ms of a 5.6 ms eager batch-1 step at 128K, profiled). On by default since measured on the
+# H200: equal pages in the GPU tests, 128K graph step 5.890 -> 5.846 ms (docs/perf-notes.md: less
+# than the eager profile promised; the graph-replay profile then showed the kernel's row sort at
+# 74 us per call, replaced by a bitwise threshold search: 11 us). SALASERVE_FUSED_TOPK=0 selects
+# the torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide (wider ones keep the torch path).
+FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
+FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
+# The prefill counterpart (`topk_blocks`): one Triton kernel instead of _topk_blocks' torch ops
+# (topk, where, sort, where, pad) at the end of each prefill selection chunk, which took ~100 ms of
+# a 128K prompt's prefill over 128 calls (radix sort, mbtopk, gather; run 52's profile). The same
+# blocks bit for bit (interpreter cases, any keys; GPU tests at 2048-8224 blocks). Measured on the
+# last 8K chunk of a 128K prompt (run 53): 964 -> 263 us per call, the same blocks.
+# SALASERVE_FUSED_PREFILL_TOPK=0 selects the torch path.
+FUSED_PREFILL_TOPK = os.environ.get("SALASERVE_FUSED_PREFILL_TOPK", "1") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU tensors run Triton kernels (tests)
+
+
+def decode_select_meta(seq_lens: torch.Tensor) -> tuple:
+    """What select_blocks_decode derives from seq_lens alone (int32 lengths, query positions, one
+    stage-1 tile per row): the same for every sparse layer of a step, so callers may compute it
+    once and pass it as `meta` (4 small kernels per layer otherwise)."""
+    seq_lens = seq_lens.to(torch.int32)
+    ar = torch.arange(seq_lens.shape[0], device=seq_lens.device, dtype=torch.int32)
+    return seq_lens, (seq_lens - 1).to(torch.int64), (ar, ar, torch.ones_like(ar))
+
+
+def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, page_table: torch.Tensor,
+                         seq_lens: torch.Tensor, sc: SparseConfig, scale: float, max_sel: int,
+                         block_t: int = 1, bb: int = 16, meta: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks to attend for one decode query per sequence (position seq_len - 1).
+
+    q [B, Hq, d] (bf16/fp32); page_table [B, P] int32 (P is the static width, >= every
+    sequence's page count); seq_lens [B] int32 total lengths including the new token.
+    Returns (block_table [B, Hkv, max_sel] int32 page ids, block_count [B, Hkv] int32):
+      - entries [0, count) are page ids in ascending block order, so the last listed page is always
+        the sequence's last (possibly partial) page, holding seq_len - (nb - 1) * block_size tokens;
+        entries past count are 0 (a valid page id, never to be read);
+      - sparse sequences (seq_len >= dense_len): the top-k of spec 3.4 with every existing entry
+        visible, count = min(topk_eff, nb);
+      - dense sequences (seq_len < dense_len): every block, count = nb. This needs
+        max_sel >= ceil((dense_len - 1) / block_size) (128 for the real config); a smaller max_sel
+        serves sparse sequences only.
+    CUDA-graph capturable: no host sync, every shape depends only on (B, P, max_sel).
+    meta: decode_select_meta(seq_lens), when the caller shares it across layers.
+    """
+    if max_sel < sc.topk_eff:
+        raise ValueError(f"max_sel={max_sel} < topk_eff={sc.topk_eff}")
+    B = q.shape[0]
+    nb_out = page_table.shape[1]
+    seq_lens, positions, tiles = meta if meta is not None else decode_select_meta(seq_lens)
+    # The lse partials in fixed 64-entry ranges, whatever the table width and batch: a sequence
+    # then gets the same lse bits, hence the same bf16 block scores and blocks, in a CUDA graph
+    # (static width, padded batch) as eagerly, and whichever requests share its step. (Sized
+    # by the GPU, the partition moved with the width: verify graphs vs eager differed by 2e-2.)
+    # At batch 1 this is the partition the sizing chose anyway up to 16K pages.
+    keys = _stage1_keys(q, comp, layer, page_table, seq_lens, positions, tiles, B, 0, nb_out,
+                        scale, block_t, bb, lse_per_split=_LSE_BLOCK_N)
+    if FUSED_DECODE_TOPK and nb_out <= FUSED_TOPK_MAX_BLOCKS:
+        return topk_pages(keys, page_table, seq_lens, sc, max_sel)
+    return topk_pages_torch(keys, page_table, seq_lens, sc, max_sel)
+
+
+def prefill_width(batch: ForwardBatch, sc: SparseConfig) -> int:
+    """Width of select_blocks_prefill's output: topk_eff, or more when a dense sequence needs all
+    of its blocks listed."""
+    dense_nb = [-(-L // sc.block_size) for L, s in zip(batch.seq_lens_host, batch.is_sparse_host) if not s]
+    return max([sc.topk_eff] + dense_nb)
+
+
+def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
+                          sc: SparseConfig, scale: float, block_t: int | None = None,
+                          bb: int | None = None) -> torch.Tensor:
+    """Per-token block selection for a (chunked) prefill batch.
+
+    q [N, Hq, d] (the batch's tokens, packed by sequence); compressed keys read through
+    batch.page_table. Token t at absolute position p sees C1/C2 entries by the natural causal rule.
+    Returns block_idx [Hkv, N, W] int32: block indices, ascending, -1 padded at the end.
+    W = topk_eff when every sequence is sparse; a dense sequence (seq_len < dense_len) gets every
+    causal block listed and W grows to cover it (see `prefill_width`).
+    Not graph-capturable (host-side tiling from batch.q_lens_host). block_t (tokens per stage-1
+    tile), bb (blocks per stage-1 step): STAGE1_PREFILL_TILE where None; the keys do not depend
+    on them.
+    """
+    block_t = STAGE1_PREFILL_TILE[0] if block_t is None else block_t
+    bb = STAGE1_PREFILL_TILE[1] if bb is None else bb
+    N = q.shape[0]
+    hkv = comp.c1.shape[3]
+    dev = q.device
+    width = prefill_width(batch, sc)
+    nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
+    (seqs, tok0s, ntoks), (tile_seq, tile_tok0, tile_ntok) = _step_tiles(batch, block_t, dev)
+    if all(batch.is_sparse_host):
+        limit = sc.topk_eff  # = width: the top-k needs no ranks
+    else:
+        tok_seq = torch.repeat_interleave(torch.arange(len(batch.q_lens_host), device=dev),
+                                          batch.cu_seqlens_q.diff(), output_size=N)
+        limit = torch.where(batch.is_sparse[tok_seq], sc.topk_eff, width)
+    qb = batch.positions // sc.block_size
+
+    out = torch.empty(hkv, N, width, dtype=torch.int32, device=dev)
+    rows_per_chunk = max(block_t, _SELECT_BUFFER_BYTES // (4 * hkv * nb_out))
+    i = 0
+    while i < len(tok0s):  # chunks of whole tiles, bounding the key buffer
+        j = i
+        while j < len(tok0s) and tok0s[j] + ntoks[j] - tok0s[i] <= rows_per_chunk:
+            j += 1
+        j = max(j, i + 1)
+        lo, hi = tok0s[i], tok0s[j - 1] + ntoks[j - 1]
+        keys = _stage1_keys(q, comp, layer, batch.page_table, batch.seq_lens, batch.positions,
+                            (tile_seq[i:j], tile_tok0[i:j], tile_ntok[i:j]), hi - lo, lo, nb_out,
+                            scale, block_t, bb, launch=STAGE1_PREFILL_LAUNCH)
+        lim = limit if isinstance(limit, int) else limit[lo:hi]
+        if FUSED_PREFILL_TOPK and (keys.is_cuda or _INTERPRET):
+            topk_blocks(keys, width, lim, qb[lo:hi], out=out[:, lo:hi])
+        else:
+            out[:, lo:hi] = _topk_blocks(keys, width, lim, qb[lo:hi])
+        i = j
+    return out
