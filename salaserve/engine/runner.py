@@ -65,7 +65,7 @@ class ModelRunner:
         self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
 
-        sc = self.cfg.sparse
+        cfg, sc = self.cfg, self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
         state_dtype = DTYPES[args.state_dtype]
         self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype, compressed_dtype=self.dtype)
