@@ -246,7 +246,7 @@ def _stage1_block_keys_kernel(
         a2 = _c1_step_scores(q, c1_ptr, page_row, eb, e_slot, j_ok, g, stride_c1p, stride_c1s, stride_c1h,
                              qk_scale2, D, DOT_PREC)
         if interior:
-            pooled = _pooled_block_scores(a2, lse2, j, j, BLOCK_T, GP, BB, C1PB, PAD, False, True)
+            pooled = _pooled_block_scores(a2, lse2, j_ok, j_ok, BLOCK_T, GP, BB, C1PB, PAD, False, True)  # masks unread
             blk = b0 - 1 + k
             ptrs = keys_ptr + g * stride_kg + (row0 + t)[:, None] * stride_kt + blk[None, :]
             tl.store(ptrs, _pack_key(pooled, blk[None, :]), mask=(k >= 1)[None, :] & tok_ok[:, None])
