@@ -1,0 +1,127 @@
+"""Triton kernels for quantized linear layers (bf16 activations) and the dispatch by M
+(`quant_linear`; the table is in docs/quantization.md).
+
+  w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
+      - M <= W4_FMA_MAX_M (decode): `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
+        16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble); config
+        and split-K per shape from `calibrate_w4` at start-up.
+      - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
+        unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
+      - prefill: `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
+        (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
+  fp8 (e4m3 weights, fp32 per-channel scale):
+      - M <= GEMV_MAX_M: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows) with the
+        weights converted to bf16 and x exact; by default (SALASERVE_FP8_DECODE=gemv, M <= 8)
+        gemv.py's FMA GEMV on the fp8 codes where `calibrate_fp8_gemv` measured it faster; or with
+        SALASERVE_FP8_DECODE=w8a8 (and K a
+        multiple of 128) `w8a8_gemv`: x quantized to e4m3 per (token, 128 channels) inside the
+        kernel and an fp8 x fp8 tensor-core dot.
+      - above: w8a8 on cuBLAS (`quantize_rows_fp8`, one kernel for the per-token activation
+        scales, then `torch._scaled_mm` with rowwise weight scales).
+
+Split-K reduction is done inside the same launch: every split writes an fp32 partial, bumps a
+per-tile counter, and the last one to arrive sums the partials in split order and writes the
+output. One launch per linear (a separate reduce or memset kernel would cost ~4 us each inside a
+CUDA graph, x 4 linears x 32 layers), deterministic results, counters re-armed by the kernel.
+
+int4 -> float without the slow int->float convert: (nibble | 0x4B000000) read as fp32 is exactly
+2**23 + nibble, so subtracting (2**23 + zero) gives q - zero in one FADD.
+
+Weights are read once per launch: K*N/2 bytes of int4 plus fp16 scales and packed zeros (~4% more
+at group 128). Act-order checkpoints should go through formats.reorder_act_order at load time: the
+kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
+(ACT_ORDER) stays correct but gathers scales and zeros per element.
+
+Modules: w4_fma.py (the int4 decode GEMV and its calibration), w4_dot.py (int4 on tensor cores,
+prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
+w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
+submodules' names are re-exported here: callers (backend, tests, scripts) import the package.
+Module-level switches read at call time (FP8_DECODE) live here, so that setting them on the
+package takes effect.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+# re-exports (see above)
+from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _INTERPRET, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
+                                                  SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
+                                                  _device_key, _sm_count, _workspace)
+from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _W8A8_GEMV, _W8A8_TABLE, ACT_BLOCK, FP8_DOT,
+                                              _fp8_gemv_key, _w8a8_candidates, _w8a8_gemv_kernel, _w8a16_gemv_dot_tuned,
+                                              _w8a16_gemv_fma_tuned, _w8a16_kernel, calibrate_fp8_gemv, calibrate_w8a8,
+                                              fp8_gemv_choice, w8a8_block_ref, w8a8_gemv, w8a16_gemv)
+from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quantize_rows_fp8_kernel,
+                                                   fp8_quantize_rows_ref, fp8_scaled_mm, fp8_scaled_mm_quantized,
+                                                   quantize_rows_fp8, rowquant_constexprs, rowquant_warps)
+from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
+                                                 _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
+                                                 _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
+from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M,
+                                                 W4_MAGIC_HI, W4_MAGIC_LO, _w4_gemv_fma_kernel, _w4_key, calibrate_w4,
+                                                 w4_fma_layout, w4a16_gemv_fma)
+from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
+
+
+# fp8 weights at decode sizes: "gemv" (default: gemv.py's FMA GEMV on the fp8 codes, per shape
+# where the start-up calibration measures it faster than w8a16, M <= 8; with PDL and the silu_mul
+# epilogue on gate_up), "w8a16" (tensor cores, weights converted to bf16; x exact) or "w8a8" (x
+# quantized per 128 channels, fp8 tensor cores). Measured (BENCHMARKS run 36): batch-1 decode at
+# 4K 3.637 ms with w8a16, 3.351 ms with gemv.
+FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "gemv")
+if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
+    raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def fp8_scaled_mm_takes(M: int, w: QuantizedLinearWeights) -> bool:
+    """Whether quant_linear sends M rows through w8a8 on cuBLAS (prefill sizes; cuBLAS fp8
+    needs K and N multiples of 16) rather than a decode kernel."""
+    return w.format == "fp8" and M > GEMV_MAX_M and w.in_features % 16 == 0 and w.out_features % 16 == 0
+
+
+def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "auto") -> torch.Tensor:
+    """y = x @ W^T for x [..., K]. backend "auto": Triton/cuBLAS on CUDA, torch reference
+    elsewhere; "triton" forces the kernels (CPU works under TRITON_INTERPRET=1); "torch" the reference."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"unknown backend {backend!r}")
+    K, N = w.in_features, w.out_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    use_kernels = backend == "triton" or (backend == "auto" and x.is_cuda)
+    if M == 0:
+        y = x2.new_empty(0, N)
+    elif w.format == "bf16":
+        y = F.linear(x2, w.weight.to(x2.dtype))
+    elif not use_kernels:
+        y = linear_ref(x2, w)
+    elif w.format == "fp8":
+        if M <= GEMV_MAX_M and FP8_DECODE == "w8a8" and K % ACT_BLOCK == 0:
+            y = w8a8_gemv(x2, w.weight, w.scale)
+        elif FP8_DECODE == "gemv" and (cfg := fp8_gemv_choice(M, w, x2.device)) is not None:
+            from salaserve.kernels import gemv as G
+
+            y = G.gemv_fp8(x2, w.weight, w.scale, cfg)
+        elif not fp8_scaled_mm_takes(M, w):
+            y = w8a16_gemv(x2, w.weight, w.scale)
+        elif x2.is_cuda:
+            y = fp8_scaled_mm(x2, w.weight, w.scale)
+        else:  # interpreter: no cuBLAS fp8
+            y = fp8_matmul_ref(x2, w.weight, w.scale)
+    elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
+        y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel
+    elif M <= GEMV_MAX_M:
+        y = w4a16_gemv(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
+    elif w.g_idx_trivial and w.group_size % 8 == 0:
+        y = w4a16_dense_mm(x2, w)  # prefill: dequantize into scratch + cuBLAS
+    else:
+        y = w4a16_gemm(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
+    return y.reshape(*lead, N)

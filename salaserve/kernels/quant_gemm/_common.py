@@ -1,0 +1,152 @@
+"""Pieces shared by the quantized linear kernels: the split-K launch (ranges, the in-launch
+reduction, the shared workspace), config lists for the autotuner, the calibration tables' keys."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from salaserve.quant.formats import is_trivial_g_idx
+
+GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
+SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
+SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(configs: list) -> list:
+    # the interpreter cannot benchmark; one config means the autotuner never times anything
+    return configs[:1] if _INTERPRET else configs
+
+
+_GEMV_KEY = ["BLOCK_M", "BLOCK_N", "N", "K", "SPLIT_K", "ACT_ORDER"]
+
+
+# ---------------------------------------------------------------- shared jit helpers
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (pid_m, pid_n, tile), grouped so GROUP_M row tiles reuse a column tile in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n, pid
+
+
+@triton.jit
+def _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K: tl.constexpr):
+    """Write acc [BLOCK_M, BLOCK_N] (fp32) to out; with split-K, the last split reduces."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # workspace [SPLIT_K, M, N] fp32
+        tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # all threads' partials are written before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last split of this tile: sum all partials in a fixed order
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch: no memset needed
+
+
+@triton.jit
+def _split_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[k_begin, k_end) of this split; split lengths are whole BLOCK_K tiles (groups stay aligned)."""
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = tl.program_id(1) * k_len
+    return k_begin, tl.minimum(k_begin + k_len, K)
+
+
+# ---------------------------------------------------------------- launch helpers
+
+_WORKSPACE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+_WS_MIN_FLOATS = 8 << 20  # 32 MB: split * M * N of every GEMV launch up to M = 64 at the model's shapes
+_WS_MIN_TILES = 1 << 14
+
+
+def _workspace(device: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials and tile counters, one pair per device (kernels on one stream run in
+    order, so sharing is safe). On a GPU they start large enough for every launch the model makes:
+    a CUDA graph keeps the pointers it captured, so a later growth would leave it reading freed
+    memory; growth during capture is refused."""
+    key = str(device)
+    ws, cnt = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("quantized GEMV workspace must grow during CUDA-graph capture: run the "
+                                   "shape once before capturing")
+            n_floats, n_tiles = max(n_floats, _WS_MIN_FLOATS), max(n_tiles, _WS_MIN_TILES)
+        n_floats = max(n_floats, 0 if ws is None else ws.numel())
+        n_tiles = max(n_tiles, 0 if cnt is None else cnt.numel())
+        ws = torch.empty(max(n_floats, 1), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=device)  # counters start at 0
+        _WORKSPACE[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs: pretend H200
+
+
+def _gemv_block_m(M: int) -> int:
+    return 1 if M == 1 else min(64, max(16, triton.next_power_of_2(M)))
+
+
+def _default_split_k(tiles: int, K: int, device: torch.device) -> int:
+    """Enough splits for SPLIT_K_CTAS_PER_SM CTAs per SM, at most 32, power of two."""
+    want = max(1, SPLIT_K_CTAS_PER_SM * _sm_count(device) // max(tiles, 1))
+    split = max(1, min(want, K // SPLIT_K_MIN_CHANNELS, 32))
+    return 1 << (split.bit_length() - 1)
+
+
+def _check_x(x: torch.Tensor, K: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _act_order(g_idx: Optional[torch.Tensor], group_size: int, act_order: Optional[bool]) -> bool:
+    if act_order is not None:
+        return act_order
+    return not is_trivial_g_idx(g_idx, group_size)  # syncs; the container caches this instead
+
+
+def _device_key(device) -> str:
+    """The calibration tables' device name: "cuda" (the runner's device) and x.device ("cuda:0")
+    must meet."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def _to_calibrate(weights, device, m_values, usable, key, table):
+    """The start-up calibrations' work list: (weight, its M values not yet in `table`) for each
+    weight `usable` accepts; nothing off the GPU. key(m, w, device) is the table's key."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    for w in weights:
+        if usable(w):
+            todo = [m for m in m_values if key(m, w, device) not in table]
+            if todo:
+                yield w, todo
