@@ -192,6 +192,7 @@ def _reference_penalised(logits_row, st: SamplingState, vocab):
             x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
         c = st.output_ids.count(v)
         x -= p.frequency_penalty * c + p.presence_penalty * (1.0 if c > 0 else 0.0)
+        x += (p.logit_bias or {}).get(v, 0.0)
         if st.num_generated < p.min_new_tokens and v in st.min_tokens_block:
             x = -math.inf
         out[v] = x
@@ -204,6 +205,9 @@ def test_penalties_match_reference_loop(gen):
         P(repetition_penalty=1.5), P(repetition_penalty=0.7), P(frequency_penalty=0.8),
         P(presence_penalty=-1.1), P(frequency_penalty=-0.3, presence_penalty=1.7, repetition_penalty=1.25),
         P(min_new_tokens=3, stop_token_ids=[9, 10]), P(),
+        P(logit_bias={3: 5.5, 40: -100.0, 63: 0.25}),
+        P(repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={3: -2.0, 9: 7.0}, min_new_tokens=2,
+          stop_token_ids=[9]),  # the bias on a blocked token leaves it at -inf
     ]
     states = [
         SamplingState(p, prompt_ids=torch.randint(vocab, (20,), generator=gen).tolist(), eos_token_ids=[2])
@@ -314,6 +318,16 @@ BAD = [
     (dict(seed="7"), "seed"),
     (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(logprobs=1), "logprobs"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(logit_bias={"1.5": 1.0}), "logit_bias"),
+    (dict(logit_bias={"-1": 1.0}), "logit_bias"),
+    (dict(logit_bias={"1000": 1.0}), "logit_bias"),
+    (dict(logit_bias={True: 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": "high"}), "logit_bias"),
+    (dict(logit_bias={"5": float("inf")}), "logit_bias"),
+    (dict(logit_bias={"5": 2e9}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0, "05": 2.0}), "logit_bias"),
 ]
 
 
@@ -350,6 +364,30 @@ def test_from_dict_keys():
             P.from_dict({key: "x"})
     with pytest.raises(ValueError, match="sampling_seed"):
         P.from_dict({"seed": 1, "sampling_seed": 2})
+
+
+def test_logit_bias_from_json_keys():
+    """JSON objects key token ids as strings; validate makes them ints. An empty map is no bias."""
+    p = P.from_dict({"logit_bias": {"7": 3, " 12": -100.5, "0": 0}}, vocab_size=20)
+    assert p.logit_bias == {7: 3.0, 12: -100.5, 0: 0.0} and all(type(t) is int for t in p.logit_bias)
+    assert P.from_dict({"logit_bias": {}}).logit_bias is None
+    assert P.from_dict({"logit_bias": None}).logit_bias is None
+    p.validate(vocab_size=20)  # idempotent
+    assert p.logit_bias == {7: 3.0, 12: -100.5, 0: 0.0}
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows(gen):
+    """+100 makes a token the argmax; -100 keeps a sampled row off its most likely tokens."""
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=gen)
+    top = logits.argmax(dim=-1)
+    banned = logits[2].topk(5).indices.tolist()
+    states = states_for(P(temperature=0, logit_bias={int(top[0]) ^ 1: 100.0}), P(temperature=0),
+                        P(temperature=1.0, logit_bias={t: -100.0 for t in banned}))
+    sampler = Sampler(seed=int(torch.randint(2**31, (1,), generator=gen)))
+    for _ in range(50):
+        ids = sampler.sample(logits, states, commit=False).token_ids
+        assert ids[0] == int(top[0]) ^ 1 and ids[1] == int(top[1]) and ids[2] not in banned
 
 
 # --- device ---------------------------------------------------------------------------------

@@ -220,3 +220,18 @@ def wait_for_counters(server, initial, timeout=30.0):
             assert got == want
             return
         time.sleep(0.1)
+
+
+def test_logit_bias(client):
+    """SGLang's sampling_params.logit_bias (token ids as JSON strings): +100 on a token makes the
+    greedy output that token; a banned token never appears; bad maps are a 400 naming the field."""
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    plain = generate(client, text="The capital of France is", sampling_params=sp)["output_ids"]
+    favoured = (plain[0] + 1) % 8000 + 3
+    out = generate(client, text="The capital of France is", sampling_params={**sp, "logit_bias": {str(favoured): 100}})
+    assert out["output_ids"] == [favoured] * 8
+    banned = generate(client, text="The capital of France is",
+                      sampling_params={**sp, "logit_bias": {str(t): -100 for t in set(plain)}})["output_ids"]
+    assert not set(banned) & set(plain)
+    r = client.post("/generate", json={"text": "x", "sampling_params": {"logit_bias": {"not-a-token": 1}}})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]

@@ -125,6 +125,13 @@ def test_completions(oai, model, tokenizer):
                                  extra_body={"ignore_eos": True})
     assert ids.choices[0].text == text
 
+    # logit_bias: token ids as strings, OpenAI's -100..100; +100 on one token makes it the greedy choice
+    favoured = tokenizer(" banana", add_special_tokens=False).input_ids[0]
+    biased = oai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0,
+                                    logit_bias={str(favoured): 100}, extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == tokenizer.decode([favoured] * 3)
+    assert biased.usage.completion_tokens == 3
+
 
 def test_errors_reach_the_client(oai, model):
     with pytest.raises(openai.BadRequestError) as e:

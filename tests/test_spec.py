@@ -260,3 +260,19 @@ def test_tree_drafter_is_verified_along_its_first_path(tiny_model_dir, prompts):
     eng.make_drafter = TreeOracle
     assert run_all(eng, prompts[:6], params) == plain
     assert eng.stats["spec_accepted_tokens"] > 0
+
+
+def test_logit_bias_requests_are_not_speculated(tiny_model_dir, prompts):
+    """The verify reads the raw logits, so a biased request decodes without drafts; here drafts of
+    the unbiased continuation would otherwise be accepted and the bias lost."""
+    unbiased = run_all(make_engine(tiny_model_dir, False), prompts[:4],
+                       SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    favoured = 4321
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logit_bias={favoured: 1e4})
+    plain = run_all(make_engine(tiny_model_dir, False), prompts[:4], params)
+    assert all(v == [favoured] * 12 for v in plain.values())
+    eng = make_engine(tiny_model_dir, True)
+    conts = {i: unbiased[f"r{i}"] for i in range(4)}
+    eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, conts[int(req.rid[1:])])
+    assert run_all(eng, prompts[:4], params) == plain
+    assert eng.stats["spec_verify_steps"] == 0

@@ -142,12 +142,12 @@ class Engine:
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
-        """N-gram draft for a decoding request; none for large batches, penalised sampling, or
-        where it would overshoot max_new_tokens."""
+        """N-gram draft for a decoding request; none for large batches, penalised or biased
+        sampling (the verify reads the raw logits), or where it would overshoot max_new_tokens."""
         args = self.args
         p = req.params
-        if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 \
-                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or req.sampling.blocks_stop:
+        if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
+                or p.presence_penalty != 0.0 or p.logit_bias or req.sampling.blocks_stop:
             return []
         if req.drafter is None:
             req.drafter = self.make_drafter(req)

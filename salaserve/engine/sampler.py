@@ -6,7 +6,8 @@ Order of operations, per row (each step only touches the rows that need it):
    divided by the penalty and negative ones multiplied by it;
 2. frequency / presence penalties (OpenAI): `logit -= freq * count + pres * (count > 0)`, counts
    over output tokens only;
-3. min_new_tokens: EOS ids and stop_token_ids get -inf until that many tokens were generated
+3. logit_bias (OpenAI, SGLang): each listed token's bias is added to its logit;
+   min_new_tokens: EOS ids and stop_token_ids get -inf until that many tokens were generated
    (whatever ignore_eos says: ignore_eos is the stop logic's business, not the sampler's);
    -- logprobs are read here: log_softmax of the penalised logits, before temperature and
       filtering (SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1; pass
@@ -73,6 +74,7 @@ class SamplingState:
         self.min_tokens_block = sorted(set(eos_token_ids) | set(params.stop_token_ids or ()))
         self.counts: torch.Tensor | None = None  # [V] float32, output-token counts
         self.seen: torch.Tensor | None = None  # [V] bool, tokens in prompt + output
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values)
         self._generator: torch.Generator | None = None
 
     @property
@@ -108,6 +110,16 @@ class SamplingState:
             ids = torch.tensor(self.prompt_ids + self.output_ids, dtype=torch.long)
             seen[ids[ids < vocab_size]] = True
             self.seen = seen.to(device)
+
+    def bias_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """params.logit_bias as (token ids int64, biases fp32) on `device`, ids inside the vocabulary;
+        built once, so a step does not rebuild them from the map."""
+        if self._bias is None or self._bias[0].device != device:
+            items = [(t, b) for t, b in (self.params.logit_bias or {}).items() if t < vocab_size]
+            ids = torch.tensor([t for t, _ in items], dtype=torch.long)
+            vals = torch.tensor([b for _, b in items], dtype=torch.float32)
+            self._bias = ids.to(device), vals.to(device)
+        return self._bias
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This request's generator, positioned for the current step."""
@@ -274,9 +286,10 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     device, vocab = logits.device, logits.shape[1]
     rep = [i for i, s in enumerate(states) if s.needs_repetition]
     fp = [i for i, s in enumerate(states) if s.needs_freq_presence]
+    bias = [i for i, s in enumerate(states) if s.params.logit_bias]
     block = [(i, t) for i, s in enumerate(states) if s.blocks_stop for t in s.min_tokens_block]
     block = [(i, t) for i, t in block if t < vocab]
-    if not (rep or fp or block):
+    if not (rep or fp or bias or block):
         return logits
     logits = logits.clone()
     for i in rep + fp:
@@ -297,6 +310,12 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
         )
         counts = torch.stack([states[i].counts for i in fp])
         logits[idx] -= coef[:, :1] * counts + coef[:, 1:] * (counts > 0)
+    if bias:  # (row, token) pairs are unique: a row's map has each token once
+        ids, vals = zip(*(states[i].bias_tensors(vocab, device) for i in bias))
+        counts = [t.numel() for t in ids]
+        rows = torch.repeat_interleave(_to_device(bias, torch.long, device), _to_device(counts, torch.long, device),
+                                       output_size=sum(counts))  # (output_size: no host sync)
+        logits[rows, torch.cat(ids)] += torch.cat(vals)
     if block:
         pos = _to_device(block, torch.long, device)
         logits[pos[:, 0], pos[:, 1]] = float("-inf")

@@ -23,6 +23,10 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for frequency/presence penalties
+# logit_bias values: OpenAI documents -100..100, SGLang sets no bound. Accepted up to this
+# magnitude, which keeps a biased fp32 logit finite after division by the smallest sampled
+# temperature (1e-6): 1e9 / 1e-6 = 1e15.
+MAX_ABS_LOGIT_BIAS = 1e9
 
 # SGLang sampling_params keys that salaserve does not implement. A request that sets one of them
 # (to anything but null) is rejected rather than silently served without the constraint.
@@ -32,7 +36,6 @@ UNSUPPORTED_KEYS = {
     "ebnf": "structured output (ebnf) is not supported",
     "structural_tag": "structured output (structural_tag) is not supported",
     "stop_regex": "regex stop conditions (stop_regex) are not supported",
-    "logit_bias": "logit_bias is not supported",
 }
 # SGLang keys that are accepted and ignored: they do not change what is generated.
 IGNORED_KEYS = frozenset({"stream_interval", "custom_params"})
@@ -64,6 +67,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # top alternatives per position, 0..MAX_TOP_LOGPROBS
     n: int = 1
+    # token id -> added to its logit before sampling (OpenAI / SGLang `logit_bias`; JSON gives the
+    # ids as strings, `validate` makes them ints)
+    logit_bias: dict[int, float] | None = None
     # Accepted SGLang keys we do not act on (kept so a request can be echoed back).
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -161,6 +167,8 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**64 - 1)
         self._validate_stop(vocab_size)
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
 
     def _validate_stop(self, vocab_size: int | None) -> None:
         stop = self.stop
@@ -183,6 +191,28 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
             for t in ids:
                 _check_int("stop_token_ids", t, 0, None if vocab_size is None else vocab_size - 1)
+
+
+def _checked_logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float] | None:
+    """logit_bias as {token id: float} (ids may come as JSON strings), or ValueError naming the
+    bad entry; an empty map is no bias (None)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {bias!r}")
+    out: dict[int, float] = {}
+    hi = None if vocab_size is None else vocab_size - 1
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str):
+            text = key.strip()
+            token = int(text) if text.lstrip("+-").isdigit() else None
+        if not _is_int(token):
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}")
+        _check_int("logit_bias token id", token, 0, hi)
+        _check_float(f"logit_bias[{token}]", value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+        if token in out:  # e.g. "5" and "05"
+            raise ValueError(f"logit_bias lists token {token} more than once")
+        out[token] = float(value)
+    return out or None
 
 
 def _is_int(v: Any) -> bool:
