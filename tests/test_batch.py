@@ -118,3 +118,21 @@ def test_page_mirror_skipped_for_slots_it_does_not_cover():
     mirror = PageTableMirror(num_slots=2, max_pages=4)
     work = [SeqWork(state_slot=5, pages=[3, 4], cache_len=70, token_ids=[1], need_logits=True)]
     assert ForwardBatch.build(work, 64, 300, "cpu", pages=mirror).page_table.tolist() == [[3, 4]]
+
+
+def test_decode_graphs_refuse_steps_with_a_row_that_does_not_sample():
+    """A CUDA graph returns every row's logits in order, so a decode-shaped step whose one-token
+    prefill chunk samples nothing must run eagerly (the rows after it would be misread)."""
+    from salaserve.engine.cuda_graph import StepGraphs
+
+    graphs = object.__new__(StepGraphs)  # the rules only: no capture (that needs a GPU)
+    graphs.modes, graphs.widths, graphs.max_bs = ("dense",), {"dense": 64, "sparse": 64}, 8
+    graphs.verify_ns, graphs.verify_sizes = [], []
+
+    def step(*need):
+        work = [SeqWork(state_slot=i, pages=[i], cache_len=5, token_ids=[7], need_logits=n) for i, n in enumerate(need)]
+        return ForwardBatch.build(work, block_size=16, dense_len=1 << 20, device="cpu")
+
+    assert graphs.can_run(step(True, True, True))
+    assert not graphs.can_run(step(True, False, True))  # the middle chunk continues a prefill
+    assert not graphs.can_run(step(*[True] * 9))  # beyond the largest captured batch

@@ -193,6 +193,11 @@ class StepGraphs:
         tokens = self._tokens_per_seq(batch)
         if tokens is None or self._mode(batch, tokens) not in self.modes:
             return False
+        # A graph returns the logits of every row, in order. A one-token chunk that does not
+        # sample (a prefill cut to one token by the budget or the pages) has no logits row in the
+        # batch, and the rows after it would be misread: such steps run eagerly.
+        if batch.logits_indices.shape[0] != batch.num_seqs * tokens:
+            return False
         if tokens == 1:
             return batch.num_seqs <= self.max_bs
         return tokens in self.verify_ns and batch.num_seqs <= (self.verify_sizes[-1] if self.verify_sizes else 0)
