@@ -330,3 +330,71 @@ def test_overlap_schedule_matches_serial_steps(tiny_model_dir):
                 continue
             assert abs(a[0][0] - b[0][0]) <= 1e-5 and [t for t, _ in a[0][1]] == [t for t, _ in b[0][1]]
     assert eng_overlap.stats["generated_tokens"] == eng_serial.stats["generated_tokens"]
+
+
+PROMPT_LP_CASES = [  # (prompt length, logprob_start_len, top_logprobs, max_new_tokens)
+    (1, 0, 0, 2), (7, 0, 3, 0), (60, 3, 0, 2), (150, 0, 2, 3), (140, 139, 0, 1), (30, 40, 0, 2), (200, 100, 4, 0),
+]
+
+
+def run_prompt_logprobs(engine, prompts, more: int = 0):
+    """The cases (and one request without prompt logprobs); `more` new tokens each on top."""
+    for i, (p, (_, start, k, new)) in enumerate(zip(prompts, PROMPT_LP_CASES)):
+        engine.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_new_tokens=new and new + more,
+                                                      ignore_eos=True, logprob_start_len=start, top_logprobs=k))
+    engine.add_request("plain", prompts[3], SamplingParams(temperature=0.0, max_new_tokens=5 + more, ignore_eos=True))
+    return run_to_completion(engine)
+
+
+def test_prompt_logprobs_match_reference(tiny_model_dir, reference):
+    """logprob_start_len (SGLang): the prompt tokens' logprobs from that index on (the first token
+    has none), with top alternatives, computed by chunks capped at prompt_logprob_chunk tokens
+    (across dense_len and block boundaries); max_new_tokens=0 scores the prompt only. Each output
+    carries them once; a request without them in the same steps is unaffected; preemption
+    (recomputation) neither repeats nor loses entries."""
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=48, max_running_requests=8)
+    engine.scheduler.prompt_logprob_chunk = 20
+    rng = random.Random(5)
+    prompts = random_prompts(len(PROMPT_LP_CASES), engine.cfg.vocab_size, rng, [c[0] for c in PROMPT_LP_CASES])
+    outs = run_prompt_logprobs(engine, prompts)
+    for i, (prompt, (L, start, k, new)) in enumerate(zip(prompts, PROMPT_LP_CASES)):
+        got = [o.prompt_logprobs for o in outs[f"p{i}"] if o.prompt_logprobs is not None]
+        assert len(got) == 1, f"case {i}: prompt logprobs sent {len(got)} times"
+        got = got[0]
+        assert [tid for _, tid, _ in got] == prompt[start:]
+        lsm = torch.log_softmax(reference.forward(prompt, reference.new_state()), dim=-1)
+        for j, (lp, tid, top) in zip(range(start, L), got):
+            if j == 0:
+                assert lp is None and top is None
+                continue
+            assert abs(lp - lsm[j - 1, tid].item()) <= LOGIT_TOL, (i, j)
+            if k:
+                want_lp, want_id = lsm[j - 1].topk(k)
+                assert [t for t, _ in top] == want_id.tolist()
+                assert max(abs(v - w) for (_, v), w in zip(top, want_lp.tolist())) <= LOGIT_TOL
+            else:
+                assert top is None
+        assert sum(len(o.new_token_ids) for o in outs[f"p{i}"]) == new
+        assert outs[f"p{i}"][-1].finish_reason == {"type": "length", "length": new}
+    assert [t for o in outs["plain"] for t in o.new_token_ids] == reference_greedy(reference, prompts[3], 5)[0]
+    assert all(o.prompt_logprobs is None for o in outs["plain"])
+    assert engine.resource_counters()["pages_used"] == 0
+
+    # the same with 40 more tokens each, with room for all, then in a pool that forces preemption
+    roomy = make_engine(tiny_model_dir, chunked_prefill_size=48, max_running_requests=8)
+    small = make_engine(tiny_model_dir, chunked_prefill_size=48, max_running_requests=8, max_total_tokens=480)
+    runs = []
+    for eng in (roomy, small):
+        eng.scheduler.prompt_logprob_chunk = 20
+        runs.append({rid: ([t for o in os_ for t in o.new_token_ids],
+                           [o.prompt_logprobs for o in os_ if o.prompt_logprobs is not None])
+                     for rid, os_ in run_prompt_logprobs(eng, prompts, more=40).items()})
+    assert small.scheduler.num_preemptions > 0
+    for rid, (tokens, lps) in runs[0].items():
+        tokens2, lps2 = runs[1][rid]
+        assert tokens2 == tokens and len(lps2) == len(lps) <= 1, rid
+        for a, b in zip(lps[0] if lps else [], lps2[0] if lps2 else []):
+            assert a[1] == b[1] and (a[0] is None) == (b[0] is None), rid
+            assert a[0] is None or abs(a[0] - b[0]) <= LOGIT_TOL, rid
+    c = small.resource_counters()
+    assert c["pages_used"] == 0 and c["slots_used"] == 0 and c["compressed_entries"] == 0

@@ -140,6 +140,9 @@ class SeqWork:
     token_ids: list[int]  # tokens fed this step
     need_logits: bool  # sample after this step (last chunk of a prefill, or decode)
     num_logits: int = 1  # rows at the end of token_ids whose logits are needed (k+1 when verifying)
+    # prompt logprobs: token_ids[lo:hi] also need their logits (each row predicts the next prompt
+    # token); their rows come before the sampled ones, and never overlap them
+    prompt_rows: tuple[int, int] = (0, 0)
     verify: bool = False  # speculative verify: the last sampled token followed by draft tokens
     # verify only: the last pad_tokens of token_ids are filler that makes every sequence of the step
     # verify the same number of tokens (one CUDA graph); they repeat the last real position, store
@@ -213,7 +216,7 @@ class ForwardBatch:
         cu = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         is_decode = all(n == 1 for n in q_lens)
-        if is_decode and not any(w.pad_tokens for w in work):
+        if is_decode and not any(w.pad_tokens or w.prompt_rows[1] > w.prompt_rows[0] for w in work):
             # the common step, without a Python loop per token
             ids = np.fromiter((w.token_ids[0] for w in work), dtype=np.int64, count=B)
             pos = np.array(cache_lens, dtype=np.int64)
@@ -231,6 +234,8 @@ class ForwardBatch:
                         raise ValueError("filler tokens need a pad_slot")
                     pos_l.extend([w.seq_len - 1] * w.pad_tokens)
                     slot_l.extend([pad_slot] * w.pad_tokens)
+                lo, hi = w.prompt_rows
+                rows_l.extend(range(int(cu[i]) + lo, int(cu[i]) + hi))
                 if w.need_logits:
                     rows_l.extend(range(int(cu[i + 1]) - w.num_logits, int(cu[i + 1])))
             ids, pos = np.array(ids_l, dtype=np.int64), np.array(pos_l, dtype=np.int64)

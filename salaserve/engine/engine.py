@@ -19,7 +19,7 @@ import torch
 
 from salaserve.config import EngineArgs
 from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
-from salaserve.engine.runner import ModelRunner, placeholder
+from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows, prompt_only
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import Scheduler
@@ -101,7 +101,11 @@ class Engine:
         req.sampling = SamplingState(params, ids, eos_token_ids=() if params.ignore_eos else self.eos_ids)
         self.requests[rid] = req
         self.stats["prompt_tokens"] += len(ids)
-        if self._max_new_tokens(req) <= 0:  # max_new_tokens=0: nothing to generate
+        if params.wants_prompt_logprobs:
+            start = params.logprob_start_len
+            req.prompt_logprobs = [(None, ids[0], None)] if start == 0 else []
+            req.prompt_lp_next = max(start, 1)
+        if self._max_new_tokens(req) <= 0 and not req.prompt_lp_pending:  # nothing to generate or score
             self._finish(req, length_reason(0))
             self._pending_outputs.append(self._output(req, []))
             return req
@@ -135,10 +139,14 @@ class Engine:
         self.stats["finished"] += 1
 
     def _output(self, req: Request, new_ids: list[int], logprobs=None, num_output: int | None = None) -> StepOutput:
+        prompt_lp = None
+        if req.prompt_logprobs is not None and not req.prompt_lp_sent and not req.prompt_lp_pending:
+            prompt_lp, req.prompt_lp_sent = req.prompt_logprobs, True
         return StepOutput(rid=req.rid, new_token_ids=new_ids, finished=req.status == Status.FINISHED,
                           finish_reason=req.finish_reason, num_prompt=req.num_prompt,
                           num_output=req.num_output if num_output is None else num_output, logprobs=logprobs,
-                          spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted)
+                          spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted,
+                          prompt_logprobs=prompt_lp)
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
@@ -212,8 +220,16 @@ class Engine:
                 verified.append((req, new))
                 commits.append((i, req.state_slot, len(new)))
                 continue
+            lo, hi = prompt_logit_rows(req, req.num_computed, w.num_tokens)
+            if hi > lo:
+                self._record_prompt_logprobs(req, req.num_computed + lo, logits[row:row + hi - lo])
+                row += hi - lo
             self._advance(req, w.num_tokens)
             if req.num_computed == len(req.tokens):
+                if prompt_only(req):  # scored its prompt: nothing to sample
+                    self._finish(req, length_reason(0))
+                    outputs.append(self._output(req, []))
+                    continue
                 sampled.append(req)
                 rows.append(row)
                 row += 1
@@ -241,6 +257,24 @@ class Engine:
                 lp = [(result.logprobs[i], top)]
             outputs.append(self._emit(req, [tok], lp, sampled_already=True))
         return outputs
+
+    def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens first + 1 .. first + len(logits) from the logits of positions
+        first .. (log_softmax of the raw logits: no penalties, no temperature), one host read."""
+        targets = req.tokens[first + 1:first + 1 + logits.shape[0]]
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        tgt = torch.tensor(targets, device=logits.device)
+        parts = [lsm.gather(1, tgt[:, None]).squeeze(1).double()]
+        k = req.params.top_logprobs
+        if k:
+            top_lp, top_id = lsm.topk(k, dim=-1)
+            parts += [top_lp.double().flatten(), top_id.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        n = len(targets)
+        for j, tok in enumerate(targets):
+            top = [(int(flat[n + n * k + j * k + c]), flat[n + j * k + c]) for c in range(k)] if k else None
+            req.prompt_logprobs.append((flat[j], tok, top))
+        req.prompt_lp_next = first + 1 + n
 
     # ---- overlap scheduling ------------------------------------------------------------------
     def _can_defer(self, req: Request) -> bool:

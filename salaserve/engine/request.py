@@ -39,6 +39,12 @@ class Request:
     spec_verify_ct: int = 0  # verify steps run for this request
     spec_accepted: int = 0  # draft tokens accepted over them
     first_token_time: float | None = None
+    # Prompt logprobs (params.logprob_start_len >= 0): per prompt token from that index on,
+    # (logprob or None for the first token, token id, [(id, logprob), ...] or None); filled by
+    # the prefill chunks, which compute the logprobs of prompt tokens from prompt_lp_next on.
+    prompt_logprobs: list | None = None
+    prompt_lp_next: int = 0
+    prompt_lp_sent: bool = False
 
     def __post_init__(self):
         if not self.tokens:
@@ -62,6 +68,11 @@ class Request:
         return len(self.tokens) - self.num_computed
 
     @property
+    def prompt_lp_pending(self) -> bool:
+        """Prompt tokens whose logprobs are still to be computed."""
+        return self.prompt_logprobs is not None and self.prompt_lp_next < self.num_prompt
+
+    @property
     def is_decoding(self) -> bool:
         return self.num_pending == 1 and self.num_output > 0
 
@@ -80,6 +91,8 @@ class StepOutput:
     num_prompt: int
     num_output: int
     logprobs: list | None = None  # per new token: (logprob, [(id, logprob), ...] or None)
+    # the request's prompt logprobs (Request.prompt_logprobs), once, in its first output after them
+    prompt_logprobs: list | None = None
     spec_verify_ct: int = 0  # cumulative speculative verify steps of the request
     spec_accepted: int = 0  # cumulative accepted draft tokens
 

@@ -186,7 +186,8 @@ class ModelRunner:
                 continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
-                                need_logits=start + w.num_tokens == len(r.tokens)))
+                                need_logits=start + w.num_tokens == len(r.tokens) and not prompt_only(r),
+                                prompt_rows=prompt_logit_rows(r, start, w.num_tokens)))
         sc = self.cfg.sparse
         padded = any(s.pad_tokens for s in seqs)
         pad_slot = self._scratch()[0] * sc.block_size if padded else None
@@ -196,7 +197,8 @@ class ModelRunner:
 
     def forward(self, work: list[ScheduledWork], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order
-        (filler rows of a padded verify step dropped). prev_tokens: the token ids the previous
+        (filler rows of a padded verify step dropped); a request's prompt-logprob rows
+        (`prompt_logit_rows`) come before its sampled row. prev_tokens: the token ids the previous
         step sampled, still on the device (overlap scheduling): a request's token id -1 - i in
         `work` stands for prev_tokens[i]."""
         batch = self.build_batch(work)
@@ -220,3 +222,19 @@ class ModelRunner:
         verified sequences by their accepted tokens. commits: (index in the step's work, state
         slot, number of tokens)."""
         self.model.ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
+
+
+def prompt_only(req) -> bool:
+    """A request that only scores its prompt (max_new_tokens=0 with prompt logprobs): its last
+    chunk samples nothing."""
+    return req.params.max_new_tokens == 0
+
+
+def prompt_logit_rows(req, start: int, n: int) -> tuple[int, int]:
+    """Offsets [lo, hi) in a chunk of n tokens from position start whose logits give prompt
+    logprobs: position p predicts prompt token p + 1, for the tokens from req.prompt_lp_next on."""
+    if not req.prompt_lp_pending:
+        return 0, 0
+    lo = max(start, req.prompt_lp_next - 1)
+    hi = min(start + n, req.num_prompt - 1)
+    return (lo - start, hi - start) if hi > lo else (0, 0)

@@ -66,6 +66,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0  # top alternatives per position, 0..MAX_TOP_LOGPROBS
+    # SGLang's logprob_start_len: >= 0 also returns the logprobs of the prompt tokens from this
+    # index on (the first prompt token has none); -1: none
+    logprob_start_len: int = -1
     n: int = 1
     # token id -> added to its logit before sampling (OpenAI / SGLang `logit_bias`; JSON gives the
     # ids as strings, `validate` makes them ints)
@@ -89,6 +92,10 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
 
     # --- parsing -----------------------------------------------------------------------
 
@@ -163,6 +170,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        _check_int("logprob_start_len", self.logprob_start_len, -1)
         _check_int("n", self.n, 1, MAX_N)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**64 - 1)

@@ -19,6 +19,11 @@ from salaserve.cache.state import StatePool
 from salaserve.engine.request import Request, Status
 
 
+# Tokens per prefill chunk while a request's prompt logprobs are computed: each needs a logits
+# row (73448 fp32 values for the real vocabulary, ~0.3 GB per 1024 tokens).
+PROMPT_LOGPROB_CHUNK = 1024
+
+
 @dataclass
 class ScheduledWork:
     req: Request
@@ -35,6 +40,7 @@ class Scheduler:
         self.block_size = kv.block_size
         self.max_running = max_running_requests
         self.budget = chunked_prefill_size
+        self.prompt_logprob_chunk = PROMPT_LOGPROB_CHUNK
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order; the last is the newest
         self.num_preemptions = 0
@@ -122,7 +128,7 @@ class Scheduler:
         for req in self.running:
             if req.is_decoding or budget <= 0:
                 continue
-            n = self._fit(req, min(req.num_pending, budget))
+            n = self._fit(req, min(req.num_pending, budget, self._chunk_cap(req)))
             if n > 0:
                 work.append(ScheduledWork(req, n))
                 budget -= n
@@ -133,7 +139,7 @@ class Scheduler:
             # keep one page per running decode in reserve so admission does not force preemption
             reserve = sum(1 for r in self.running if r.is_decoding)
             room = (self.kv.allocator.num_free - reserve) * self.block_size
-            n = min(req.num_pending, budget, room)
+            n = min(req.num_pending, budget, room, self._chunk_cap(req))
             if n <= 0:
                 break
             self.waiting.pop(0)
@@ -157,6 +163,11 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _chunk_cap(self, req: Request) -> int:
+        """Chunks that compute prompt logprobs hold a logits row per token ([tokens, vocab] fp32):
+        at most prompt_logprob_chunk tokens while any are left."""
+        return self.prompt_logprob_chunk if req.prompt_lp_pending else 1 << 62
 
     def _fit(self, req: Request, n: int) -> int:
         """Grow req's pages for up to n more tokens; returns how many fit (0 = none now)."""
