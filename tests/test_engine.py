@@ -222,6 +222,14 @@ def test_llm_sampling_behaviours(llm):
     assert llm.engine.resource_counters()["pages_used"] == 0
 
 
+def test_llm_prompt_logprobs(llm):
+    """The offline API returns the prompt logprobs too; max_new_tokens=0 scores the prompt only."""
+    out = llm.generate("one two three", SamplingParams(max_new_tokens=0, logprob_start_len=1, top_logprobs=1))[0]
+    ids = out.prompt_token_ids
+    assert out.token_ids == [] and [tid for _, tid, _ in out.prompt_logprobs] == ids[1:]
+    assert all(lp <= 0 and len(top) == 1 and top[0][1] >= lp for lp, _, top in out.prompt_logprobs)
+
+
 def test_llm_eos_and_ignore_eos(llm):
     eos = llm.config.eos_token_ids[0]
     # make EOS likely by banning nothing but asking many tokens; then check ignore_eos semantics

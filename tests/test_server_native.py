@@ -235,3 +235,31 @@ def test_logit_bias(client):
     assert not set(banned) & set(plain)
     r = client.post("/generate", json={"text": "x", "sampling_params": {"logit_bias": {"not-a-token": 1}}})
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
+
+
+def test_prompt_logprobs(client, tokenizer):
+    """return_logprob with logprob_start_len: the prompt tokens' logprobs from that index (the
+    first token has none); max_new_tokens=0 scores the prompt only. A prompt token's logprob equals
+    the output logprob of the same token generated after the same prefix."""
+    ids = tokenizer("The quick brown fox jumps over").input_ids
+    gen = generate(client, input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 1, "ignore_eos": True},
+                   return_logprob=True)
+    (lp_out, tok, _), = gen["meta_info"]["output_token_logprobs"]
+    full = ids + [tok]
+    scored = generate(client, input_ids=full, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                      logprob_start_len=0, top_logprobs_num=2, return_text_in_logprobs=True)
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+    inp = meta["input_token_logprobs"]
+    assert [tid for _, tid, _ in inp] == full and inp[0][0] is None and meta["input_top_logprobs"][0] is None
+    assert all(lp <= 0 for lp, _, _ in inp[1:]) and all(isinstance(t, str) for _, _, t in inp)
+    assert abs(inp[-1][0] - lp_out) <= 1e-4
+    assert all(len(top) == 2 and top[0][0] >= top[1][0] and top[0][0] >= lp for top, (lp, _, _) in
+               zip(meta["input_top_logprobs"][1:], inp[1:]))
+    tail = generate(client, input_ids=full, sampling_params={"temperature": 0, "max_new_tokens": 2}, return_logprob=True,
+                    logprob_start_len=len(full) - 2)["meta_info"]
+    assert [tid for _, tid, _ in tail["input_token_logprobs"]] == full[-2:]
+    assert max(abs(a[0] - b[0]) for a, b in zip(tail["input_token_logprobs"], inp[-2:])) <= 1e-4
+    assert len(tail["output_token_logprobs"]) == 2
+    r = client.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": -2})
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]

@@ -119,11 +119,30 @@ def test_completions(oai, model, tokenizer):
     lp = oai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
                                 echo=True, extra_body={"ignore_eos": True})
     assert lp.choices[0].text.startswith(prompt)
-    assert len(lp.choices[0].logprobs.token_logprobs) == 3 and len(lp.choices[0].logprobs.top_logprobs[0]) == 2
+    n_prompt = len(tokenizer(prompt).input_ids)  # echo: the prompt's tokens first (BOS included)
+    assert len(lp.choices[0].logprobs.token_logprobs) == n_prompt + 3
+    assert lp.choices[0].logprobs.top_logprobs[0] is None and len(lp.choices[0].logprobs.top_logprobs[-1]) == 2
+    offsets = lp.choices[0].logprobs.text_offset  # into the returned text, which starts with the prompt
+    assert offsets == sorted(offsets) and offsets[n_prompt] == len(prompt)
+    assert all(lp.choices[0].text[o:].startswith(t) for o, t in zip(offsets[1:], lp.choices[0].logprobs.tokens[1:]))
 
     ids = oai.completions.create(model=model, prompt=tokenizer(prompt).input_ids, max_tokens=10, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert ids.choices[0].text == text
+
+    # echo + logprobs (how evaluation harnesses score a continuation): the prompt tokens' logprobs
+    # first, the first one null, then the completion's
+    ctx = tokenizer(prompt).input_ids
+    scored = oai.completions.create(model=model, prompt=ctx, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lps = scored.choices[0].logprobs
+    assert len(lps.token_logprobs) == len(lps.tokens) == len(lps.top_logprobs) == len(ctx) + 1
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert all(v <= 0 for v in lps.token_logprobs[1:]) and all(len(t) == 1 for t in lps.top_logprobs[1:])
+    assert scored.choices[0].text.startswith(tokenizer.decode(ctx, skip_special_tokens=True))
+    streamed = list(oai.completions.create(model=model, prompt=ctx, max_tokens=1, temperature=0, logprobs=1,
+                                           echo=True, stream=True))
+    chunk_lps = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [v for c in chunk_lps for v in c.token_logprobs] == lps.token_logprobs
 
     # logit_bias: token ids as strings, OpenAI's -100..100; +100 on one token makes it the greedy choice
     favoured = tokenizer(" banana", add_special_tokens=False).input_ids[0]

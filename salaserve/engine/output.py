@@ -25,6 +25,8 @@ class GenerationOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list | None = None  # per token: (logprob, [(id, logprob), ...] or None)
+    # params.logprob_start_len >= 0: per prompt token from there, (logprob or None, id, top or None)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -52,6 +54,7 @@ class RequestStream:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
         self.finished = False
         self.finish_reason: dict | None = None
 
@@ -63,6 +66,8 @@ class RequestStream:
         self.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         text = self.detok.add(out.new_token_ids)
         if out.finished:
             text += self.detok.flush()
@@ -84,4 +89,4 @@ class RequestStream:
         return GenerationOutput(rid=rid, prompt_token_ids=self.prompt_ids, token_ids=list(self.token_ids),
                                 text=self.text, finish_reason=self.finish_reason,
                                 prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.token_ids),
-                                logprobs=self.logprobs or None)
+                                logprobs=self.logprobs or None, prompt_logprobs=self.prompt_logprobs)

@@ -35,6 +35,7 @@ class GenerateItem:
     return_logprob: bool
     top_logprobs_num: int
     priority: int
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this token on (-1: none)
 
 
 @dataclass
@@ -138,14 +139,14 @@ def parse_generate_request(body: Any) -> GenerateRequest:
             raise bad(f"return_logprob: must be a boolean, got {logprob[i]!r}", "return_logprob")
         if not _is_int(top_num[i]) or top_num[i] < 0:
             raise bad(f"top_logprobs_num: must be a non-negative integer, got {top_num[i]!r}", "top_logprobs_num")
-        if not _is_int(start_len[i]):
-            raise bad(f"logprob_start_len: must be an integer, got {start_len[i]!r}", "logprob_start_len")
-        if logprob[i] and start_len[i] >= 0:
-            raise bad("logprob_start_len: prompt logprobs are not supported; use -1", "logprob_start_len")
+        if start_len[i] is None:
+            start_len[i] = -1
+        if not _is_int(start_len[i]) or start_len[i] < -1:
+            raise bad(f"logprob_start_len: must be an integer >= -1, got {start_len[i]!r}", "logprob_start_len")
         items.append(GenerateItem(
             text=prompts[i] if kind == "text" else None, input_ids=prompts[i] if kind == "input_ids" else None,
             sampling_params=sampling[i], rid=rids[i], return_logprob=logprob[i], top_logprobs_num=top_num[i],
-            priority=priority))
+            priority=priority, logprob_start_len=start_len[i]))
     if len({it.rid for it in items if it.rid is not None}) < sum(it.rid is not None for it in items):
         raise bad("rid: the rids of a batch must be distinct", "rid")
     return GenerateRequest(items=items, is_batch=is_batch, stream=stream, return_text_in_logprobs=bool(text_in_lp))

@@ -56,6 +56,8 @@ class Sequence:
         self.in_engine = False  # accepted by the engine (so ours to cancel)
         self.spec_verify_ct = 0  # speculative decoding counters, cumulative (from the engine)
         self.spec_accepted = 0
+        # (logprob or None, token id, top list or None) per prompt token from logprob_start_len on
+        self.prompt_logprobs: list | None = None
 
     # ---- state ---------------------------------------------------------------------------------
     @property
@@ -105,6 +107,8 @@ class Sequence:
         if self.finished:
             return False
         delta = self.stream.process(out)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.spec_verify_ct:
             self.spec_verify_ct, self.spec_accepted = out.spec_verify_ct, out.spec_accepted
         n = len(out.new_token_ids)

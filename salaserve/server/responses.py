@@ -27,13 +27,15 @@ def meta_info(seq: Sequence, return_logprob: bool = False, top_logprobs_num: int
         "cached_tokens": 0,
     }
     if return_logprob:
-        def entry(lp, tid):
-            return [finite(lp), tid, token_text(tid) if token_text else None]
+        def entry(lp, tid):  # (the first prompt token's logprob is None, as SGLang's)
+            return [None if lp is None else finite(lp), tid, token_text(tid) if token_text else None]
 
-        m["input_token_logprobs"] = []
+        prompt = seq.prompt_logprobs or []
+        m["input_token_logprobs"] = [entry(lp, tid) for lp, tid, _ in prompt]
         m["output_token_logprobs"] = [entry(lp, tid) for (lp, _), tid in zip(seq.logprobs, seq.token_ids)]
         if top_logprobs_num > 0:
-            m["input_top_logprobs"] = []
+            m["input_top_logprobs"] = [None if top is None else [entry(lp, tid) for tid, lp in top]
+                                       for _, _, top in prompt]
             m["output_top_logprobs"] = [[entry(lp, tid) for tid, lp in (top or [])] for _, top in seq.logprobs]
     verify_ct = getattr(seq, "spec_verify_ct", 0)
     if verify_ct:  # speculative decoding: verify steps and tokens emitted per verify
@@ -90,6 +92,28 @@ def completion_logprobs(pairs: list, token_ids: list[int], token_text, offset: i
         "tokens": tokens,
         "top_logprobs": [{token_text(t): finite(v) for t, v in (top or [])} for _, top in pairs],
     }
+
+
+def prompt_completion_logprobs(prompt: list, token_text, end: int) -> dict:
+    """The /v1/completions `logprobs` object for an echoed prompt (Sequence.prompt_logprobs, from
+    its first token) whose text is `end` characters long: the first token has no logprob (null), as
+    OpenAI's legacy API. Offsets count back from the end of the echoed text, so that a leading
+    special token the text does not show (BOS) sits at 0."""
+    ids = [tid for _, tid, _ in prompt]
+    out = completion_logprobs([(0.0, None)] * len(ids), ids, token_text)
+    suffix = 0
+    for i in reversed(range(len(ids))):
+        suffix += len(out["tokens"][i])
+        out["text_offset"][i] = max(0, end - suffix)
+    out["token_logprobs"] = [None if lp is None else finite(lp) for lp, _, _ in prompt]
+    out["top_logprobs"] = [None if lp is None else {token_text(t): finite(v) for t, v in (top or [])}
+                           for lp, _, top in prompt]
+    return out
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two /v1/completions `logprobs` objects, one after the other (echoed prompt, completion)."""
+    return {k: first[k] + then[k] for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
 
 
 def chat_logprobs(pairs: list, token_ids: list[int], token_text) -> dict:

@@ -47,6 +47,7 @@ async def generate(request: Request):
         params = state.sampling_params(item.sampling_params)
         if item.return_logprob:
             params.logprobs, params.top_logprobs = True, item.top_logprobs_num
+            params.logprob_start_len = item.logprob_start_len
             try:
                 params.validate()
             except ValueError as e:

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from salaserve.server.generation import RequestGroup, run_unless_disconnected
 from salaserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, openai_error_body, parse_model, read_json)
-from salaserve.server.responses import (chat_logprobs, completion_logprobs, group_usage, matched_stop,
-                                        openai_finish_reason)
+from salaserve.server.responses import (chat_logprobs, completion_logprobs, group_usage, joined_logprobs,
+                                        matched_stop, openai_finish_reason, prompt_completion_logprobs)
 from salaserve.server.routes_native import server_state
 from salaserve.server.sse import DONE, EventStreamResponse, event
 from salaserve.server.state import ServerState
@@ -131,6 +131,8 @@ async def completions(request: Request):
                                                                        state.context_length)))
     if req.logprobs is not None:
         base = with_logprobs(state, base, req.logprobs, "logprobs")
+        if req.echo:  # the echoed prompt's tokens come with their logprobs too
+            base.logprob_start_len = 0
     group = state.new_group()
     echo = []
     for prompt in prompts:
@@ -142,8 +144,13 @@ async def completions(request: Request):
     head = response_head("text_completion", req.model, state)
     token_text = state.tokenization.token_text
 
-    def logprobs_of(seq, pairs, ids, offset):
-        return completion_logprobs(pairs, ids, token_text, offset) if req.logprobs is not None else None
+    def logprobs_of(seq, pairs, ids, offset, with_prompt=False):
+        if req.logprobs is None:
+            return None
+        out = completion_logprobs(pairs, ids, token_text, offset)
+        if with_prompt and seq.prompt_logprobs is not None:
+            out = joined_logprobs(prompt_completion_logprobs(seq.prompt_logprobs, token_text, offset), out)
+        return out
 
     if req.stream:
         return EventStreamResponse(_completion_stream(state, group, req, head, echo, logprobs_of))
@@ -151,7 +158,7 @@ async def completions(request: Request):
     if seqs is None:
         return Response(status_code=499)
     choices = [{"index": s.index, "text": echo[s.index] + s.text,
-                "logprobs": logprobs_of(s, s.logprobs, s.token_ids, len(echo[s.index])),
+                "logprobs": logprobs_of(s, s.logprobs, s.token_ids, len(echo[s.index]), with_prompt=req.echo),
                 "finish_reason": openai_finish_reason(s), "matched_stop": matched_stop(s)} for s in seqs]
     return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs),
                          "metadata": {"weight_version": "default"}})
@@ -169,12 +176,15 @@ def _completion_stream(state, group, req, head, echo, logprobs_of):
                     yield event({"error": openai_error_body(500, seq.error)})
                     continue
                 text = u.text
-                if echo[u.index] and sent[u.index] == 0:
+                first = echo[u.index] and sent[u.index] == 0
+                if first:
                     text = echo[u.index] + text
                 if not text and not u.finished and not (req.logprobs is not None and u.token_ids):
                     continue
+                # (the echoed prompt's logprobs go with the first chunk, as its text does)
+                offset = len(echo[u.index]) if first else sent[u.index]
                 choice = {"index": u.index, "text": text,
-                          "logprobs": logprobs_of(seq, u.logprobs, u.token_ids, sent[u.index]),
+                          "logprobs": logprobs_of(seq, u.logprobs, u.token_ids, offset, with_prompt=first),
                           "finish_reason": openai_finish_reason(seq), "matched_stop": matched_stop(seq)}
                 sent[u.index] += len(text)
                 yield event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
