@@ -92,6 +92,29 @@ def test_engine_matches_reference(engine, reference, prompt_len, new_tokens):
     assert top1 >= TOP1
 
 
+def test_prompt_logprobs_match_reference(engine, reference):
+    """logprob_start_len=0, max_new_tokens=0 on a 9000-token prompt: the prompt is scored in chunks
+    of at most 1024 tokens (dense, then sparse past dense_len), against the reference's logits of
+    the whole prompt."""
+    from salaserve.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, engine.cfg.vocab_size - 8, (9000,), generator=g).tolist()
+    engine.add_request("score", prompt, SamplingParams(max_new_tokens=0, logprob_start_len=0, top_logprobs=1))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    (got,) = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert [t for _, t, _ in got] == prompt and got[0][0] is None
+    lsm = torch.log_softmax(reference.forward(prompt, reference.new_state()).float(), dim=-1)[:-1]
+    want = lsm.gather(1, torch.tensor(prompt[1:], device=lsm.device)[:, None]).squeeze(1).cpu()
+    have = torch.tensor([lp for lp, _, _ in got[1:]])
+    rel = ((have - want).norm() / want.norm()).item()
+    top1 = (torch.tensor([top[0][0] for _, _, top in got[1:]]) == lsm.argmax(-1).cpu()).float().mean().item()
+    print(f"prompt logprobs over 9000 tokens: rel err {rel:.4f}, top-1 agreement {top1:.3f}")
+    assert torch.isfinite(have).all() and rel < REL_ERR and top1 >= TOP1
+
+
 def test_chunked_prefill_equals_one_shot(full_dir, engine):
     from salaserve.engine.engine import Engine
 
