@@ -403,3 +403,8 @@ def test_cuda_matches_cpu_semantics():
     assert out.token_ids[0] == logits[0].argmax().item()
     alone = Sampler().sample(logits[1:2], [SamplingState(P(seed=1, top_k=20))]).token_ids[0]
     assert out.token_ids[1] == alone
+    # logit_bias on the device, with the on-device (overlap) path too
+    cold = int(logits[0].argmin())
+    biased = [SamplingState(P(temperature=0, logit_bias={cold: 1e3})), SamplingState(P(temperature=0))]
+    assert Sampler().sample(logits[:2], biased).token_ids == [cold, int(logits[1].argmax())]
+    assert Sampler().sample_on_device(logits[:2], biased).tolist() == [cold, int(logits[1].argmax())]
