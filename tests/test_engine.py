@@ -178,9 +178,15 @@ def test_max_new_tokens_zero_and_context_cap(tiny_model_dir):
     engine = make_engine(tiny_model_dir, context_length=40)
     engine.add_request("zero", [5, 6], SamplingParams(max_new_tokens=0))
     engine.add_request("capped", [5] * 30, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True))
+    # scored only: a prompt up to the context length, with its prompt logprobs from index 37
+    engine.add_request("full", [5] * 39, SamplingParams(max_new_tokens=0, logprob_start_len=37))
     outs = run_to_completion(engine)
     assert outs["zero"][-1].finish_reason == {"type": "length", "length": 0}
     assert sum(len(o.new_token_ids) for o in outs["capped"]) == 10
+    assert sum(len(o.new_token_ids) for o in outs["full"]) == 0
+    assert outs["full"][-1].finish_reason == {"type": "length", "length": 0}
+    assert [t for _, t, _ in outs["full"][-1].prompt_logprobs] == [5, 5]
+    assert engine.resource_counters()["pages_used"] == 0
 
 
 @pytest.fixture(scope="module")

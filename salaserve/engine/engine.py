@@ -105,10 +105,12 @@ class Engine:
             start = params.logprob_start_len
             req.prompt_logprobs = [(None, ids[0], None)] if start == 0 else []
             req.prompt_lp_next = max(start, 1)
-        if self._max_new_tokens(req) <= 0 and not req.prompt_lp_pending:  # nothing to generate or score
-            self._finish(req, length_reason(0))
-            self._pending_outputs.append(self._output(req, []))
-            return req
+        if self._max_new_tokens(req) <= 0:  # nothing to generate: score the prompt, or end here
+            req.score_only = True
+            if not req.prompt_lp_pending:
+                self._finish(req, length_reason(0))
+                self._pending_outputs.append(self._output(req, []))
+                return req
         self.scheduler.add(req)
         return req
 

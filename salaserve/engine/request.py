@@ -45,6 +45,7 @@ class Request:
     prompt_logprobs: list | None = None
     prompt_lp_next: int = 0
     prompt_lp_sent: bool = False
+    score_only: bool = False  # nothing to generate (max_new_tokens 0, or no room): the prompt is only scored
 
     def __post_init__(self):
         if not self.tokens:

@@ -225,9 +225,9 @@ class ModelRunner:
 
 
 def prompt_only(req) -> bool:
-    """A request that only scores its prompt (max_new_tokens=0 with prompt logprobs): its last
+    """A request that only scores its prompt (prompt logprobs with nothing to generate): its last
     chunk samples nothing."""
-    return req.params.max_new_tokens == 0
+    return req.score_only
 
 
 def prompt_logit_rows(req, start: int, n: int) -> tuple[int, int]:
