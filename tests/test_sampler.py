@@ -359,9 +359,14 @@ def test_from_dict_keys():
     assert P.from_dict(None) == P()
     with pytest.raises(ValueError, match="bogus.*typo"):
         P.from_dict({"typo": 1, "bogus": 2})
-    for key in ("json_schema", "regex", "ebnf"):
+    for key in ("structural_tag", "stop_regex"):
         with pytest.raises(ValueError, match=rf"{key}.*not supported"):
             P.from_dict({key: "x"})
+    assert P.from_dict({"regex": "a+", "json_schema": None}).regex == "a+"
+    with pytest.raises(ValueError, match="set one of"):
+        P.from_dict({"regex": "a+", "ebnf": 'root ::= "a"'})
+    with pytest.raises(ValueError, match="json_schema: must be a non-empty string"):
+        P.from_dict({"json_schema": {"type": "object"}})
     with pytest.raises(ValueError, match="sampling_seed"):
         P.from_dict({"seed": 1, "sampling_seed": 2})
 

@@ -263,3 +263,16 @@ def test_prompt_logprobs(client, tokenizer):
     assert len(tail["output_token_logprobs"]) == 2
     r = client.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": -2})
     assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+
+
+def test_structured_output(client):
+    """SGLang's sampling_params json_schema / regex; a bad one is a 400 naming the field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = generate(client, text="Answer:", sampling_params={"temperature": 0.7, "max_new_tokens": 40,
+                                                            "json_schema": json.dumps(schema)})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop" and isinstance(json.loads(out["text"])["ok"], bool)
+    out = generate(client, text="Code:", sampling_params={"temperature": 0, "max_new_tokens": 40, "regex": "[A-Z]{3}"})
+    assert len(out["text"]) == 3 and out["text"].isupper()
+    r = client.post("/generate", json={"text": "x", "sampling_params": {"regex": "(oops"}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("sampling_params.regex: ")

@@ -152,6 +152,28 @@ def test_completions(oai, model, tokenizer):
     assert biased.usage.completion_tokens == 3
 
 
+def test_response_format(oai, model):
+    """OpenAI's response_format: json_schema and json_object constrain the chat output to JSON."""
+    import json
+
+    schema = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "blue"]},
+                                                          "maxItems": 3}}, "required": ["colors"],
+              "additionalProperties": False}
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, temperature=0.8,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "colors", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) == {"colors"}
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=200, temperature=0,
+                                    response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":  # (an object may not close within max_tokens)
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, response_format={"type": "xml"})
+
+
 def test_errors_reach_the_client(oai, model):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=[], max_tokens=4)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from salaserve.config import EngineArgs
+from salaserve.engine.grammar import GrammarCompiler
 from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
 from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows, prompt_only
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history
@@ -56,6 +57,7 @@ class Engine:
         self.sampler = Sampler(seed=args.seed)
         self.context_length = args.context_length or self.cfg.max_position_embeddings
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
+        self.grammars = GrammarCompiler(self.model_dir, self.cfg.vocab_size, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[StepOutput] = []  # produced outside step() (e.g. max_new_tokens=0)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0,
@@ -98,7 +100,9 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         req = Request(rid=rid, prompt_ids=ids, params=params, priority=priority)
-        req.sampling = SamplingState(params, ids, eos_token_ids=() if params.ignore_eos else self.eos_ids)
+        sampling = SamplingState(params, ids, eos_token_ids=() if params.ignore_eos else self.eos_ids)
+        sampling.grammar = self.grammars.matcher(params)  # (compiled here: a bad grammar is a ValueError)
+        req.sampling = sampling
         self.requests[rid] = req
         self.stats["prompt_tokens"] += len(ids)
         if params.wants_prompt_logprobs:
@@ -157,7 +161,7 @@ class Engine:
         args = self.args
         p = req.params
         if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
-                or p.presence_penalty != 0.0 or p.logit_bias or req.sampling.blocks_stop:
+                or p.presence_penalty != 0.0 or p.logit_bias or req.sampling.blocks_stop or req.sampling.grammar:
             return []
         if req.drafter is None:
             req.drafter = self.make_drafter(req)
@@ -358,6 +362,9 @@ class Engine:
         """n: the request's output length with tok (default: as its tokens say)."""
         p = req.params
         n = req.num_output if n is None else n
+        grammar = req.sampling.grammar
+        if grammar is not None and grammar.is_terminated():  # the constrained output is complete
+            return stop_reason(tok)
         if not p.ignore_eos and n >= p.min_new_tokens:
             if tok in self.eos_ids or (p.stop_token_ids and tok in p.stop_token_ids):
                 return stop_reason(tok)

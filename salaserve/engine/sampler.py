@@ -7,6 +7,7 @@ Order of operations, per row (each step only touches the rows that need it):
 2. frequency / presence penalties (OpenAI): `logit -= freq * count + pres * (count > 0)`, counts
    over output tokens only;
 3. logit_bias (OpenAI, SGLang): each listed token's bias is added to its logit;
+   structured output: tokens the request's grammar does not allow next get -inf;
    min_new_tokens: EOS ids and stop_token_ids get -inf until that many tokens were generated
    (whatever ignore_eos says: ignore_eos is the stop logic's business, not the sampler's);
    -- logprobs are read here: log_softmax of the penalised logits, before temperature and
@@ -76,6 +77,7 @@ class SamplingState:
         self.seen: torch.Tensor | None = None  # [V] bool, tokens in prompt + output
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values)
         self._generator: torch.Generator | None = None
+        self.grammar = None  # structured output: the request's xgrammar matcher (engine/grammar.py)
 
     @property
     def num_generated(self) -> int:
@@ -95,6 +97,8 @@ class SamplingState:
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.is_terminated():
+            self.grammar.accept_token(token_id)
         if self.counts is not None:
             self.counts[token_id] += 1
         if self.seen is not None:
@@ -278,7 +282,7 @@ def needs_history(state: SamplingState) -> bool:
     the min_new_tokens mask) or returns logprobs: such rows are sampled with the host in step."""
     p = state.params
     return (state.needs_freq_presence or state.needs_repetition or p.seed is not None or p.wants_logprobs
-            or p.min_new_tokens > 0)
+            or p.min_new_tokens > 0 or state.grammar is not None)
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -289,7 +293,8 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     bias = [i for i, s in enumerate(states) if s.params.logit_bias]
     block = [(i, t) for i, s in enumerate(states) if s.blocks_stop for t in s.min_tokens_block]
     block = [(i, t) for i, t in block if t < vocab]
-    if not (rep or fp or bias or block):
+    grammar = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.is_terminated()]
+    if not (rep or fp or bias or block or grammar):
         return logits
     logits = logits.clone()
     for i in rep + fp:
@@ -319,6 +324,10 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     if block:
         pos = _to_device(block, torch.long, device)
         logits[pos[:, 0], pos[:, 1]] = float("-inf")
+    if grammar:
+        from salaserve.engine.grammar import apply_grammar_masks
+
+        apply_grammar_masks(logits, grammar, [states[i].grammar for i in grammar])
     return logits
 
 

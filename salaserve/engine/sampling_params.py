@@ -31,9 +31,6 @@ MAX_ABS_LOGIT_BIAS = 1e9
 # SGLang sampling_params keys that salaserve does not implement. A request that sets one of them
 # (to anything but null) is rejected rather than silently served without the constraint.
 UNSUPPORTED_KEYS = {
-    "json_schema": "structured output (json_schema) is not supported",
-    "regex": "structured output (regex) is not supported",
-    "ebnf": "structured output (ebnf) is not supported",
     "structural_tag": "structured output (structural_tag) is not supported",
     "stop_regex": "regex stop conditions (stop_regex) are not supported",
 }
@@ -73,6 +70,11 @@ class SamplingParams:
     # token id -> added to its logit before sampling (OpenAI / SGLang `logit_bias`; JSON gives the
     # ids as strings, `validate` makes them ints)
     logit_bias: dict[int, float] | None = None
+    # structured output (engine/grammar.py): at most one of a JSON schema (as a JSON string), a
+    # regular expression, an EBNF grammar (xgrammar's dialect, root rule `root`)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # Accepted SGLang keys we do not act on (kept so a request can be echoed back).
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -177,6 +179,9 @@ class SamplingParams:
         self._validate_stop(vocab_size)
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
+        from salaserve.engine.grammar import grammar_spec
+
+        grammar_spec(self)  # types and exclusivity; the engine compiles it
 
     def _validate_stop(self, vocab_size: int | None) -> None:
         stop = self.stop

@@ -9,6 +9,7 @@ Chat prompts are rendered with the model's chat template and tokenized without s
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -59,7 +60,34 @@ def sampling_dict(req, max_new_tokens: int | None) -> dict:
          "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
          "logit_bias": req.logit_bias or None}
     d.update({k: getattr(req, k) for k in SAMPLING_FIELDS if getattr(req, k) is not None})
+    # structured output: OpenAI's response_format, or SGLang's own json_schema / regex / ebnf fields
+    extra = req.model_extra or {}
+    d.update({k: extra[k] for k in ("json_schema", "regex", "ebnf") if extra.get(k) is not None})
+    schema = response_format_schema(getattr(req, "response_format", None) or extra.get("response_format"))
+    if schema is not None:
+        if "json_schema" in d or "regex" in d or "ebnf" in d:
+            raise ApiError(400, "response_format: give it or json_schema / regex / ebnf, not both", "response_format")
+        d["json_schema"] = schema
     return d
+
+
+def response_format_schema(fmt) -> str | None:
+    """The JSON schema (as a string) that OpenAI's response_format asks for, or None for text."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema: must be a JSON schema object", "response_format")
+        return json.dumps(schema)
+    raise ApiError(400, f"response_format {kind!r} is not supported (text, json_object, json_schema)",
+                   "response_format")
 
 
 def checked_max_tokens(value: int | None, name: str, context_length: int) -> int | None:
@@ -235,9 +263,6 @@ async def chat_completions(request: Request):
     state = server_state(request)
     state.require_ready()
     req: ChatCompletionRequest = parse_model(ChatCompletionRequest, await read_json(request, openai=True))
-    fmt = (req.response_format or {}).get("type")
-    if fmt not in (None, "text"):
-        raise ApiError(400, f"response_format {fmt!r} is not supported (only 'text')", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     ctx = state.context_length

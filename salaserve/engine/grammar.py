@@ -1,0 +1,107 @@
+"""Structured output: SGLang's `json_schema` / `regex` / `ebnf` sampling params (and OpenAI's
+`response_format`, which the server maps onto `json_schema`), through xgrammar.
+
+A request's grammar is compiled when it is added (errors are a ValueError naming the field, so the
+server answers 400) and gets its own matcher. Each step, the sampler masks the logits of such
+rows with the matcher's bitmask of allowed next tokens; each token the request keeps advances its
+matcher. Once the grammar is complete only a stop token is allowed, and the request ends when its
+matcher has accepted one (whatever ignore_eos says).
+
+xgrammar is imported on first use: where it is missing (e.g. a GPU machine set up from carried
+wheels), a request that asks for structured output is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+# sampling_params keys, in the order they are checked: at most one may be set
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
+
+
+def grammar_spec(params) -> tuple[str, str] | None:
+    """(key, value) of the request's structured-output constraint, or None; ValueError if more
+    than one is set or the value is not a string."""
+    set_keys = [k for k in GRAMMAR_KEYS if getattr(params, k) is not None]
+    if not set_keys:
+        return None
+    if len(set_keys) > 1:
+        raise ValueError(f"sampling_params: set one of json_schema, regex, ebnf, got {', '.join(set_keys)}")
+    key = set_keys[0]
+    value = getattr(params, key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"sampling_params.{key}: must be a non-empty string, got {value!r}")
+    return key, value
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars for one model's tokenizer (xgrammar caches what it compiled)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids):
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+
+    def _xgr(self):
+        try:
+            import xgrammar
+        except ImportError:
+            raise ValueError("structured output (json_schema, regex, ebnf) needs xgrammar, which is not "
+                             "installed here (pip install 'xgrammar>=0.2.9,<0.3')") from None
+        return xgrammar
+
+    def compiler(self):
+        if self._compiler is None:
+            from transformers import AutoTokenizer
+
+            xgr = self._xgr()
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+    def matcher(self, params):
+        """A fresh matcher for the request's constraint, or None when it has none."""
+        spec = grammar_spec(params)
+        if spec is None:
+            return None
+        key, value = spec
+        compiler = self.compiler()
+        try:
+            if key == "json_schema":
+                json.loads(value)  # a clear message for text that is not JSON at all
+                # compact JSON (no free whitespace between tokens): with any whitespace allowed,
+                # small or unsure models can emit blanks until max_new_tokens
+                compiled = compiler.compile_json_schema(value, any_whitespace=False)
+            elif key == "regex":
+                compiled = compiler.compile_regex(value)
+            else:
+                compiled = compiler.compile_grammar(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"sampling_params.json_schema: not valid JSON: {e}") from None
+        except Exception as e:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
+            raise ValueError(f"sampling_params.{key}: {_message(e)}") from None
+        return self._xgr().GrammarMatcher(compiled)
+
+
+def _message(e: Exception) -> str:
+    """xgrammar's error text without its "[time] source.cc:line: " prefix."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[0-9:]+\]\s+\S+:\d+:\s*", "", text)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """Sets the logits of the tokens each row's matcher does not allow next to -inf, in place."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    for j, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, j)
+    sub = logits[rows]
+    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
+    logits[rows] = sub

@@ -1,0 +1,69 @@
+"""Structured output (json_schema / regex / ebnf through xgrammar) in the engine, offline API and
+server: every finished output belongs to its grammar, bad grammars are a ValueError / 400 naming
+the field, and constrained requests are never speculated."""
+
+import json
+import re
+
+import pytest
+
+from salaserve.engine.engine import Engine
+from salaserve.engine.llm import LLM
+from salaserve.engine.sampling_params import SamplingParams as P
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["color", "n"], "additionalProperties": False}
+PROMPTS = ["The answer is", "def f():", "Colors:", "x"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, device="cpu", dtype="float32", backend="torch")  # the trained default model
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_belong_to_their_grammar(llm, temperature):
+    cases = [
+        (P(regex=r"(yes|no|maybe)"), lambda t: re.fullmatch(r"yes|no|maybe", t)),
+        (P(regex=r"[0-9]{3}-[a-z]{2,4}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+        (P(json_schema=json.dumps(SCHEMA)),
+         lambda t: (lambda d: set(d) == {"color", "n"} and d["color"] in ("red", "green", "blue")
+                    and 0 <= d["n"] <= 99)(json.loads(t))),
+        (P(ebnf='root ::= "A" ("b" | "c")+ "."'), lambda t: re.fullmatch(r"A[bc]+\.", t)),
+    ]
+    for params, ok in cases:
+        params.temperature, params.max_new_tokens, params.n = temperature, 60, 2
+        for out in llm.generate(PROMPTS, params):
+            assert out.finish_reason["type"] == "stop", (params, out.text, out.finish_reason)
+            assert ok(out.text), (params, out.text)
+
+
+def test_bad_grammars_name_their_field(llm):
+    for params, field in [(P(regex="(unclosed"), "regex"), (P(json_schema="{not json"), "json_schema"),
+                          (P(json_schema='{"type": "nonsense"}'), "json_schema"),
+                          (P(ebnf="root ::= undefined_rule"), "ebnf")]:
+        with pytest.raises(ValueError, match=rf"^sampling_params\.{field}: "):
+            llm.generate("x", params)
+    # the engine keeps serving
+    assert llm.generate("x", P(regex="ok", max_new_tokens=5))[0].text == "ok"
+
+
+def test_constrained_requests_are_not_speculated(tiny_model_dir):
+    from test_spec import OracleDrafter  # drafts of an unconstrained continuation
+
+    eng = Engine(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch", chunked_prefill_size=64,
+                 speculative_algorithm="NGRAM", speculative_num_draft_tokens=6, speculative_max_batch=8)
+    eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, [7] * 50)
+    eng.add_request("g", [5, 6, 7, 8, 9], P(temperature=0.0, max_new_tokens=30, regex=r"[a-z]{1,8}!"))
+    text_ids = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            text_ids += o.new_token_ids
+    assert eng.stats["spec_verify_steps"] == 0
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(tiny_model_dir).decode(text_ids, skip_special_tokens=True)
+    assert re.fullmatch(r"[a-z]{1,8}!", text), text
