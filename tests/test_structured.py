@@ -41,6 +41,13 @@ def test_outputs_belong_to_their_grammar(llm, temperature):
             assert ok(out.text), (params, out.text)
 
 
+def test_grammar_decides_where_the_output_ends(llm):
+    """min_new_tokens does not hold back the stop token a complete grammar allows (all its other
+    tokens are masked: the row would have nothing left to sample)."""
+    out = llm.generate("x", P(regex="ab", min_new_tokens=10, max_new_tokens=20, temperature=0.0))[0]
+    assert out.text == "ab" and out.finish_reason["type"] == "stop" and len(out.token_ids) < 10
+
+
 def test_bad_grammars_name_their_field(llm):
     for params, field in [(P(regex="(unclosed"), "regex"), (P(json_schema="{not json"), "json_schema"),
                           (P(json_schema='{"type": "nonsense"}'), "json_schema"),

@@ -291,7 +291,8 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     rep = [i for i, s in enumerate(states) if s.needs_repetition]
     fp = [i for i, s in enumerate(states) if s.needs_freq_presence]
     bias = [i for i, s in enumerate(states) if s.params.logit_bias]
-    block = [(i, t) for i, s in enumerate(states) if s.blocks_stop for t in s.min_tokens_block]
+    # (a grammar decides where its output ends: min_new_tokens does not hold back its stop token)
+    block = [(i, t) for i, s in enumerate(states) if s.blocks_stop and s.grammar is None for t in s.min_tokens_block]
     block = [(i, t) for i, t in block if t < vocab]
     grammar = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.is_terminated()]
     if not (rep or fp or bias or block or grammar):
