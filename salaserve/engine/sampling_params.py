@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from salaserve.engine.grammar import grammar_spec
+
 # Below this temperature a request is greedy (SGLang's _SAMPLING_EPS): sampled as top_k=1.
 GREEDY_EPS = 1e-6
 MAX_TEMPERATURE = 100.0
@@ -179,8 +181,6 @@ class SamplingParams:
         self._validate_stop(vocab_size)
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
-        from salaserve.engine.grammar import grammar_spec
-
         grammar_spec(self)  # types and exclusivity; the engine compiles it
 
     def _validate_stop(self, vocab_size: int | None) -> None:
