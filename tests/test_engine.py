@@ -7,6 +7,7 @@ import torch
 
 from salaserve.engine.engine import Engine
 from salaserve.engine.llm import LLM
+from salaserve.engine.runner import prompt_logit_rows
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.model.reference import ReferenceModel
 
@@ -370,7 +371,17 @@ def test_prompt_logprobs_match_reference(tiny_model_dir, reference):
     engine.scheduler.prompt_logprob_chunk = 20
     rng = random.Random(5)
     prompts = random_prompts(len(PROMPT_LP_CASES), engine.cfg.vocab_size, rng, [c[0] for c in PROMPT_LP_CASES])
+    rows = []  # logits rows per request and step: never more than the cap (+1 sampled)
+    forward = engine.runner.build_batch
+
+    def counting(work):
+        batch = forward(work)
+        rows.extend(hi - lo for lo, hi in (prompt_logit_rows(w.req, w.req.num_computed, w.num_tokens) for w in work))
+        return batch
+
+    engine.runner.build_batch = counting
     outs = run_prompt_logprobs(engine, prompts)
+    assert max(rows) == 20
     for i, (prompt, (L, start, k, new)) in enumerate(zip(prompts, PROMPT_LP_CASES)):
         got = [o.prompt_logprobs for o in outs[f"p{i}"] if o.prompt_logprobs is not None]
         assert len(got) == 1, f"case {i}: prompt logprobs sent {len(got)} times"

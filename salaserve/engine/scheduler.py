@@ -165,9 +165,11 @@ class Scheduler:
         return True
 
     def _chunk_cap(self, req: Request) -> int:
-        """Chunks that compute prompt logprobs hold a logits row per token ([tokens, vocab] fp32):
-        at most prompt_logprob_chunk tokens while any are left."""
-        return self.prompt_logprob_chunk if req.prompt_lp_pending else 1 << 62
+        """Chunks that compute prompt logprobs hold a logits row per token from position
+        prompt_lp_next - 1 on ([tokens, vocab] fp32): at most prompt_logprob_chunk such rows."""
+        if not req.prompt_lp_pending:
+            return 1 << 62
+        return max(req.prompt_lp_next - 1 - req.num_computed, 0) + self.prompt_logprob_chunk
 
     def _fit(self, req: Request, n: int) -> int:
         """Grow req's pages for up to n more tokens; returns how many fit (0 = none now)."""
