@@ -39,6 +39,9 @@ def _cmd_generate(argv: list[str]) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", choices=["fp8", "w4a16", "gptq"], default=None,
                    help="default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    shape.add_argument("--json-schema", default=None, help="constrain the output to JSON with this schema (JSON text)")
     a = p.parse_args(argv)
     from salaserve.engine.llm import LLM
     from salaserve.engine.sampling_params import SamplingParams
@@ -53,7 +56,8 @@ def _cmd_generate(argv: list[str]) -> int:
                                                        add_generation_prompt=True, **kwargs)
             if not isinstance(prompt, list):  # transformers 5 returns a BatchEncoding
                 prompt = list(prompt["input_ids"])
-        out = llm.generate(prompt, SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature))[0]
+        out = llm.generate(prompt, SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                                  regex=a.regex, json_schema=a.json_schema))[0]
     except (ValueError, OSError) as e:
         print(f"salaserve generate: error: {e}", file=sys.stderr)
         return 2

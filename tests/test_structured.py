@@ -74,3 +74,14 @@ def test_constrained_requests_are_not_speculated(tiny_model_dir):
 
     text = AutoTokenizer.from_pretrained(tiny_model_dir).decode(text_ids, skip_special_tokens=True)
     assert re.fullmatch(r"[a-z]{1,8}!", text), text
+
+
+def test_cli_generate_with_a_regex(capsys):
+    from salaserve.cli import main
+
+    assert main(["generate", "--prompt", "Code: ", "--regex", "[A-Z]{2}-[0-9]{2}", "--device", "cpu",
+                 "--dtype", "float32", "--backend", "torch", "--max-new-tokens", "20"]) == 0
+    printed = capsys.readouterr().out
+    assert re.fullmatch(r"Code: [A-Z]{2}-[0-9]{2}\n", printed), printed
+    assert main(["generate", "--prompt", "x", "--regex", "(", "--device", "cpu", "--backend", "torch"]) == 2
+    assert "sampling_params.regex" in capsys.readouterr().err
