@@ -59,7 +59,8 @@ class GrammarCompiler:
             from transformers import AutoTokenizer
 
             xgr = self._xgr()
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            # (an explicit False: transformers would otherwise ask on stdin about remote code)
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, trust_remote_code=False)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info)
