@@ -423,3 +423,37 @@ def test_prompt_logprobs_match_reference(tiny_model_dir, reference):
             assert a[0] is None or abs(a[0] - b[0]) <= LOGIT_TOL, rid
     c = small.resource_counters()
     assert c["pages_used"] == 0 and c["slots_used"] == 0 and c["compressed_entries"] == 0
+
+
+@pytest.mark.parametrize("max_running", [8, 2])
+def test_twins_share_one_prefill(tiny_model_dir, max_running):
+    """Requests with the same prompt (n > 1 samples, repeats) waiting while one of them is
+    prefilled start from a copy of its caches and sample from its logits: the same outputs as
+    with every prompt prefilled on its own, with fewer prefill tokens computed. Where the running
+    limit leaves no room, the rest prefill themselves later."""
+    rng = random.Random(9)
+    a, b = (random_prompts(1, 8000, rng, [L])[0] for L in (150, 70))
+    reqs = [(a, SamplingParams(temperature=0.9, seed=s, max_new_tokens=12, ignore_eos=True)) for s in range(4)]
+    reqs += [(a, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)), (b, SamplingParams(
+        temperature=0.0, max_new_tokens=8, ignore_eos=True)), (a, SamplingParams(temperature=0.0, max_new_tokens=3,
+                                                                                  logprob_start_len=140))]
+    runs = []
+    for share in (False, True):
+        eng = make_engine(tiny_model_dir, chunked_prefill_size=64, max_running_requests=max_running)
+        eng.scheduler.share_prefill = share
+        for i, (p, params) in enumerate(reqs):
+            eng.add_request(f"r{i}", p, params)
+        outs = run_to_completion(eng)
+        runs.append(({rid: ([t for o in os_ for t in o.new_token_ids],
+                            [o.prompt_logprobs for o in os_ if o.prompt_logprobs is not None]) for rid, os_ in outs.items()},
+                     eng.stats["shared_prefill_tokens"]))
+        c = eng.resource_counters()
+        assert c["pages_used"] == 0 and c["slots_used"] == 0 and c["compressed_entries"] == 0
+    (plain, none), (shared, saved) = runs
+    assert none == 0
+    if max_running == 8:  # (at 2 the twins mostly find no room and prefill themselves)
+        assert saved >= 4 * 150
+    for rid, (toks, lps) in plain.items():
+        assert shared[rid][0] == toks, rid
+        assert [[(t, lp is None or round(lp, 4)) for lp, t, _ in x] for x in shared[rid][1]] == \
+            [[(t, lp is None or round(lp, 4)) for lp, t, _ in x] for x in lps], rid

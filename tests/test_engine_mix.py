@@ -1,7 +1,8 @@
 """Every request feature at once, under preemption and random aborts, with and without speculative
-decoding: prompt logprobs, logit_bias, grammars, penalties, seeds, greedy. Each finished request
-keeps its feature's promise, greedy plain requests equal their solo runs, and every page, state
-slot and compressed entry comes back."""
+decoding: prompt logprobs, logit_bias, grammars, penalties, seeds, greedy, twins (repeated prompts,
+which may start from a copy of a prefill). Each finished request keeps its feature's promise,
+greedy plain requests equal their solo runs, and every page, state slot and compressed entry
+comes back."""
 
 import random
 import re
@@ -28,9 +29,13 @@ def solo(model_dir, prompt, params):
     return toks
 
 
-def random_request(rng, vocab):
+def random_request(rng, vocab, earlier):
     prompt = [rng.randrange(3, vocab - 8) for _ in range(rng.randrange(2, 200))]
-    kind = rng.choice(["greedy", "sampled", "penalised", "prompt_lp", "score_only", "bias", "regex"])
+    kind = rng.choice(["greedy", "sampled", "penalised", "prompt_lp", "score_only", "bias", "regex", "twin"])
+    if kind == "twin" and earlier:  # an earlier prompt again: may start from a copy of its prefill
+        return "greedy", list(rng.choice(earlier)), P(temperature=0.0, max_new_tokens=rng.randrange(1, 40),
+                                                      ignore_eos=True)
+    kind = "greedy" if kind == "twin" else kind
     new = rng.randrange(1, 40)
     if kind == "greedy":
         return kind, prompt, P(temperature=0.0, max_new_tokens=new, ignore_eos=True)
@@ -60,7 +65,10 @@ def test_every_feature_at_once_under_pressure(tiny_model_dir, spec):
     for step in range(3000):
         if step < 120 and rng.random() < 0.4:
             rid = f"q{step}"
-            reqs[rid] = random_request(rng, eng.cfg.vocab_size)
+            reqs[rid] = random_request(rng, eng.cfg.vocab_size, [r[1] for r in reqs.values()])
+            if rng.random() < 0.3:  # and at once a twin of it (n > 1 style)
+                reqs[rid + "t"] = ("greedy", list(reqs[rid][1]), P(temperature=0.0, max_new_tokens=9, ignore_eos=True))
+                eng.add_request(rid + "t", reqs[rid + "t"][1], reqs[rid + "t"][2])
             eng.add_request(rid, reqs[rid][1], reqs[rid][2])
         if rng.random() < 0.03 and eng.requests:
             rid = rng.choice(sorted(eng.requests))
@@ -93,4 +101,5 @@ def test_every_feature_at_once_under_pressure(tiny_model_dir, spec):
         checked.add(kind)
     assert {"greedy", "prompt_lp", "bias", "regex"} <= checked
     print(f"spec={spec}: {len(reqs)} requests, {len(aborted)} aborted, {eng.scheduler.num_preemptions} preemptions, "
-          f"{eng.stats['spec_verify_steps']} verify steps")
+          f"{eng.stats['spec_verify_steps']} verify steps, {eng.stats['shared_prefill_tokens']} prefill tokens shared")
+    assert eng.stats["shared_prefill_tokens"] > 0

@@ -61,7 +61,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[StepOutput] = []  # produced outside step() (e.g. max_new_tokens=0)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0,
-                      "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                      "shared_prefill_tokens": 0}
         if args.speculative_algorithm == "NGRAM":
             self.scheduler.propose = self._propose_draft
         # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are
@@ -236,8 +237,9 @@ class Engine:
                     self._finish(req, length_reason(0))
                     outputs.append(self._output(req, []))
                     continue
-                sampled.append(req)
-                rows.append(row)
+                for r in [req] + self._fork_twins(req):  # twins sample from the same logits row
+                    sampled.append(r)
+                    rows.append(row)
                 row += 1
         if commits:  # the Lightning states advance by the accepted tokens, in one call for all
             self.runner.commit_verified(commits)
@@ -263,6 +265,27 @@ class Engine:
                 lp = [(result.logprobs[i], top)]
             outputs.append(self._emit(req, [tok], lp, sampled_already=True))
         return outputs
+
+    def _fork_twins(self, req: Request) -> list[Request]:
+        """Waiting requests with req's prompt, which req has just computed (its first token is
+        sampled now): each that can start gets a copy of req's caches instead of a prefill of its
+        own, and samples its first token from req's logits (n > 1 samples, repeated prompts; the
+        scheduler holds such twins back while req prefills). Not for requests that need
+        per-chunk work (prompt logprobs, scoring only) or were preempted with output."""
+        sched = self.scheduler
+        if not sched.share_prefill or req.num_output or not sched.waiting:
+            return []
+        twins = []
+        for w in [w for w in sched.waiting if w.num_prompt == req.num_prompt]:
+            if w.prompt_ids != req.prompt_ids or not sched.shares_prefill(w):
+                continue
+            if not sched.adopt(w, len(req.pages)):
+                break
+            self.runner.copy_caches(req, w)
+            self._advance(w, req.num_computed)
+            self.stats["shared_prefill_tokens"] += req.num_computed
+            twins.append(w)
+        return twins
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens first + 1 .. first + len(logits) from the logits of positions

@@ -217,6 +217,17 @@ class ModelRunner:
             return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)
 
+    def copy_caches(self, src, dst) -> None:
+        """dst's pages and state slot get src's K/V (and fp8 scales), compressed keys and Lightning
+        state: dst starts where src's computed tokens left it (prefill sharing; same page count)."""
+        kv, comp, states = self.caches.kv, self.caches.compressed, self.caches.states
+        a = torch.tensor(src.pages, dtype=torch.long, device=self.device)
+        b = torch.tensor(dst.pages, dtype=torch.long, device=self.device)
+        tensors = [kv.k, kv.v, comp.c1, comp.c2] + ([kv.k_scale, kv.v_scale] if kv.fp8 else [])
+        for t in tensors:  # [layers, pages, ...]
+            t[:, b] = t[:, a]
+        states.state[dst.state_slot] = states.state[src.state_slot]
+
     def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
         """After a verify step (before the next forward): advance the Lightning states of the
         verified sequences by their accepted tokens. commits: (index in the step's work, state

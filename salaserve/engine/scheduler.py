@@ -4,7 +4,9 @@ Each step: every decoding request first (one token each), then prefill chunks (c
 then newly admitted requests) up to the token budget. Admission needs a free state slot, room under
 max_running_requests and pages for the first chunk. When pages run out mid-decode, the newest
 running request is preempted: its pages and slot are freed and it is re-queued to be recomputed
-(prompt + output so far) when room returns, so nothing fails and nothing is lost.
+(prompt + output so far) when room returns, so nothing fails and nothing is lost. A waiting
+request whose prompt a running request is prefilling stays queued: the engine hands it a copy of
+that prefill when it completes (`adopt`, Engine._fork_twins).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.budget = chunked_prefill_size
         self.prompt_logprob_chunk = PROMPT_LOGPROB_CHUNK
+        self.share_prefill = True  # requests with the prompt of one being prefilled wait for its copy
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order; the last is the newest
         self.num_preemptions = 0
@@ -53,6 +56,21 @@ class Scheduler:
         req.status = Status.WAITING
         keys = [r.sort_key() for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+
+    def adopt(self, req: Request, pages: int) -> bool:
+        """Start a waiting request now with `pages` fresh pages and a state slot, its prefill to be
+        copied in by the caller (prefill sharing); False, and nothing changed, if the running
+        limit, the slots or the pages (one kept per decoding request) do not allow it."""
+        reserve = sum(1 for r in self.running if r.is_decoding)
+        if (req not in self.waiting or len(self.running) >= self.max_running or not self.states.num_free
+                or self.kv.allocator.num_free - reserve < pages):
+            return False
+        self.waiting.remove(req)
+        req.state_slot = self.states.alloc()
+        req.pages = self.kv.allocator.alloc(pages)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return True
 
     def remove(self, req: Request) -> None:
         """Take a request out of the scheduler (finished or aborted) and free its resources."""
@@ -133,16 +151,21 @@ class Scheduler:
                 work.append(ScheduledWork(req, n))
                 budget -= n
 
-        # 3. admit waiting requests in priority / arrival order
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and self.states.num_free:
-            req = self.waiting[0]
+        # 3. admit waiting requests in priority / arrival order (twins of a prompt being prefilled
+        # wait for its copy instead, see _awaits_twin)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running and self.states.num_free:
+            req = self.waiting[i]
+            if self._awaits_twin(req):
+                i += 1
+                continue
             # keep one page per running decode in reserve so admission does not force preemption
             reserve = sum(1 for r in self.running if r.is_decoding)
             room = (self.kv.allocator.num_free - reserve) * self.block_size
             n = min(req.num_pending, budget, room, self._chunk_cap(req))
             if n <= 0:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.state_slot = self.states.alloc()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -163,6 +186,19 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    @staticmethod
+    def shares_prefill(req: Request) -> bool:
+        """Whether req may start from a copy of another request's prefill (the engine's twins):
+        a fresh prompt without per-chunk work (prompt logprobs, scoring only)."""
+        return req.num_output == 0 and req.num_computed == 0 and req.prompt_logprobs is None and not req.score_only
+
+    def _awaits_twin(self, req: Request) -> bool:
+        """A running request is prefilling req's very prompt: req waits to be handed a copy of it
+        (Engine._fork_twins) rather than computing it again."""
+        return self.share_prefill and self.shares_prefill(req) and any(
+            r.num_output == 0 and r.num_computed < r.num_prompt == req.num_prompt and r.prompt_ids == req.prompt_ids
+            for r in self.running)
 
     def _chunk_cap(self, req: Request) -> int:
         """Chunks that compute prompt logprobs hold a logits row per token from position
