@@ -115,6 +115,24 @@ def test_prompt_logprobs_match_reference(engine, reference):
     assert torch.isfinite(have).all() and rel < REL_ERR and top1 >= TOP1
 
 
+def test_twins_share_one_prefill(engine):
+    """Two requests with one 9000-token prompt: the second starts from a copy of the first's caches
+    (pages, compressed keys, Lightning state) and both decode the same greedy tokens."""
+    from salaserve.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(3, engine.cfg.vocab_size - 8, (9000,), generator=g).tolist()
+    before = engine.stats["shared_prefill_tokens"]
+    for rid in ("t0", "t1"):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    toks = {"t0": [], "t1": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks[o.rid] += o.new_token_ids
+    assert engine.stats["shared_prefill_tokens"] - before == 9000
+    assert toks["t0"] == toks["t1"] and len(toks["t0"]) == 16
+
+
 def test_chunked_prefill_equals_one_shot(full_dir, engine):
     from salaserve.engine.engine import Engine
 
