@@ -20,8 +20,8 @@ import torch
 from salaserve.config import EngineArgs
 from salaserve.engine.grammar import GrammarCompiler
 from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
-from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows, prompt_only
-from salaserve.engine.sampler import Sampler, SamplingState, needs_history
+from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows
+from salaserve.engine.sampler import Sampler, SamplingState, needs_history, read_logprobs
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import Scheduler
 from salaserve.model.default import default_model_dir
@@ -233,7 +233,7 @@ class Engine:
                 row += hi - lo
             self._advance(req, w.num_tokens)
             if req.num_computed == len(req.tokens):
-                if prompt_only(req):  # scored its prompt: nothing to sample
+                if req.score_only:  # scored its prompt: nothing to sample
                     self._finish(req, length_reason(0))
                     outputs.append(self._output(req, []))
                     continue
@@ -276,9 +276,7 @@ class Engine:
         if not sched.share_prefill or req.num_output or not sched.waiting:
             return []
         twins = []
-        for w in [w for w in sched.waiting if w.num_prompt == req.num_prompt]:
-            if w.prompt_ids != req.prompt_ids or not sched.shares_prefill(w):
-                continue
+        for w in [w for w in sched.waiting if w.prompt_ids == req.prompt_ids and sched.shares_prefill(w)]:
             if not sched.adopt(w, len(req.pages)):
                 break
             self.runner.copy_caches(req, w)
@@ -291,19 +289,11 @@ class Engine:
         """Logprobs of prompt tokens first + 1 .. first + len(logits) from the logits of positions
         first .. (log_softmax of the raw logits: no penalties, no temperature), one host read."""
         targets = req.tokens[first + 1:first + 1 + logits.shape[0]]
-        lsm = torch.log_softmax(logits.float(), dim=-1)
-        tgt = torch.tensor(targets, device=logits.device)
-        parts = [lsm.gather(1, tgt[:, None]).squeeze(1).double()]
         k = req.params.top_logprobs
-        if k:
-            top_lp, top_id = lsm.topk(k, dim=-1)
-            parts += [top_lp.double().flatten(), top_id.double().flatten()]
-        flat = torch.cat(parts).tolist()
-        n = len(targets)
-        for j, tok in enumerate(targets):
-            top = [(int(flat[n + n * k + j * k + c]), flat[n + j * k + c]) for c in range(k)] if k else None
-            req.prompt_logprobs.append((flat[j], tok, top))
-        req.prompt_lp_next = first + 1 + n
+        _, lps, tops = read_logprobs(torch.log_softmax(logits.float(), dim=-1),
+                                     torch.tensor(targets, device=logits.device), k)
+        req.prompt_logprobs.extend((lp, tok, top if k else None) for lp, tok, top in zip(lps, targets, tops))
+        req.prompt_lp_next = first + 1 + len(targets)
 
     # ---- overlap scheduling ------------------------------------------------------------------
     def _can_defer(self, req: Request) -> bool:

@@ -186,7 +186,7 @@ class ModelRunner:
                 continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
-                                need_logits=start + w.num_tokens == len(r.tokens) and not prompt_only(r),
+                                need_logits=start + w.num_tokens == len(r.tokens) and not r.score_only,
                                 prompt_rows=prompt_logit_rows(r, start, w.num_tokens)))
         sc = self.cfg.sparse
         padded = any(s.pad_tokens for s in seqs)
@@ -233,12 +233,6 @@ class ModelRunner:
         verified sequences by their accepted tokens. commits: (index in the step's work, state
         slot, number of tokens)."""
         self.model.ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
-
-
-def prompt_only(req) -> bool:
-    """A request that only scores its prompt (prompt logprobs with nothing to generate): its last
-    chunk samples nothing."""
-    return req.score_only
 
 
 def prompt_logit_rows(req, start: int, n: int) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from salaserve.engine.grammar import apply_grammar_masks
 from salaserve.engine.sampling_params import SamplingParams
 
 # Use torch.topk instead of a full sort when every sampled row has top_k <= this.
@@ -254,27 +255,31 @@ class Sampler:
             ps = [states[i].params for i in lp_rows]
             temps = [1.0 if p.is_greedy else p.temperature for p in ps]
             sel = sel / _to_device(temps, torch.float32, device)[:, None]
-        lsm = torch.log_softmax(sel, dim=-1)
-        chosen = lsm.gather(1, next_ids[idx][:, None]).squeeze(1)
         n_top = max(states[i].params.top_logprobs for i in lp_rows)
-        parts = [next_ids.double(), chosen.double()]
-        if n_top:
-            top_lp, top_id = lsm.topk(n_top, dim=-1)
-            parts += [top_lp.double().flatten(), top_id.double().flatten()]
-        flat = torch.cat(parts).tolist()  # the one host sync
+        ids, lp_vals, row_tops = read_logprobs(torch.log_softmax(sel, dim=-1), next_ids[idx], n_top, head=next_ids)
 
-        b, m = len(states), len(lp_rows)
-        ids = [int(t) for t in flat[:b]]
+        b = len(states)
         logprobs: list[float | None] = [None] * b
         tops: list[list[tuple[int, float]] | None] = [None] * b
-        lp_vals = flat[b : b + m]
-        top_vals = flat[b + m : b + m + m * n_top]
-        top_ids = flat[b + m + m * n_top :]
         for j, i in enumerate(lp_rows):
             logprobs[i] = lp_vals[j]
-            k = states[i].params.top_logprobs
-            tops[i] = [(int(top_ids[j * n_top + c]), top_vals[j * n_top + c]) for c in range(k)]
-        return SampleOutput(ids, next_ids, logprobs=logprobs, top_logprobs=tops)
+            tops[i] = row_tops[j][:states[i].params.top_logprobs]
+        return SampleOutput([int(t) for t in ids], next_ids, logprobs=logprobs, top_logprobs=tops)
+
+
+def read_logprobs(lsm: torch.Tensor, targets: torch.Tensor, n_top: int, head: torch.Tensor | None = None):
+    """From log-softmax rows lsm [m, V] and a target token per row: (head's values, the targets'
+    logprobs, each row's n_top best [(token id, logprob), ...]), in one host read (`head`, an
+    optional tensor, rides along in it: e.g. a step's sampled ids)."""
+    parts = ([head.double()] if head is not None else []) + [lsm.gather(1, targets[:, None]).squeeze(1).double()]
+    if n_top:
+        top_lp, top_id = lsm.topk(n_top, dim=-1)
+        parts += [top_lp.double().flatten(), top_id.double().flatten()]
+    flat = torch.cat(parts).tolist()  # the one host sync
+    h, m = (0 if head is None else head.numel()), targets.numel()
+    vals, ids = flat[h + m:h + m + m * n_top], flat[h + m + m * n_top:]
+    tops = [[(int(ids[j * n_top + c]), vals[j * n_top + c]) for c in range(n_top)] for j in range(m)]
+    return flat[:h], flat[h:h + m], tops
 
 
 def needs_history(state: SamplingState) -> bool:
@@ -326,8 +331,6 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
         pos = _to_device(block, torch.long, device)
         logits[pos[:, 0], pos[:, 1]] = float("-inf")
     if grammar:
-        from salaserve.engine.grammar import apply_grammar_masks
-
         apply_grammar_masks(logits, grammar, [states[i].grammar for i in grammar])
     return logits
 

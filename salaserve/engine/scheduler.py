@@ -61,9 +61,8 @@ class Scheduler:
         """Start a waiting request now with `pages` fresh pages and a state slot, its prefill to be
         copied in by the caller (prefill sharing); False, and nothing changed, if the running
         limit, the slots or the pages (one kept per decoding request) do not allow it."""
-        reserve = sum(1 for r in self.running if r.is_decoding)
         if (req not in self.waiting or len(self.running) >= self.max_running or not self.states.num_free
-                or self.kv.allocator.num_free - reserve < pages):
+                or self.kv.allocator.num_free - self._decode_reserve() < pages):
             return False
         self.waiting.remove(req)
         req.state_slot = self.states.alloc()
@@ -159,9 +158,7 @@ class Scheduler:
             if self._awaits_twin(req):
                 i += 1
                 continue
-            # keep one page per running decode in reserve so admission does not force preemption
-            reserve = sum(1 for r in self.running if r.is_decoding)
-            room = (self.kv.allocator.num_free - reserve) * self.block_size
+            room = (self.kv.allocator.num_free - self._decode_reserve()) * self.block_size
             n = min(req.num_pending, budget, room, self._chunk_cap(req))
             if n <= 0:
                 break
@@ -187,6 +184,11 @@ class Scheduler:
                 return False
         return True
 
+    def _decode_reserve(self) -> int:
+        """Pages kept free when starting a request: one per running decode, so that admission
+        does not force a preemption."""
+        return sum(1 for r in self.running if r.is_decoding)
+
     @staticmethod
     def shares_prefill(req: Request) -> bool:
         """Whether req may start from a copy of another request's prefill (the engine's twins):
@@ -197,8 +199,7 @@ class Scheduler:
         """A running request is prefilling req's very prompt: req waits to be handed a copy of it
         (Engine._fork_twins) rather than computing it again."""
         return self.share_prefill and self.shares_prefill(req) and any(
-            r.num_output == 0 and r.num_computed < r.num_prompt == req.num_prompt and r.prompt_ids == req.prompt_ids
-            for r in self.running)
+            r.num_output == 0 and r.num_computed < r.num_prompt and r.prompt_ids == req.prompt_ids for r in self.running)
 
     def _chunk_cap(self, req: Request) -> int:
         """Chunks that compute prompt logprobs hold a logits row per token from position

@@ -99,16 +99,18 @@ def prompt_completion_logprobs(prompt: list, token_text, end: int) -> dict:
     its first token) whose text is `end` characters long: the first token has no logprob (null), as
     OpenAI's legacy API. Offsets count back from the end of the echoed text, so that a leading
     special token the text does not show (BOS) sits at 0."""
-    ids = [tid for _, tid, _ in prompt]
-    out = completion_logprobs([(0.0, None)] * len(ids), ids, token_text)
-    suffix = 0
-    for i in reversed(range(len(ids))):
-        suffix += len(out["tokens"][i])
-        out["text_offset"][i] = max(0, end - suffix)
-    out["token_logprobs"] = [None if lp is None else finite(lp) for lp, _, _ in prompt]
-    out["top_logprobs"] = [None if lp is None else {token_text(t): finite(v) for t, v in (top or [])}
-                           for lp, _, top in prompt]
-    return out
+    tokens = [token_text(tid) for _, tid, _ in prompt]
+    offsets, start = [], end
+    for t in reversed(tokens):
+        start -= len(t)
+        offsets.append(max(0, start))
+    return {
+        "text_offset": offsets[::-1],
+        "token_logprobs": [None if lp is None else finite(lp) for lp, _, _ in prompt],
+        "tokens": tokens,
+        "top_logprobs": [None if lp is None else {token_text(t): finite(v) for t, v in (top or [])}
+                         for lp, _, top in prompt],
+    }
 
 
 def joined_logprobs(first: dict, then: dict) -> dict:
