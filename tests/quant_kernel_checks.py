@@ -157,6 +157,37 @@ def w4a16_fma_checks(gen):
     counters_rearmed()
 
 
+def w4a16_tc_checks(gen):
+    """The decode GEMV on tensor cores (nibble pairs j, j + 4 per sub-dot, x^T gathered in that
+    order): every config at 1..16 rows of bf16 x (rows past M are clamped copies, never written),
+    split-K 1..4 (empty splits included), one and several groups per split, codes and zeros at the
+    extremes; within the bf16 output's rounding of the exact result (the interpreter truncates)."""
+    for K, N, gs in ((256, 256, 128), (512, 256, 256), (1024, 512, 128)):
+        w = random_w4a16(K, N, gs, False, gen)
+        for M in (1, 3, 16):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            ref = linear_ref(x.float(), w)
+            for cfg in qg.W4_TC_CONFIGS:
+                if not qg.w4_tc_usable(w, cfg):
+                    continue
+                for split in (1, 2, 4):
+                    y = qg.w4a16_gemv_tc(x, w, config=cfg, split_k=split)
+                    check(f"w4a16_gemv_tc K={K} N={N} gs={gs} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+    K, N, gs = 256, 128, 128
+    q = torch.randint(0, 2, (K, N), generator=gen) * 15
+    zeros = torch.randint(0, 2, (K // gs, N), generator=gen) * 15
+    w = formats.QuantizedLinearWeights.from_gptq(formats.pack_int4(q), formats.pack_zeros(zeros, "gptq_v2"),
+                                                torch.rand(K // gs, N, generator=gen).half() * 0.01 + 0.001,
+                                                None, gs, "gptq_v2")
+    x = torch.randn(2, K, generator=gen).to(torch.bfloat16)
+    y = qg.w4a16_gemv_tc(x, w, config=(128, 16, 4, 3), split_k=2)
+    check("w4a16_gemv_tc extreme codes", y, linear_ref(x.float(), w), 2 ** -7)
+    refused("a ragged N", qg.w4a16_gemv_tc, x, random_w4a16(K, 96, gs, False, gen))
+    refused("17 rows", qg.w4a16_gemv_tc, torch.randn(17, K).to(torch.bfloat16), w)
+    refused("fp32 x", qg.w4a16_gemv_tc, torch.randn(1, K), w)
+    counters_rearmed()
+
+
 def w4a16_dense_checks(gen):
     """Prefill path: dequantize into the scratch W^T, then torch.mm. fp32 activations: the scratch
     is fp32, exact; fp16: weights rounded once to fp16."""
@@ -323,6 +354,6 @@ def dispatch_checks(gen):
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_tc": w4a16_tc_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
      "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

@@ -48,6 +48,10 @@ def test_decode_kernels(fmt, name, M):
     if fmt == "w4a16" and M <= Q.W4_FMA_MAX_M:
         for cfg in Q.W4_FMA_CONFIGS[1 << (M - 1).bit_length()]:
             assert _rel(Q.w4a16_gemv_fma(x, w, config=cfg), ref) < TOL, cfg
+    if fmt == "w4a16":  # the tensor-core kernel: every config, the heuristic split and no split
+        for cfg in Q.W4_TC_CONFIGS:
+            for split in (None, 1):
+                assert _rel(Q.w4a16_gemv_tc(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
     if fmt == "fp8":
         # w8a8: its twin to TOL, and the twin to the unquantized product as prefill's w8a8 (e4m3 x)
         twin = Q.w8a8_block_ref(x, w.weight, w.scale)
@@ -127,19 +131,20 @@ def test_fp8_prefill_down_quantizes_inside_silu_mul():
 
 
 def test_w4a16_calibration_picks_a_valid_config():
-    """calibrate_w4 times the FMA configs and splits at the real shape; the kernel then runs the
-    recorded choice and still equals the reference."""
+    """calibrate_w4 times the FMA and tensor-core kernels' configs and splits at the real shape;
+    quant_linear then runs the recorded choice and still equals the reference."""
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES["qkvg"]
     w = _weights("w4a16", N, K, 11)
-    res = Q.calibrate_w4([w], "cuda", m_values=(1, 2))
-    assert set(res) == {(1, N, K), (2, N, K)}
-    for m in (1, 2):
-        cfg, split, t = res[(m, N, K)]
-        assert cfg in Q.W4_FMA_CONFIGS[m] and split >= 1 and t > 0
+    res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
+    assert set(res) == {(1, N, K), (2, N, K), (16, N, K)}
+    for m in (1, 2, 16):
+        kernel, cfg, split, t = res[(m, N, K)]
+        assert (kernel, cfg, split) in Q._w4_candidates(m, w, "cuda") and t > 0
         x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-        assert _rel(Q.w4a16_gemv_fma(x, w), linear_ref(x, w)) < TOL
+        assert Q.w4_decode_choice(x, w) == (kernel, cfg, split)
+        assert _rel(Q.quant_linear(x, w), linear_ref(x, w)) < TOL
 
 
 def test_w8a8_calibration_records_a_candidate():

@@ -296,7 +296,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dense",
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_tc", "w4a16_dense",
                                                                        "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
@@ -334,6 +334,27 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
     kernel = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     assert "ld.global.v4.b32" in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_TC_CONFIGS])
+def test_w4a16_tc_kernel_compiles_for_sm90(cfg):
+    """Every config of the tensor-core decode GEMV compiles for the H200 without spills, as a
+    warpgroup MMA whose weight operand comes from registers (the packed tile reaches them from
+    shared memory as int32: no bf16 weight tile is stored there), with the lop3 + bf16x2 unpacking."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import compile_sm90_without_spills
+    from salaserve.kernels import quant_gemm as qg
+
+    block_n, block_r, warps, stages = cfg
+    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
+                ws_ptr="*fp32", cnt_ptr="*i32")
+    constexprs = dict(GROUP_SIZE=128, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4, USE_ASM=True, DOT_FP32=False, PDL=True)
+    kernel = compile_sm90_without_spills(qg._w4_gemv_tc_kernel, ptrs, constexprs, warps, num_stages=stages,
+                                         fp_fusion=True, divisible=("N", "K"))
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert "warp_group_dot" in ttgir and "wgmma.mma_async" in ptx
+    assert "memdesc<" + f"{block_n}x{2 * block_r}xbf16" not in ttgir  # A operand never staged as bf16
+    assert "sub.rn.bf16x2" in ptx and "griddepcontrol.wait" in ptx
 
 
 def test_w4_gemv_compiles_with_and_without_pdl():

@@ -5,7 +5,8 @@
 Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycling through
 >= 256 MB of weight copies (no L2 reuse), and GB/s of weight bytes next to the copy bandwidth:
   w4 old      w4a16_gemv (tl.dot / FMA on the unpacked tile, autotuned)
-  w4 fma      w4a16_gemv_fma: calibrate_w4's candidates (config x split), the best kept
+  w4 new      M <= 16: calibrate_w4's candidates (w4a16_gemv_fma and w4a16_gemv_tc, config x split),
+              the best kept and timed through quant_linear
   fp8         the faster of w8a16_gemv (autotuned; tensor cores at every M, weights converted to
               bf16) and w8a8_gemv (x quantized per 128 channels, fp8 tensor cores; calibrated),
               both printed; at M = 1 also w8a16's FMA path (block_m=1); and (M <= 8) gemv.py's
@@ -63,10 +64,12 @@ def decode_table(shapes, ms, out):
             r = dict(name=name, N=N, K=K, M=M)
             r["w4_old"] = _time(lambda w: Q.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size,
                                                        act_order=False), w4s)
-            if M <= Q.W4_FMA_MAX_M:  # the start-up calibration's candidates (config x split), printed
+            if M <= Q.W4_TC_MAX_M:  # the start-up calibration's candidates (kernel x config x split), printed
                 bucket = 1 << (M - 1).bit_length()
-                cfg, split, _ = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)[(bucket, N, K)]
-                r["w4_fma"] = {f"{cfg} split{split}": _time(lambda w: Q.w4a16_gemv_fma(x, w), w4s)}
+                res = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)
+                if (bucket, N, K) in res:
+                    kernel, cfg, split, _ = res[(bucket, N, K)]
+                    r["w4_new"] = {f"{kernel} {cfg} split{split}": _time(lambda w: Q.quant_linear(x, w), w4s)}
             r["fp8_w8a16"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
             r["fp8_w8a8"] = None
             if K % Q.ACT_BLOCK == 0:
@@ -86,7 +89,7 @@ def decode_table(shapes, ms, out):
                 fma8 += f" (FMA path {r['fp8_fma']:7.1f})"
             G.calibrate([(N, K)], "cuda", m_values=(M,))
             r["bf16"] = _time(lambda w: G.linear(x, w), bfs)
-            best4 = min([r["w4_old"]] + list(r.get("w4_fma", {}).values()))
+            best4 = min([r["w4_old"]] + list(r.get("w4_new", {}).values()))
             r["best_w4"] = best4
             print(f"{name:8s} M={M:2d} | w4 old {r['w4_old']:7.1f} us ({b4 / r['w4_old'] / 1e3:5.0f} GB/s)"
                   f" best {best4:7.1f} ({b4 / best4 / 1e3:5.0f})"

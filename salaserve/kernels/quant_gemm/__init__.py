@@ -2,9 +2,10 @@
 (`quant_linear`; the table is in docs/quantization.md).
 
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
-      - M <= W4_FMA_MAX_M (decode): `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
-        16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble); config
-        and split-K per shape from `calibrate_w4` at start-up.
+      - M <= 16 (decode, verify), where `calibrate_w4` timed the shape at start-up: the faster of
+        `w4a16_gemv_fma` and `w4a16_gemv_tc` (kernel, config and split-K per shape and M bucket).
+      - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
+        16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
         unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
       - prefill: `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
@@ -32,7 +33,8 @@ at group 128). Act-order checkpoints should go through formats.reorder_act_order
 kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
-Modules: w4_fma.py (the int4 decode GEMV and its calibration), w4_dot.py (int4 on tensor cores,
+Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_tc.py (the int4
+decode GEMV on tensor cores), w4_dot.py (int4 on tensor cores,
 prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
 w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
 submodules' names are re-exported here: callers (backend, tests, scripts) import the package.
@@ -62,8 +64,11 @@ from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _
                                                  _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
 from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M,
-                                                 W4_MAGIC_HI, W4_MAGIC_LO, _w4_gemv_fma_kernel, _w4_key, calibrate_w4,
-                                                 w4_fma_layout, w4a16_gemv_fma)
+                                                 W4_MAGIC_HI, W4_MAGIC_LO, _w4_candidates, _w4_gemv_fma_kernel, _w4_key,
+                                                 calibrate_w4, w4_decode_choice, w4_fma_layout, w4a16_decode,
+                                                 w4a16_gemv_fma)
+from salaserve.kernels.quant_gemm.w4_tc import (W4_TC_CONFIGS, W4_TC_MAX_M, _w4_gemv_tc_kernel, w4_tc_usable,
+                                                w4a16_gemv_tc)
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
@@ -116,6 +121,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
             y = fp8_scaled_mm(x2, w.weight, w.scale)
         else:  # interpreter: no cuBLAS fp8
             y = fp8_matmul_ref(x2, w.weight, w.scale)
+    elif x2.is_cuda and (choice := w4_decode_choice(x2, w)) is not None:
+        y = w4a16_decode(x2, w, choice)  # decode: the kernel the start-up calibration picked
     elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
         y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel
     elif M <= GEMV_MAX_M:

@@ -1,5 +1,6 @@
-"""The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and its start-up
-calibration (`calibrate_w4`)."""
+"""The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and the start-up
+calibration (`calibrate_w4`) that picks, per shape and M bucket, between it and the tensor-core
+kernel of w4_tc.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.kernels.quant_gemm.w4_tc import W4_TC_CONFIGS, W4_TC_MAX_M, w4_tc_usable, w4a16_gemv_tc
 from salaserve.kernels.quant_gemm._common import _store_output, _workspace, _sm_count, _default_split_k, _check_x, _device_key, _to_calibrate
 
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
@@ -318,7 +320,8 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
         raise ValueError("qweight too large for the kernel's int32 offsets")
     block_m = triton.next_power_of_2(M)  # 1, 2 or 4
     if config is None:
-        config, split_k = _W4_TABLE.get(_w4_key(block_m, w, x.device), (W4_FMA_CONFIGS[block_m][0], split_k))
+        hit = _W4_TABLE.get(_w4_key(block_m, w, x.device))
+        config, split_k = hit[1:] if hit is not None and hit[0] == "fma" else (W4_FMA_CONFIGS[block_m][0], split_k)
     block_n, block_r, warps, *more = config
     prefetch = more[0] if more else 1
     if w.group_size % (block_r * 8) or K % 8:
@@ -338,7 +341,7 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     return out
 
 
-# (bucket, N, K, group size, device) -> ((BLOCK_N, BLOCK_R, warps, prefetch), split), filled by calibrate_w4
+# (bucket, N, K, group size, device) -> (kernel "fma" or "tc", config, split), filled by calibrate_w4
 _W4_TABLE: dict[tuple, tuple] = {}
 
 
@@ -360,10 +363,41 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
     return out
 
 
-def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> dict:
-    """Time every (config, split) of the decode FMA kernel per (M bucket, shape) in CUDA graphs of
-    back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
-    for w4a16_gemv_fma (a few seconds at start-up, before graph capture; GPU only)."""
+def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
+    """(kernel, config, split) candidates of the decode calibration at M bucket m: the FMA
+    kernel's configs (M <= W4_FMA_MAX_M) and the tensor-core kernel's (M <= 16, bf16 x, whole
+    tiles), each with its split-K choices."""
+    N, K = w.out_features, w.in_features
+    out = []
+    if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
+        out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+    if m <= W4_TC_MAX_M:
+        out += [("tc", cfg, split) for cfg in W4_TC_CONFIGS if w4_tc_usable(w, cfg)
+                for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+    return out
+
+
+def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
+    """The calibrated (kernel, config, split) for x [M, K] at w's shape, or None (not calibrated,
+    or the tensor-core kernel's pick with x not bf16: quant_linear's default route)."""
+    M = x.shape[0]
+    hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_TC_MAX_M else None
+    return None if hit is not None and hit[0] == "tc" and x.dtype != torch.bfloat16 else hit
+
+
+def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> torch.Tensor:
+    """x @ int4 weights through a (kernel, config, split) of calibrate_w4."""
+    kernel, cfg, split = choice
+    if kernel == "tc":
+        return w4a16_gemv_tc(x, w, config=cfg, split_k=split)
+    return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
+
+
+def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
+    """Time every (kernel, config, split) of the decode GEMVs (the FMA kernel and the tensor-core
+    kernel) per (M bucket, shape) in CUDA graphs of back-to-back calls over L2-busting random
+    weights of the same layout, and keep the fastest for quant_linear (a few seconds at start-up,
+    before graph capture; GPU only). Returns {(m, N, K): (kernel, config, split, us)}."""
     from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
     device = torch.device(device)
@@ -372,7 +406,7 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
     result = {}
 
     def usable(w):
-        return w.format == "w4a16" and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0
+        return w.format == "w4a16" and w.g_idx_trivial and any(_w4_candidates(m, w, device) for m in m_values)
 
     for w, todo in _to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE):
         N, K = w.out_features, w.in_features
@@ -380,17 +414,18 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4), verbose: bool = False) -> 
         copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1))
                   for _ in range(n_copies)]
         for m in todo:
+            candidates = _w4_candidates(m, w, device)
+            if not candidates:
+                continue
             x = torch.randn(m, K, device=device).to(torch.bfloat16)
             best = None
-            for cfg in W4_FMA_CONFIGS[m]:
-                for split in _w4_splits(N, K, cfg[0], cfg[1], device):
-                    t = graph_time_us(lambda i: w4a16_gemv_fma(x, copies[i % n_copies], config=cfg, split_k=split),
-                                      calls=max(8, n_copies))
-                    if verbose:
-                        print(f"  w4 M={m} N={N} K={K} {cfg} split {split}: {t:.1f} us")
-                    if best is None or t < best[2]:
-                        best = (cfg, split, t)
-            _W4_TABLE[_w4_key(m, w, device)] = best[:2]
+            for choice in candidates:
+                t = graph_time_us(lambda i: w4a16_decode(x, copies[i % n_copies], choice), calls=max(8, n_copies))
+                if verbose:
+                    print(f"  w4 M={m} N={N} K={K} {choice[0]} {choice[1]} split {choice[2]}: {t:.1f} us")
+                if best is None or t < best[3]:
+                    best = (*choice, t)
+            _W4_TABLE[_w4_key(m, w, device)] = best[:3]
             result[(m, N, K)] = best
         del copies
     for w in weights:  # shapes calibrated before (or skipped above) report their recorded choice
