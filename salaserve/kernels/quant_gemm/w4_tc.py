@@ -55,6 +55,18 @@ def _nibble_pairs_minus_zero(qs, zz, z, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _w4_tc_subdot(qw, j: tl.constexpr, zz, z, xj, part, BLOCK_R: tl.constexpr, USE_ASM: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """part += (nibbles j and j + 4 of the packed tile, minus the zero) @ xj, xj being x^T in the
+    sub-dot's K' order."""
+    lo, hi = _nibble_pairs_minus_zero(qw >> (4 * j), zz, z[:, None], USE_ASM)
+    w = tl.reshape(tl.join(lo, hi), (qw.shape[0], 2 * BLOCK_R))
+    if DOT_FP32:
+        return tl.dot(w.to(tl.float32), xj.to(tl.float32), part, input_precision="ieee")
+    return tl.dot(w, xj, part)
+
+
+@triton.jit
 def _w4_gemv_tc_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_om, stride_zg,
@@ -86,6 +98,14 @@ def _w4_gemv_tc_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # x^T of the next tile is loaded while this one is consumed (by hand: Triton's pipeliner leaves
+    # these gathers alone, and each sub-dot would otherwise wait out an L2 round trip); past the
+    # split's end it re-reads the last tile (never used)
+    r_last = tl.maximum(r_end - BLOCK_R, r_begin)
+    x0 = tl.load(x_tile + r_begin * 8)
+    x1 = tl.load(x_tile + r_begin * 8 + 1)
+    x2 = tl.load(x_tile + r_begin * 8 + 2)
+    x3 = tl.load(x_tile + r_begin * 8 + 3)
     for r0 in range(r_begin, r_end, BLOCK_R):
         qw = tl.load(w_tile + r0 * N)
         g = (r0 * 8) // GROUP_SIZE
@@ -93,16 +113,17 @@ def _w4_gemv_tc_kernel(
         z = (tl.load(qzeros_ptr + g * stride_zg + offs_n // 8) >> z_shift) & 0xF
         zb = z | BF16_128
         zz = (zb | (zb << 16))[:, None]
-        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for j in tl.static_range(4):
-            lo, hi = _nibble_pairs_minus_zero(qw >> (4 * j), zz, z[:, None], USE_ASM)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * BLOCK_R))
-            xj = tl.load(x_tile + (r0 * 8 + j))
-            if DOT_FP32:
-                part = tl.dot(w.to(tl.float32), xj.to(tl.float32), part, input_precision="ieee")
-            else:
-                part = tl.dot(w, xj, part)
+        x_next = x_tile + tl.minimum(r0 + BLOCK_R, r_last) * 8
+        n0 = tl.load(x_next)
+        n1 = tl.load(x_next + 1)
+        n2 = tl.load(x_next + 2)
+        n3 = tl.load(x_next + 3)
+        part = _w4_tc_subdot(qw, 0, zz, z, x0, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), BLOCK_R, USE_ASM, DOT_FP32)
+        part = _w4_tc_subdot(qw, 1, zz, z, x1, part, BLOCK_R, USE_ASM, DOT_FP32)
+        part = _w4_tc_subdot(qw, 2, zz, z, x2, part, BLOCK_R, USE_ASM, DOT_FP32)
+        part = _w4_tc_subdot(qw, 3, zz, z, x3, part, BLOCK_R, USE_ASM, DOT_FP32)
         acc += part * s[:, None]
+        x0, x1, x2, x3 = n0, n1, n2, n3
     _store_output(tl.trans(acc), m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
