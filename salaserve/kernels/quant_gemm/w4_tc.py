@@ -1,5 +1,8 @@
-"""The int4 decode GEMV on tensor cores (`w4a16_gemv_tc`, M <= 16): a candidate of the start-up
-calibration beside the FMA kernel (w4_fma.py), for decode and verify sizes.
+"""The int4 decode GEMV on tensor cores (`w4a16_gemv_tc`, M <= 16): the start-up calibration's
+candidate for 5-16 rows (decode batches, speculative verify), where the FMA kernel (w4_fma.py)
+does not go. At 1-4 rows the FMA kernel is 1.5-1.7x faster at every shape (BENCHMARKS runs
+63-64): this kernel runs at ~0.8-1.4 TB/s of weights whatever M is, its four sub-dots per tile
+each waiting for the previous wgmma (Triton serialises dots whose A operand is in registers).
 
 The weight tile is the dot's left operand, [BLOCK_N, K'] (BLOCK_N >= 64 rows: Hopper's wgmma
 minimum), and x^T the right one ([K', 16]: x's rows clamped to the last real one, never stored).
@@ -127,8 +130,10 @@ def _w4_gemv_tc_kernel(
     _store_output(tl.trans(acc), m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
-# (BLOCK_N, BLOCK_R, num_warps, num_stages): each checked by an sm_90 compile (no spills)
-W4_TC_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4), (256, 16, 8, 3), (256, 16, 8, 4))
+# (BLOCK_N, BLOCK_R, num_warps, num_stages): checked by an sm_90 compile (no spills). Runs 63-64
+# timed (128, 16, 4, 3|4) and (256, 16, 8, 3|4): the first won or tied at every shape (4 stages
+# within 3%, 256 columns 1.2-1.5x slower). (64, 16, 4, 4) put a bf16 weight tile in shared memory.
+W4_TC_CONFIGS = ((128, 16, 4, 3),)
 
 
 def w4_tc_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
