@@ -450,6 +450,8 @@ class EngineArgs:
     speculative_ngram_min: int = 1
     enable_cuda_graph: bool = True
     overlap_schedule: bool = True  # launch step N+1 before step N's tokens reach the host
+    prefix_cache_slots: int = 4  # prompts kept for reuse as prefixes (a Lightning state slot each); 0: off
+    prefix_cache_min_tokens: int = 256  # shorter prompts are not kept
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     log_level: str = "info"
 
@@ -464,6 +466,10 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.prefix_cache_slots < 0:
+            raise ValueError(f"prefix_cache_slots must be >= 0, got {self.prefix_cache_slots}")
+        if self.prefix_cache_min_tokens < 1:
+            raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
         if not 0.05 <= self.mem_fraction_static <= 0.99:
             raise ValueError(f"mem_fraction_static must be in [0.05, 0.99], got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

@@ -27,7 +27,8 @@ def test_platform_launch_line_parses():
     assert server.model_name == "/models/sala"  # /v1/models id defaults to the model path
     assert server.enable_metrics and server.skip_server_warmup and server.trust_remote_code
     assert engine.max_running_requests == 32 and engine.chunked_prefill_size == 8192
-    assert len(notices) == 3 and all(n.startswith("note: --") for n in notices)  # one line per ignored flag
+    assert len(notices) == 2 and all(n.startswith("note: --") for n in notices)  # one line per ignored flag
+    assert engine.prefix_cache_slots == 0  # --disable-radix-cache: no prefix cache, as in SGLang
 
 
 def test_flags_map_to_engine_and_server_args():
@@ -42,6 +43,9 @@ def test_flags_map_to_engine_and_server_args():
         (4096, 0.8, "fp8", "dummy")
     assert (engine.device, engine.dtype, engine.backend, engine.max_total_tokens) == ("cpu", "float32", "torch", 2048)
     assert notices == ["note: ignoring arguments salaserve does not know: --some-future-flag x"]
+    assert engine.prefix_cache_slots == 4 and engine.prefix_cache_min_tokens == 256  # the defaults
+    engine, _, _ = parse_args(["--prefix-cache-slots", "2", "--prefix-cache-min-tokens", "64"])
+    assert engine.prefix_cache_slots == 2 and engine.prefix_cache_min_tokens == 64
 
 
 @pytest.mark.parametrize("argv", [["--tp-size", "2"], ["--max-running-requests", "0"], ["--backend", "cuda"],

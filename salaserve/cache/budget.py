@@ -49,8 +49,9 @@ def plan_caches(cfg: ModelConfig, args: EngineArgs, device: torch.device, kv_dty
     page_bytes = (KVPool.bytes_per_page(n_sparse, sc.block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
                   + CompressedKeyPool.bytes_per_page(sc, n_sparse, cfg.num_key_value_heads, cfg.head_dim, comp_dtype))
     slot_bytes = StatePool.bytes_per_slot(n_light, cfg.lightning_nh, cfg.lightning_head_dim, state_dtype)
-    # on CUDA one extra slot (and page) is reserved for the padding rows of graph batches
-    num_slots = args.max_running_requests + (1 if device.type == "cuda" else 0)
+    # on CUDA one extra slot (and page) is reserved for the padding rows of graph batches; the
+    # prefix cache's entries hold slots of their own
+    num_slots = args.max_running_requests + args.prefix_cache_slots + (1 if device.type == "cuda" else 0)
     if args.max_total_tokens is not None:
         num_pages = -(-args.max_total_tokens // sc.block_size)
     elif device.type == "cuda":

@@ -19,6 +19,7 @@ import torch
 
 from salaserve.config import EngineArgs
 from salaserve.engine.grammar import GrammarCompiler
+from salaserve.engine.prefix_cache import CachedPrompt, PrefixCache
 from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
 from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history, read_logprobs
@@ -62,9 +63,11 @@ class Engine:
         self._pending_outputs: list[StepOutput] = []  # produced outside step() (e.g. max_new_tokens=0)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0,
                       "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                      "shared_prefill_tokens": 0}
+                      "shared_prefill_tokens": 0, "cached_prompt_tokens": 0}
         if args.speculative_algorithm == "NGRAM":
             self.scheduler.propose = self._propose_draft
+        self.prefix_cache = PrefixCache(args.prefix_cache_slots, args.prefix_cache_min_tokens)
+        self.scheduler.reclaim = self._reclaim_pages
         # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are
         # read back, so the host's work (scheduling, batch build, outputs) runs while the GPU
         # computes. Off with speculation, whose drafts need the real tokens.
@@ -205,6 +208,7 @@ class Engine:
     # ---- the loop body -----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending_outputs = list(self._pending_outputs), []
+        self._reuse_cached_prompts()
         work, out_of_room = self.scheduler.schedule()
         for req in out_of_room:  # alone and out of pages: it ends here, with what it has
             self._finish(req, None)  # drops a token still in flight first, so num_output counts it out
@@ -232,7 +236,12 @@ class Engine:
                 self._record_prompt_logprobs(req, req.num_computed + lo, logits[row:row + hi - lo])
                 row += hi - lo
             self._advance(req, w.num_tokens)
+            if req.cache_split and req.num_computed == req.cache_split and req.num_output == 0:
+                self._cache_prefix(req, req.cache_split)  # a common prefix with an earlier prompt
+                req.cache_split = 0
             if req.num_computed == len(req.tokens):
+                if req.num_output == 0:
+                    self._cache_prefix(req, req.num_prompt)  # the whole prompt (later turns extend it)
                 if req.score_only:  # scored its prompt: nothing to sample
                     self._finish(req, length_reason(0))
                     outputs.append(self._output(req, []))
@@ -279,11 +288,69 @@ class Engine:
         for w in [w for w in sched.waiting if w.prompt_ids == req.prompt_ids and sched.shares_prefill(w)]:
             if not sched.adopt(w, len(req.pages)):
                 break
-            self.runner.copy_caches(req, w)
+            self.runner.copy_caches(req.pages, req.state_slot, w.pages, w.state_slot)
             self._advance(w, req.num_computed)
             self.stats["shared_prefill_tokens"] += req.num_computed
             twins.append(w)
         return twins
+
+    # ---- prefix cache (engine/prefix_cache.py) ------------------------------------------------
+    def _cache_prefix(self, req: Request, length: int) -> None:
+        """req's caches hold exactly its first `length` prompt tokens now: keep a copy for later
+        prompts that start with them, if they are enough tokens, pages are to spare and a slot is
+        free (the least recently used entry makes room)."""
+        cache, sched = self.prefix_cache, self.scheduler
+        if not cache.wants(req.prompt_ids[:length]):
+            return
+        pages = sched._pages_for(length)
+        # only pages nobody needs soon: one per running request stays free for its next token
+        if sched.kv.allocator.num_free - len(sched.running) < pages:
+            return
+        if len(cache.entries) >= cache.max_entries:
+            self._drop_cached(cache.pop_lru())
+        if not sched.states.num_free:
+            return
+        entry = CachedPrompt(list(req.prompt_ids[:length]), sched.kv.allocator.alloc(pages), sched.states.alloc())
+        self.runner.copy_caches(req.pages[:pages], req.state_slot, entry.pages, entry.state_slot)
+        sched.compressed.on_extend(0, entry.length)
+        cache.add(entry)
+
+    def _drop_cached(self, entry: CachedPrompt) -> None:
+        self.scheduler.kv.allocator.free(entry.pages)
+        self.scheduler.states.free(entry.state_slot)
+        self.scheduler.compressed.on_release(entry.length)
+
+    def _reclaim_pages(self, n: int) -> None:
+        """The scheduler is short of n pages: cached prompts give theirs back, least recently used first."""
+        freed = 0
+        while freed < n and (entry := self.prefix_cache.pop_lru()) is not None:
+            self._drop_cached(entry)
+            freed += len(entry.pages)
+
+    def _reuse_cached_prompts(self) -> None:
+        """Waiting requests whose prompt starts with a cached one start from a copy of it, in
+        queue order, as far as the running limit, slots and pages allow (requests that need
+        per-chunk work, prompt logprobs or scoring, compute their whole prompt); the others get
+        their cache_split (PrefixCache.split_point)."""
+        cache, sched = self.prefix_cache, self.scheduler
+        if not cache.entries or not sched.waiting:
+            return
+        for req in sched.waiting[:sched.max_running]:  # (those that could start soon)
+            if not sched.shares_prefill(req):
+                continue
+            if (entry := cache.lookup(req.prompt_ids)) is None:
+                # no entry is a prefix of it, but its common prefix with one may be long enough to
+                # keep: its prefill pauses there for a snapshot (the next such prompt reuses it)
+                req.cache_split = cache.split_point(req.prompt_ids)
+                continue
+            # pages that are free already: adopt must not reclaim them from the cache (this entry's
+            # among them)
+            if (sched.kv.allocator.num_free - sched._decode_reserve() < len(entry.pages)
+                    or not sched.adopt(req, len(entry.pages))):
+                break
+            self.runner.copy_caches(entry.pages, entry.state_slot, req.pages, req.state_slot)
+            self._advance(req, entry.length)
+            self.stats["cached_prompt_tokens"] += entry.length
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens first + 1 .. first + len(logits) from the logits of positions
@@ -387,15 +454,28 @@ class Engine:
 
     # ---- introspection (tests, metrics) ------------------------------------------------------
     def resource_counters(self) -> dict:
+        """What requests hold (back to its idle value when they are done: the leak checks) and
+        what is free for them. The prefix cache's pages and slots count as free (it gives them
+        back on demand); prefix_cache_counters has them."""
         c = self.runner.caches
+        cached = self.prefix_cache.entries
         return {
-            "pages_used": c.kv.allocator.num_used,
-            "pages_free": c.kv.allocator.num_free,
-            "compressed_entries": c.compressed.entries_in_use,
-            "slots_used": c.states.num_used,
-            "slots_free": c.states.num_free,
+            "pages_used": c.kv.allocator.num_used - self.prefix_cache.num_pages,
+            "pages_free": c.kv.allocator.num_free + self.prefix_cache.num_pages,
+            "compressed_entries": c.compressed.entries_in_use - sum(sum(c.compressed.counts(e.length)) for e in cached),
+            "slots_used": c.states.num_used - len(cached),
+            "slots_free": c.states.num_free + len(cached),
         }
 
+    def prefix_cache_counters(self) -> dict:
+        return {"prefix_cache_entries": len(self.prefix_cache.entries),
+                "prefix_cache_pages": self.prefix_cache.num_pages,
+                "cached_prompt_tokens": self.stats["cached_prompt_tokens"]}
+
     def flush_cache(self) -> bool:
-        """Nothing is cached across requests yet (no prefix cache): succeeds when idle."""
-        return not self.scheduler.has_work and self._inflight is None
+        """Empty the prefix cache; only when idle (False otherwise, nothing changed)."""
+        if self.scheduler.has_work or self._inflight is not None:
+            return False
+        while (entry := self.prefix_cache.pop_lru()) is not None:
+            self._drop_cached(entry)
+        return True

@@ -46,6 +46,9 @@ class Request:
     prompt_lp_next: int = 0
     prompt_lp_sent: bool = False
     score_only: bool = False  # nothing to generate (max_new_tokens 0, or no room): the prompt is only scored
+    # prefix cache: a prefill chunk ends here and the caches are kept as an entry (the prompt's
+    # common prefix with an earlier one, see Engine._reuse_cached_prompts); 0: none
+    cache_split: int = 0
 
     def __post_init__(self):
         if not self.tokens:

@@ -217,16 +217,18 @@ class ModelRunner:
             return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)
 
-    def copy_caches(self, src, dst) -> None:
-        """dst's pages and state slot get src's K/V (and fp8 scales), compressed keys and Lightning
-        state: dst starts where src's computed tokens left it (prefill sharing; same page count)."""
+    def copy_caches(self, src_pages: list[int], src_slot: int, dst_pages: list[int], dst_slot: int) -> None:
+        """dst_pages and dst_slot get the K/V (and fp8 scales), compressed keys and Lightning state
+        of src_pages and src_slot, page for page (prefill sharing, the prefix cache)."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"copy_caches: {len(src_pages)} source pages for {len(dst_pages)}")
         kv, comp, states = self.caches.kv, self.caches.compressed, self.caches.states
-        a = torch.tensor(src.pages, dtype=torch.long, device=self.device)
-        b = torch.tensor(dst.pages, dtype=torch.long, device=self.device)
+        a = torch.tensor(src_pages, dtype=torch.long, device=self.device)
+        b = torch.tensor(dst_pages, dtype=torch.long, device=self.device)
         tensors = [kv.k, kv.v, comp.c1, comp.c2] + ([kv.k_scale, kv.v_scale] if kv.fp8 else [])
         for t in tensors:  # [layers, pages, ...]
             t[:, b] = t[:, a]
-        states.state[dst.state_slot] = states.state[src.state_slot]
+        states.state[dst_slot] = states.state[src_slot]
 
     def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
         """After a verify step (before the next forward): advance the Lightning states of the

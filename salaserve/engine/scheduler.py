@@ -50,6 +50,9 @@ class Scheduler:
         # speculative decoding: returns draft tokens for a decoding request (given the number of
         # decoding requests this step), or None when speculation is off
         self.propose: Callable[[Request, int], list[int]] | None = None
+        # called with a number of pages when fewer are free: gives back pages held for later use
+        # (the engine's prefix cache), before anything running is preempted
+        self.reclaim: Callable[[int], None] | None = None
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -61,8 +64,10 @@ class Scheduler:
         """Start a waiting request now with `pages` fresh pages and a state slot, its prefill to be
         copied in by the caller (prefill sharing); False, and nothing changed, if the running
         limit, the slots or the pages (one kept per decoding request) do not allow it."""
-        if (req not in self.waiting or len(self.running) >= self.max_running or not self.states.num_free
-                or self.kv.allocator.num_free - self._decode_reserve() < pages):
+        if req not in self.waiting or len(self.running) >= self.max_running or not self.states.num_free:
+            return False
+        reserve = self._decode_reserve()
+        if self._num_free_pages(pages + reserve) - reserve < pages:
             return False
         self.waiting.remove(req)
         req.state_slot = self.states.alloc()
@@ -100,11 +105,19 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _num_free_pages(self, want: int) -> int:
+        """Free pages, once pages held for later use were reclaimed if fewer than `want` are free."""
+        free = self.kv.allocator.num_free
+        if free < want and self.reclaim is not None:
+            self.reclaim(want - free)
+            free = self.kv.allocator.num_free
+        return free
+
     def _grow(self, req: Request, new_len: int) -> bool:
         need = self._pages_for(new_len) - len(req.pages)
         if need <= 0:
             return True
-        if need > self.kv.allocator.num_free:
+        if need > self._num_free_pages(need):
             return False
         req.pages.extend(self.kv.allocator.alloc(need))
         return True
@@ -158,8 +171,10 @@ class Scheduler:
             if self._awaits_twin(req):
                 i += 1
                 continue
-            room = (self.kv.allocator.num_free - self._decode_reserve()) * self.block_size
-            n = min(req.num_pending, budget, room, self._chunk_cap(req))
+            reserve = self._decode_reserve()
+            want = min(req.num_pending, budget, self._chunk_cap(req))
+            room = (self._num_free_pages(self._pages_for(want) + reserve) - reserve) * self.block_size
+            n = min(want, room)
             if n <= 0:
                 break
             self.waiting.pop(i)
@@ -203,15 +218,20 @@ class Scheduler:
 
     def _chunk_cap(self, req: Request) -> int:
         """Chunks that compute prompt logprobs hold a logits row per token from position
-        prompt_lp_next - 1 on ([tokens, vocab] fp32): at most prompt_logprob_chunk such rows."""
-        if not req.prompt_lp_pending:
-            return 1 << 62
-        return max(req.prompt_lp_next - 1 - req.num_computed, 0) + self.prompt_logprob_chunk
+        prompt_lp_next - 1 on ([tokens, vocab] fp32): at most prompt_logprob_chunk such rows. A
+        chunk ends at the request's cache_split (the prefix cache snapshots the caches there)."""
+        cap = 1 << 62
+        if req.prompt_lp_pending:
+            cap = max(req.prompt_lp_next - 1 - req.num_computed, 0) + self.prompt_logprob_chunk
+        if req.num_computed < req.cache_split:
+            cap = min(cap, req.cache_split - req.num_computed)
+        return cap
 
     def _fit(self, req: Request, n: int) -> int:
         """Grow req's pages for up to n more tokens; returns how many fit (0 = none now)."""
         start = req.num_computed
-        room = (len(req.pages) + self.kv.allocator.num_free) * self.block_size - start
+        free = self._num_free_pages(self._pages_for(start + n) - len(req.pages))
+        room = (len(req.pages) + free) * self.block_size - start
         n = max(0, min(n, room))
         if n and not self._grow(req, start + n):
             raise AssertionError("page accounting out of sync")

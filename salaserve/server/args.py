@@ -16,7 +16,6 @@ from salaserve.config import EngineArgs
 
 # flag dest -> why it is ignored (printed once at start-up when the flag is given)
 IGNORED_FLAGS = {
-    "disable_radix_cache": "salaserve keeps no prefix cache across requests, so there is nothing to disable",
     "attention_backend": "salaserve picks its own attention kernels (see --backend)",
     "dense_as_sparse": "salaserve decides dense vs sparse attention per sequence from the model's dense_len",
 }
@@ -67,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     a("--trust-remote-code", action="store_true")
-    a("--disable-radix-cache", action="store_true")
+    a("--disable-radix-cache", action="store_true", help="no prefix cache (same as --prefix-cache-slots 0)")
     a("--attention-backend", default=None)
     a("--skip-server-warmup", action="store_true")
     a("--dense-as-sparse", action="store_true")
@@ -91,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     a("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
     a("--max-request-mb", type=float, default=64.0, help="largest accepted request body, in MiB")
+    a("--prefix-cache-slots", type=int, default=EngineArgs.prefix_cache_slots,
+      help="prompts kept for reuse as prefixes of later prompts (one Lightning state slot each); 0: off")
+    a("--prefix-cache-min-tokens", type=int, default=EngineArgs.prefix_cache_min_tokens,
+      help="shortest prompt kept in the prefix cache")
     return p
 
 
@@ -121,6 +124,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         speculative_max_batch=ns.speculative_max_batch, enable_cuda_graph=not ns.disable_cuda_graph,
         overlap_schedule=not ns.disable_overlap_schedule,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
+        prefix_cache_slots=0 if ns.disable_radix_cache else ns.prefix_cache_slots,
+        prefix_cache_min_tokens=ns.prefix_cache_min_tokens,
     )
     try:
         engine.validate()

@@ -158,6 +158,7 @@ class EngineWorker:
             "num_queue_reqs": len(sched.waiting),
             "num_preemptions": sched.num_preemptions,
             **self.engine.resource_counters(),
+            **self.engine.prefix_cache_counters(),
             **{f"engine_{k}": v for k, v in engine_stats.items() if k != SPEC_ACCEPT_KEY},
         }
         accept = self.engine.avg_spec_accept_length

@@ -32,7 +32,8 @@ class EngineGauges(Collector):
             "num_used_tokens": ("KV cache tokens in use.", pages_used * info.get("page_size", 1)),
             "token_usage": ("Share of the KV cache in use.", pages_used / num_pages),
             "gen_throughput": ("Generated tokens per second (recent).", self.client.throughput.value()),
-            "cache_hit_rate": ("Prefix cache hit rate (no prefix cache: 0).", 0.0),
+            "cache_hit_rate": ("Share of prompt tokens taken from the prefix cache.",
+                               stats.get("engine_cached_prompt_tokens", 0) / max(stats.get("engine_prompt_tokens", 0), 1)),
             "max_total_num_tokens": ("KV cache capacity in tokens.", info.get("max_total_num_tokens", 0)),
             "num_used_state_slots": ("Lightning state slots in use.", stats.get("slots_used", 0)),
         }

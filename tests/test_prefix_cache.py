@@ -1,0 +1,153 @@
+"""The prefix cache (engine/prefix_cache.py): prompts that extend a cached prompt, or share a
+cached common prefix, prefill only the rest and produce what an engine without the cache does;
+entries give their pages back under pressure, before anything running is preempted; nothing leaks."""
+
+import random
+
+import pytest
+import torch
+
+from salaserve.engine.engine import Engine
+from salaserve.engine.prefix_cache import PrefixCache, _common_prefix
+from salaserve.engine.sampling_params import SamplingParams
+
+LOGPROB_TOL = 1e-4  # fp32: the cached and uncached runs differ only in where prefill chunks end
+
+
+def make_engine(model_dir, **kw):
+    kw = dict(dict(device="cpu", dtype="float32", backend="torch", chunked_prefill_size=64,
+                   max_running_requests=4, prefix_cache_min_tokens=40), **kw)
+    return Engine(model=model_dir, **kw)
+
+
+def run(engine, rid, prompt, n):
+    """One greedy request alone to completion: (tokens, their logprobs)."""
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, logprobs=True))
+    toks, lps = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks += o.new_token_ids
+            lps += [lp for lp, _ in (o.logprobs or [])]
+    return toks, lps
+
+
+def test_common_prefix_bisection():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(0, 50)
+        a = [rng.randrange(3) for _ in range(n)]
+        b = a[:rng.randrange(0, n + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 5))]
+        want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        assert _common_prefix(a, b, min(len(a), len(b))) == want
+
+
+def test_entries_lookup_split_and_lru():
+    c = PrefixCache(max_entries=2, min_tokens=3)
+    from salaserve.engine.prefix_cache import CachedPrompt
+
+    assert c.wants([1, 2, 3, 4]) and not c.wants([1, 2])  # too short
+    c.add(CachedPrompt([1, 2, 3, 4], [0], 0))
+    assert not c.wants([1, 2, 3, 4])  # held already
+    assert c.lookup([1, 2, 3, 4]) is None  # not a proper prefix: the request needs a token of its own
+    assert c.lookup([1, 2, 3, 4, 5]).tokens == [1, 2, 3, 4]
+    assert c.split_point([1, 2, 3, 9, 9]) == 3 and c.split_point([1, 2, 9]) == 0  # 2 < min_tokens
+    c.add(CachedPrompt([7, 7, 7], [1], 1))
+    c.lookup([1, 2, 3, 4, 0])  # touches the first entry: the second is now the least recently used
+    assert c.pop_lru().tokens == [7, 7, 7] and c.num_pages == 1
+
+
+def test_cached_prefixes_give_the_uncached_outputs(tiny_model_dir):
+    """A system prompt shared by four questions, then a second turn of the first conversation:
+    the second question's prefill pauses at the shared prefix for a snapshot, the third and fourth
+    start from it, the second turn starts from the whole first prompt; the tokens and logprobs
+    equal an engine without the cache; everything is given back."""
+    # 8 entries: none is evicted here (4 whole prompts and the system prompt, then the second turn)
+    cached, plain = make_engine(tiny_model_dir, prefix_cache_slots=8), make_engine(tiny_model_dir, prefix_cache_slots=0)
+    initial = cached.resource_counters()
+    rng = random.Random(1)
+    vocab = cached.cfg.vocab_size
+    system = [rng.randrange(3, vocab - 8) for _ in range(150)]
+    questions = [[rng.randrange(3, vocab - 8) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    prompts = [system + q for q in questions]
+    saved = []
+    for i, p in enumerate(prompts):
+        before = cached.stats["cached_prompt_tokens"]
+        got, want = run(cached, f"q{i}", p, 12), run(plain, f"q{i}", p, 12)
+        assert got[0] == want[0], i
+        assert max(abs(a - b) for a, b in zip(got[1], want[1])) < LOGPROB_TOL, i
+        saved.append(cached.stats["cached_prompt_tokens"] - before)
+        if i == 0:
+            answer = got[0]
+    assert saved[:2] == [0, 0] and saved[2] >= len(system) and saved[3] >= len(system)
+    second_turn = prompts[0] + answer + [rng.randrange(3, vocab - 8) for _ in range(20)]
+    before = cached.stats["cached_prompt_tokens"]
+    got, want = run(cached, "turn2", second_turn, 12), run(plain, "turn2", second_turn, 12)
+    assert got[0] == want[0] and max(abs(a - b) for a, b in zip(got[1], want[1])) < LOGPROB_TOL
+    assert cached.stats["cached_prompt_tokens"] - before == len(prompts[0])  # the whole first prompt
+    assert plain.stats["cached_prompt_tokens"] == 0
+    assert cached.resource_counters() == initial
+    c = cached.runner.caches
+    assert cached.prefix_cache.entries and c.kv.allocator.num_used == cached.prefix_cache.num_pages
+    assert cached.flush_cache() and not cached.prefix_cache.entries
+    assert c.kv.allocator.num_used == 0 and c.compressed.entries_in_use == 0
+    assert c.states.num_free == c.states.num_slots
+
+
+def test_concurrent_requests_under_page_pressure(tiny_model_dir):
+    """Many requests over a few shared prefixes, concurrently, in a page pool too small to keep
+    every entry: entries give their pages back when the scheduler is short (no preemption caused
+    by the cache), the outputs equal the uncached engine's, and nothing leaks."""
+    kw = dict(max_total_tokens=640, max_running_requests=4)
+    cached, plain = make_engine(tiny_model_dir, **kw), make_engine(tiny_model_dir, prefix_cache_slots=0, **kw)
+    reclaims, preempted_with_entries = [], []
+    real_reclaim, real_preempt = cached._reclaim_pages, cached.scheduler._preempt
+    cached.scheduler.reclaim = lambda n: reclaims.append(n) or real_reclaim(n)
+
+    def preempt(victim):  # the cache gives everything back before a running request is preempted
+        preempted_with_entries.append(len(cached.prefix_cache.entries))
+        real_preempt(victim)
+
+    cached.scheduler._preempt = preempt
+    rng = random.Random(2)
+    vocab = cached.cfg.vocab_size
+    heads = [[rng.randrange(3, vocab - 8) for _ in range(rng.randrange(60, 200))] for _ in range(3)]
+    prompts = [rng.choice(heads) + [rng.randrange(3, vocab - 8) for _ in range(rng.randrange(1, 60))]
+               for _ in range(24)]
+    outs = {}
+    for eng in (cached, plain):
+        initial = eng.resource_counters()
+        res = {}
+        for step in range(100000):
+            if step < 48 and step % 2 == 0:
+                i = step // 2
+                eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_new_tokens=rng.randrange(1, 80)
+                                                                    if eng is cached else len(outs["cached"][f"r{i}"]),
+                                                                    ignore_eos=True))
+            for o in eng.step():
+                res.setdefault(o.rid, []).extend(o.new_token_ids)
+            c = eng.runner.caches
+            assert c.kv.allocator.num_used == eng.resource_counters()["pages_used"] + eng.prefix_cache.num_pages
+            if step >= 48 and not eng.has_unfinished():
+                break
+        outs["cached" if eng is cached else "plain"] = res
+        assert eng.resource_counters() == initial
+    assert outs["cached"] == outs["plain"]
+    assert cached.stats["cached_prompt_tokens"] > 0 and reclaims
+    assert preempted_with_entries and not any(preempted_with_entries), preempted_with_entries
+    print(f"reclaims {len(reclaims)}, preemptions {cached.scheduler.num_preemptions} (uncached {plain.scheduler.num_preemptions}), "
+          f"cached prompt tokens {cached.stats['cached_prompt_tokens']}")
+
+
+def test_requests_with_prompt_logprobs_compute_their_whole_prompt(tiny_model_dir):
+    eng = make_engine(tiny_model_dir)
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, eng.cfg.vocab_size - 8) for _ in range(100)]
+    run(eng, "a", prompt, 4)
+    assert eng.prefix_cache.entries
+    longer = prompt + [5, 6, 7]
+    eng.add_request("b", longer, SamplingParams(max_new_tokens=1, logprob_start_len=0))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["cached_prompt_tokens"] == 0
+    run(eng, "c", longer, 2)
+    assert eng.stats["cached_prompt_tokens"] == 100
