@@ -1,6 +1,7 @@
 """Every request feature at once, under preemption and random aborts, with and without speculative
 decoding: prompt logprobs, logit_bias, grammars, penalties, seeds, greedy, twins (repeated prompts,
-which may start from a copy of a prefill). Each finished request keeps its feature's promise,
+which may start from a copy of a prefill), prompts that extend or share a prefix with earlier ones
+(the prefix cache). Each finished request keeps its feature's promise,
 greedy plain requests equal their solo runs, and every page, state slot and compressed entry
 comes back."""
 
@@ -32,10 +33,17 @@ def solo(model_dir, prompt, params):
 def random_request(rng, vocab, earlier):
     prompt = [rng.randrange(3, vocab - 8) for _ in range(rng.randrange(2, 200))]
     kind = rng.choice(["greedy", "sampled", "penalised", "prompt_lp", "score_only", "bias", "regex", "twin"])
+    if rng.random() < 0.3:
+        kind = rng.choice(["extend", "share"])
     if kind == "twin" and earlier:  # an earlier prompt again: may start from a copy of its prefill
         return "greedy", list(rng.choice(earlier)), P(temperature=0.0, max_new_tokens=rng.randrange(1, 40),
                                                       ignore_eos=True)
-    kind = "greedy" if kind == "twin" else kind
+    if kind in ("extend", "share") and earlier:  # a recent prompt, or a part of it, then new tokens
+        head = list(rng.choice(earlier[-3:]))
+        head = head if kind == "extend" else head[:rng.randrange(1, len(head) + 1)]
+        return "greedy", head + prompt[:rng.randrange(1, 40)], P(temperature=0.0, max_new_tokens=rng.randrange(1, 40),
+                                                                 ignore_eos=True)
+    kind = "greedy" if kind in ("twin", "extend", "share") else kind
     new = rng.randrange(1, 40)
     if kind == "greedy":
         return kind, prompt, P(temperature=0.0, max_new_tokens=new, ignore_eos=True)
@@ -57,7 +65,8 @@ def test_every_feature_at_once_under_pressure(tiny_model_dir, spec):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    eng = make(tiny_model_dir, spec, max_total_tokens=640)  # 40 pages of 16: preemption
+    # 40 pages of 16: preemption; prompts of 24+ tokens kept in the prefix cache
+    eng = make(tiny_model_dir, spec, max_total_tokens=640, prefix_cache_min_tokens=24)
     eng.scheduler.prompt_logprob_chunk = 24
     initial = eng.resource_counters()
     rng = random.Random(17 + spec)
@@ -81,6 +90,7 @@ def test_every_feature_at_once_under_pressure(tiny_model_dir, spec):
     assert not eng.has_unfinished()
     assert eng.resource_counters() == initial
     assert eng.scheduler.num_preemptions > 0 and len(aborted) >= 2
+    assert eng.flush_cache() and eng.runner.caches.kv.allocator.num_used == initial["pages_used"]
     checked = set()
     for rid, (kind, prompt, params) in reqs.items():
         if rid in aborted:

@@ -93,11 +93,14 @@ def test_cached_prefixes_give_the_uncached_outputs(tiny_model_dir):
     assert c.states.num_free == c.states.num_slots
 
 
-def test_concurrent_requests_under_page_pressure(tiny_model_dir):
+@pytest.mark.parametrize("spec", [False, True])
+def test_concurrent_requests_under_page_pressure(tiny_model_dir, spec):
     """Many requests over a few shared prefixes, concurrently, in a page pool too small to keep
-    every entry: entries give their pages back when the scheduler is short (no preemption caused
-    by the cache), the outputs equal the uncached engine's, and nothing leaks."""
-    kw = dict(max_total_tokens=640, max_running_requests=4)
+    every entry, with and without speculative decoding: entries give their pages back when the
+    scheduler is short (before any preemption), the outputs equal the uncached engine's, and
+    nothing leaks."""
+    kw = dict(max_total_tokens=640, max_running_requests=4,
+              **(dict(speculative_algorithm="NGRAM", speculative_max_batch=4) if spec else {}))
     cached, plain = make_engine(tiny_model_dir, **kw), make_engine(tiny_model_dir, prefix_cache_slots=0, **kw)
     reclaims, preempted_with_entries = [], []
     real_reclaim, real_preempt = cached._reclaim_pages, cached.scheduler._preempt
