@@ -166,6 +166,31 @@ def test_structured_output_in_graph_batches(engine):
     assert len(toks["plain"]) == 24
 
 
+def test_prefix_cache_reuses_a_system_prompt(engine):
+    """A 9000-token system prompt (sparse attention past dense_len) with three questions: the
+    second's prefill pauses at the shared prefix for a snapshot, the third starts from it; its
+    first-token logits equal those of the same prompt computed whole (cache flushed)."""
+    g = torch.Generator().manual_seed(17)
+    vocab = engine.cfg.vocab_size
+    system = torch.randint(3, vocab - 8, (9000,), generator=g).tolist()
+    questions = [torch.randint(3, vocab - 8, (40,), generator=g).tolist() for _ in range(3)]
+    assert engine.flush_cache()
+    greedy_run(engine, "pc0", system + questions[0], 1)
+    greedy_run(engine, "pc1", system + questions[1], 1)
+    before = engine.stats["cached_prompt_tokens"]
+    _, records = greedy_run(engine, "pc2", system + questions[2], 1)
+    assert engine.stats["cached_prompt_tokens"] - before == len(system)
+    cached = records[-1][1][-1]
+    assert engine.flush_cache()
+    _, records = greedy_run(engine, "pc2-whole", system + questions[2], 1)
+    whole = records[-1][1][-1]
+    rel = ((cached - whole).norm() / whole.norm()).item()
+    print(f"prefix cache, first-token logits after a 9000-token cached prefix vs whole: rel err {rel:.2e}, "
+          f"argmax {int(cached.argmax())} vs {int(whole.argmax())}")
+    assert rel < REL_ERR
+    assert engine.resource_counters()["pages_used"] == 0
+
+
 def test_chunked_prefill_equals_one_shot(full_dir, engine):
     from salaserve.engine.engine import Engine
 
