@@ -175,6 +175,7 @@ def test_prefix_cache_reuses_a_system_prompt(engine):
     system = torch.randint(3, vocab - 8, (9000,), generator=g).tolist()
     questions = [torch.randint(3, vocab - 8, (40,), generator=g).tolist() for _ in range(3)]
     assert engine.flush_cache()
+    initial = engine.resource_counters()  # (on CUDA a scratch page and slot are held for graph padding)
     greedy_run(engine, "pc0", system + questions[0], 1)
     greedy_run(engine, "pc1", system + questions[1], 1)
     before = engine.stats["cached_prompt_tokens"]
@@ -188,7 +189,7 @@ def test_prefix_cache_reuses_a_system_prompt(engine):
     print(f"prefix cache, first-token logits after a 9000-token cached prefix vs whole: rel err {rel:.2e}, "
           f"argmax {int(cached.argmax())} vs {int(whole.argmax())}")
     assert rel < REL_ERR
-    assert engine.resource_counters()["pages_used"] == 0
+    assert engine.resource_counters() == initial
 
 
 def test_chunked_prefill_equals_one_shot(full_dir, engine):
