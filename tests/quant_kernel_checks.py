@@ -34,6 +34,15 @@ def random_w4a16(K, N, gs, act_order, gen):
     )
 
 
+def extreme_w4a16(K, N, gs, gen):
+    """Weights whose codes and zero points are all 0 or 15 (the unpacking tricks' edge bits)."""
+    q = torch.randint(0, 2, (K, N), generator=gen) * 15
+    zeros = torch.randint(0, 2, (K // gs, N), generator=gen) * 15
+    return formats.QuantizedLinearWeights.from_gptq(formats.pack_int4(q), formats.pack_zeros(zeros, "gptq_v2"),
+                                                   torch.rand(K // gs, N, generator=gen).half() * 0.01 + 0.001,
+                                                   None, gs, "gptq_v2")
+
+
 def check(name, y, ref, rtol):
     """Max error relative to the largest reference value must stay under rtol."""
     err = (y.float() - ref.float()).abs().max().item()
@@ -144,12 +153,8 @@ def w4a16_fma_checks(gen):
     y = qg.w4a16_gemv_fma(x, wr, config=(64, 8, 4), split_k=2)
     check("w4a16_gemv_fma reordered act-order", y, linear_ref(x, wr), tol(x.dtype))
     # codes at the extremes (0 and 15) with zeros at the extremes: the mantissa trick's edge bits
-    K, N, gs = 256, 64, 128
-    q = torch.randint(0, 2, (K, N), generator=gen) * 15
-    zeros = torch.randint(0, 2, (K // gs, N), generator=gen) * 15
-    w = formats.QuantizedLinearWeights.from_gptq(formats.pack_int4(q), formats.pack_zeros(zeros, "gptq_v2"),
-                                                torch.rand(K // gs, N, generator=gen).half() * 0.01 + 0.001,
-                                                None, gs, "gptq_v2")
+    K = 256
+    w = extreme_w4a16(K, 64, 128, gen)
     x = torch.randn(1, K, generator=gen)
     check("w4a16_gemv_fma extreme codes", qg.w4a16_gemv_fma(x, w, split_k=2), linear_ref(x, w), tol(x.dtype))
     refused("act-order weights without reordering", qg.w4a16_gemv_fma, torch.randn(1, 256),
@@ -173,12 +178,8 @@ def w4a16_tc_checks(gen):
                 for split in (1, 2, 4):
                     y = qg.w4a16_gemv_tc(x, w, config=cfg, split_k=split)
                     check(f"w4a16_gemv_tc K={K} N={N} gs={gs} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
-    K, N, gs = 256, 128, 128
-    q = torch.randint(0, 2, (K, N), generator=gen) * 15
-    zeros = torch.randint(0, 2, (K // gs, N), generator=gen) * 15
-    w = formats.QuantizedLinearWeights.from_gptq(formats.pack_int4(q), formats.pack_zeros(zeros, "gptq_v2"),
-                                                torch.rand(K // gs, N, generator=gen).half() * 0.01 + 0.001,
-                                                None, gs, "gptq_v2")
+    K, gs = 256, 128
+    w = extreme_w4a16(K, 128, gs, gen)
     x = torch.randn(2, K, generator=gen).to(torch.bfloat16)
     y = qg.w4a16_gemv_tc(x, w, config=(128, 16, 4, 3), split_k=2)
     check("w4a16_gemv_tc extreme codes", y, linear_ref(x.float(), w), 2 ** -7)
