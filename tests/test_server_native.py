@@ -178,6 +178,24 @@ def test_metrics(client):
     assert float(gen[0].split()[-1]) >= 3
 
 
+def test_prefix_cache_reports_cached_tokens(client):
+    """A prompt that extends an earlier one (the next turn of a conversation) starts from the
+    earlier one's caches: meta_info.cached_tokens says how many prompt tokens were not computed,
+    the output is what the flushed cache gives, and the cache hit rate metric moves."""
+    first = [(7 * i) % 5000 + 3 for i in range(300)]  # >= --prefix-cache-min-tokens (256)
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    out = generate(client, input_ids=first, sampling_params=params)
+    assert out["meta_info"]["cached_tokens"] == 0
+    turn = first + out["output_ids"] + [11, 12, 13]
+    cached = generate(client, input_ids=turn, sampling_params=params)
+    assert cached["meta_info"]["cached_tokens"] == len(first)
+    assert client.post("/flush_cache").status_code == 200
+    whole = generate(client, input_ids=turn, sampling_params=params)
+    assert whole["meta_info"]["cached_tokens"] == 0 and whole["output_ids"] == cached["output_ids"]
+    rate = [line for line in client.get("/metrics").text.splitlines() if line.startswith("sglang:cache_hit_rate")]
+    assert rate and float(rate[0].split()[-1]) > 0
+
+
 def test_abort_request_and_duplicate_rid(client, tiny_server):
     initial = tiny_server.server_info()["initial_counters"]
     body = {"text": "long", "rid": "abort-me", "stream": True,

@@ -156,7 +156,7 @@ class Engine:
                           finish_reason=req.finish_reason, num_prompt=req.num_prompt,
                           num_output=req.num_output if num_output is None else num_output, logprobs=logprobs,
                           spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted,
-                          prompt_logprobs=prompt_lp)
+                          prompt_logprobs=prompt_lp, cached_tokens=req.cached_tokens)
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
@@ -290,6 +290,7 @@ class Engine:
                 break
             self.runner.copy_caches(req.pages, req.state_slot, w.pages, w.state_slot)
             self._advance(w, req.num_computed)
+            w.cached_tokens = req.num_computed
             self.stats["shared_prefill_tokens"] += req.num_computed
             twins.append(w)
         return twins
@@ -350,6 +351,7 @@ class Engine:
                 break
             self.runner.copy_caches(entry.pages, entry.state_slot, req.pages, req.state_slot)
             self._advance(req, entry.length)
+            req.cached_tokens = entry.length
             self.stats["cached_prompt_tokens"] += entry.length
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:

@@ -49,6 +49,7 @@ class Request:
     # prefix cache: a prefill chunk ends here and the caches are kept as an entry (the prompt's
     # common prefix with an earlier one, see Engine._reuse_cached_prompts); 0: none
     cache_split: int = 0
+    cached_tokens: int = 0  # prompt tokens copied in (prefix cache or a twin's prefill), not computed
 
     def __post_init__(self):
         if not self.tokens:
@@ -99,6 +100,7 @@ class StepOutput:
     prompt_logprobs: list | None = None
     spec_verify_ct: int = 0  # cumulative speculative verify steps of the request
     spec_accepted: int = 0  # cumulative accepted draft tokens
+    cached_tokens: int = 0  # prompt tokens the request did not compute (SGLang's meta_info.cached_tokens)
 
 
 def length_reason(n: int) -> dict:

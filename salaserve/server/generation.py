@@ -56,6 +56,7 @@ class Sequence:
         self.in_engine = False  # accepted by the engine (so ours to cancel)
         self.spec_verify_ct = 0  # speculative decoding counters, cumulative (from the engine)
         self.spec_accepted = 0
+        self.cached_tokens = 0  # prompt tokens the engine copied rather than computed
         # (logprob or None, token id, top list or None) per prompt token from logprob_start_len on
         self.prompt_logprobs: list | None = None
 
@@ -111,6 +112,8 @@ class Sequence:
             self.prompt_logprobs = out.prompt_logprobs
         if out.spec_verify_ct:
             self.spec_verify_ct, self.spec_accepted = out.spec_verify_ct, out.spec_accepted
+        if out.cached_tokens:
+            self.cached_tokens = out.cached_tokens
         n = len(out.new_token_ids)
         if n:
             now = time.perf_counter()

@@ -24,7 +24,7 @@ def meta_info(seq: Sequence, return_logprob: bool = False, top_logprobs_num: int
         "weight_version": WEIGHT_VERSION,
         "total_retractions": 0,
         "completion_tokens": seq.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
     }
     if return_logprob:
         def entry(lp, tid):  # (the first prompt token's logprob is None, as SGLang's)
