@@ -154,3 +154,30 @@ def test_requests_with_prompt_logprobs_compute_their_whole_prompt(tiny_model_dir
     assert eng.stats["cached_prompt_tokens"] == 0
     run(eng, "c", longer, 2)
     assert eng.stats["cached_prompt_tokens"] == 100
+
+
+def test_a_preempted_request_resumes_from_a_cached_prompt(tiny_model_dir):
+    """A request preempted after a few tokens recomputes from a cached prompt (its own, kept when
+    its prefill completed) rather than from scratch, and ends as an uncached run does."""
+    eng = make_engine(tiny_model_dir, overlap_schedule=False)
+    plain = make_engine(tiny_model_dir, prefix_cache_slots=0)
+    rng = random.Random(4)
+    head = [rng.randrange(3, eng.cfg.vocab_size - 8) for _ in range(90)]
+    run(eng, "head", head, 2)
+    prompt = head + [5, 6, 7, 8]
+    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, logprobs=True))
+    toks, lps = [], []
+    while len(toks) < 5:
+        for o in eng.step():
+            toks += o.new_token_ids
+            lps += [lp for lp, _ in o.logprobs]
+    assert eng.stats["cached_prompt_tokens"] == len(head)
+    eng.scheduler._preempt(eng.requests["r"])  # as when pages run out
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks += o.new_token_ids
+            lps += [lp for lp, _ in o.logprobs]
+    assert eng.stats["cached_prompt_tokens"] == len(head) + len(prompt)  # then its own whole prompt
+    want_toks, want_lps = run(plain, "r", prompt, 20)
+    assert toks == want_toks and max(abs(a - b) for a, b in zip(lps, want_lps)) < LOGPROB_TOL
+    assert eng.flush_cache() and eng.runner.caches.kv.allocator.num_used == 0

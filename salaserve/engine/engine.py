@@ -329,20 +329,22 @@ class Engine:
             freed += len(entry.pages)
 
     def _reuse_cached_prompts(self) -> None:
-        """Waiting requests whose prompt starts with a cached one start from a copy of it, in
-        queue order, as far as the running limit, slots and pages allow (requests that need
-        per-chunk work, prompt logprobs or scoring, compute their whole prompt); the others get
-        their cache_split (PrefixCache.split_point)."""
+        """Waiting requests whose tokens start with a cached prompt start from a copy of it, in
+        queue order, as far as the running limit, slots and pages allow: new requests, and
+        preempted ones, which then recompute only the rest of their prompt and their output so far
+        (requests that need per-chunk work, prompt logprobs or scoring, compute their whole
+        prompt). New requests without a hit get their cache_split (PrefixCache.split_point)."""
         cache, sched = self.prefix_cache, self.scheduler
         if not cache.entries or not sched.waiting:
             return
         for req in sched.waiting[:sched.max_running]:  # (those that could start soon)
-            if not sched.shares_prefill(req):
+            if not sched.reuses_prefix(req):
                 continue
-            if (entry := cache.lookup(req.prompt_ids)) is None:
+            if (entry := cache.lookup(req.tokens)) is None:
                 # no entry is a prefix of it, but its common prefix with one may be long enough to
                 # keep: its prefill pauses there for a snapshot (the next such prompt reuses it)
-                req.cache_split = cache.split_point(req.prompt_ids)
+                if req.num_output == 0:
+                    req.cache_split = cache.split_point(req.prompt_ids)
                 continue
             # pages that are free already: adopt must not reclaim them from the cache (this entry's
             # among them)

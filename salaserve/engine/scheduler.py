@@ -210,6 +210,13 @@ class Scheduler:
         a fresh prompt without per-chunk work (prompt logprobs, scoring only)."""
         return req.num_output == 0 and req.num_computed == 0 and req.prompt_logprobs is None and not req.score_only
 
+    @staticmethod
+    def reuses_prefix(req: Request) -> bool:
+        """Whether req may start from a copy of a cached prompt prefix (the engine's prefix cache):
+        nothing computed yet (a new request, or one preempted and recomputed from scratch) and no
+        prompt logprobs left to compute or prompt to score."""
+        return req.num_computed == 0 and not req.prompt_lp_pending and not req.score_only
+
     def _awaits_twin(self, req: Request) -> bool:
         """A running request is prefilling req's very prompt: req waits to be handed a copy of it
         (Engine._fork_twins) rather than computing it again."""
