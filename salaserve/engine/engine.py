@@ -338,13 +338,14 @@ class Engine:
         if not cache.entries or not sched.waiting:
             return
         for req in sched.waiting[:sched.max_running]:  # (those that could start soon)
-            if not sched.reuses_prefix(req):
+            if not sched.reuses_prefix(req) or req.prefix_checked == cache.version:
                 continue
             if (entry := cache.lookup(req.tokens)) is None:
                 # no entry is a prefix of it, but its common prefix with one may be long enough to
                 # keep: its prefill pauses there for a snapshot (the next such prompt reuses it)
                 if req.num_output == 0:
                     req.cache_split = cache.split_point(req.prompt_ids)
+                req.prefix_checked = cache.version  # (looked up again only when entries change)
                 continue
             # pages that are free already: adopt must not reclaim them from the cache (this entry's
             # among them)

@@ -42,6 +42,7 @@ class PrefixCache:
         self.min_tokens = min_tokens
         self.entries: list[CachedPrompt] = []
         self._clock = 0
+        self.version = 0  # bumped when entries come or go: a prompt checked at this version needs no new lookup
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +61,9 @@ class PrefixCache:
         its own to compute, whose logits give its first output token), marked as used."""
         best = None
         for e in self.entries:
-            if e.length < len(prompt) and (best is None or e.length > best.length) and prompt[:e.length] == e.tokens:
+            # (first and last tokens before the whole slice: most prompts differ there already)
+            if (e.length < len(prompt) and (best is None or e.length > best.length) and prompt[0] == e.tokens[0]
+                    and prompt[e.length - 1] == e.tokens[-1] and prompt[:e.length] == e.tokens):
                 best = e
         if best is not None:
             self._touch(best)
@@ -93,6 +96,7 @@ class PrefixCache:
             raise RuntimeError("prefix cache full: evict an entry first")
         self._touch(entry)
         self.entries.append(entry)
+        self.version += 1
 
     def pop_lru(self) -> CachedPrompt | None:
         """Remove and return the least recently used entry (its pages and slot for the caller to
@@ -101,6 +105,7 @@ class PrefixCache:
             return None
         entry = min(self.entries, key=lambda e: e.last_used)
         self.entries.remove(entry)
+        self.version += 1
         return entry
 
 

@@ -50,6 +50,7 @@ class Request:
     # common prefix with an earlier one, see Engine._reuse_cached_prompts); 0: none
     cache_split: int = 0
     cached_tokens: int = 0  # prompt tokens copied in (prefix cache or a twin's prefill), not computed
+    prefix_checked: int = -1  # the prefix cache's version when this request last found no entry in it
 
     def __post_init__(self):
         if not self.tokens:
