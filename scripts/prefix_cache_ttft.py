@@ -1,0 +1,63 @@
+"""Time to first token with and without the prefix cache, on the CPU (tiny model, fp32).
+
+    .venv/bin/python scripts/prefix_cache_ttft.py [--system 3000] [--questions 6] [--turns 3]
+
+A system prompt shared by several questions, then a conversation whose turns extend each other;
+each request alone, max_new_tokens=1, wall time from add_request to its first token. Prints the
+per-request times and the tokens the cache supplied, for an engine with the cache and without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from salaserve.engine.engine import Engine
+from salaserve.engine.sampling_params import SamplingParams
+from salaserve.model.checkpoint import write_checkpoint
+
+
+def first_token_ms(eng, rid, prompt):
+    t0 = time.perf_counter()
+    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
+    out = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out += o.new_token_ids
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--system", type=int, default=3000)
+    ap.add_argument("--questions", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=3)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    d = tempfile.mkdtemp()
+    write_checkpoint(d, "tiny", seed=0)
+    rng = random.Random(0)
+    system = [rng.randrange(3, 8000) for _ in range(a.system)]
+    questions = [system + [rng.randrange(3, 8000) for _ in range(50)] for _ in range(a.questions)]
+    for slots in (4, 0):
+        eng = Engine(model=d, device="cpu", dtype="float32", backend="torch", chunked_prefill_size=512,
+                     prefix_cache_slots=slots)
+        times = [first_token_ms(eng, f"q{i}", q)[0] for i, q in enumerate(questions)]
+        convo, turn_times = list(questions[0]), []
+        for t in range(a.turns):
+            convo += [rng.randrange(3, 8000) for _ in range(40)]
+            ms, out = first_token_ms(eng, f"t{t}", convo)
+            turn_times.append(ms)
+            convo += out
+        print(f"prefix cache slots {slots}: questions {' '.join(f'{t:.0f}' for t in times)} ms "
+              f"(median of 3rd on {statistics.median(times[2:]):.0f}); turns {' '.join(f'{t:.0f}' for t in turn_times)} ms; "
+              f"cached prompt tokens {eng.stats['cached_prompt_tokens']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
