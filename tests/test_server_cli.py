@@ -118,3 +118,22 @@ def test_engine_start_failure_exits_with_status_1(tmp_path):
                        env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert r.returncode == 1, r.stderr[-2000:]
     assert "salaserve serve: stopped:" in r.stderr
+
+
+def test_cache_report_flag_fills_openai_usage():
+    """--enable-cache-report (SGLang's flag): OpenAI usage carries prompt_tokens_details.cached_tokens,
+    one count per distinct prompt (n samples of a prompt share it); without it, details are null."""
+    from types import SimpleNamespace
+
+    from salaserve.server.responses import group_usage
+
+    _, server, notices = parse_args(["--enable-cache-report"])
+    assert server.enable_cache_report and not notices
+    assert not parse_args([])[1].enable_cache_report
+    shared, other = [1] * 300, [2] * 50
+    seqs = [SimpleNamespace(prompt_ids=shared, prompt_tokens=300, completion_tokens=4, cached_tokens=256),
+            SimpleNamespace(prompt_ids=shared, prompt_tokens=300, completion_tokens=5, cached_tokens=300),
+            SimpleNamespace(prompt_ids=other, prompt_tokens=50, completion_tokens=1, cached_tokens=0)]
+    assert group_usage(seqs, True) == {"prompt_tokens": 350, "completion_tokens": 10, "total_tokens": 360,
+                                       "prompt_tokens_details": {"cached_tokens": 300}, "reasoning_tokens": 0}
+    assert group_usage(seqs)["prompt_tokens_details"] is None

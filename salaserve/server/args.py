@@ -35,6 +35,7 @@ class ServerArgs:
     trust_remote_code: bool = False
     stream_interval: int = 1  # tokens between streamed events (SGLang's --stream-interval)
     max_request_bytes: int = 64 * 2**20  # request bodies beyond this get 413
+    enable_cache_report: bool = False  # OpenAI usage.prompt_tokens_details.cached_tokens (SGLang's flag)
     log_level: str = "info"
 
     @property
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     a("--trust-remote-code", action="store_true")
     a("--disable-radix-cache", action="store_true", help="no prefix cache (same as --prefix-cache-slots 0)")
+    a("--enable-cache-report", action="store_true",
+      help="report the prompt tokens taken from the prefix cache in OpenAI usage.prompt_tokens_details")
     a("--attention-backend", default=None)
     a("--skip-server-warmup", action="store_true")
     a("--dense-as-sparse", action="store_true")
@@ -136,5 +139,6 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         api_key=ns.api_key, enable_metrics=ns.enable_metrics, skip_server_warmup=ns.skip_server_warmup,
         trust_remote_code=ns.trust_remote_code, stream_interval=ns.stream_interval,
         max_request_bytes=int(ns.max_request_mb * 2**20), log_level=ns.log_level,
+        enable_cache_report=ns.enable_cache_report,
     )
     return engine, server, notices

@@ -64,18 +64,23 @@ def matched_stop(seq: Sequence):
     return r.get("matched") if r and r.get("type") == "stop" else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI usage; cached_tokens (with --enable-cache-report, as SGLang) fills prompt_tokens_details."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
             "reasoning_tokens": 0}
 
 
-def group_usage(seqs: list[Sequence]) -> dict:
-    """Each distinct prompt counted once (not once per `n` sample), completions summed."""
-    prompts = {}
+def group_usage(seqs: list[Sequence], cache_report: bool = False) -> dict:
+    """Each distinct prompt counted once (not once per `n` sample), completions summed; with
+    cache_report, the cached prompt tokens of each distinct prompt (its best sample's)."""
+    prompts, cached = {}, {}
     for s in seqs:
         prompts.setdefault(id(s.prompt_ids), s.prompt_tokens)
-    return usage(sum(prompts.values()), sum(s.completion_tokens for s in seqs))
+        cached[id(s.prompt_ids)] = max(cached.get(id(s.prompt_ids), 0), s.cached_tokens)
+    return usage(sum(prompts.values()), sum(s.completion_tokens for s in seqs),
+                 sum(cached.values()) if cache_report else None)
 
 
 def completion_logprobs(pairs: list, token_ids: list[int], token_text, offset: int = 0) -> dict:

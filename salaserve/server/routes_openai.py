@@ -188,7 +188,7 @@ async def completions(request: Request):
     choices = [{"index": s.index, "text": echo[s.index] + s.text,
                 "logprobs": logprobs_of(s, s.logprobs, s.token_ids, len(echo[s.index]), with_prompt=req.echo),
                 "finish_reason": openai_finish_reason(s), "matched_stop": matched_stop(s)} for s in seqs]
-    return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs),
+    return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs, state.args.enable_cache_report),
                          "metadata": {"weight_version": "default"}})
 
 
@@ -215,19 +215,20 @@ def _completion_stream(state, group, req, head, echo, logprobs_of):
                           "logprobs": logprobs_of(seq, u.logprobs, u.token_ids, offset, with_prompt=first),
                           "finish_reason": openai_finish_reason(seq), "matched_stop": matched_stop(seq)}
                 sent[u.index] += len(text)
-                yield event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
+                usage = group_usage(group.seqs, state.args.enable_cache_report) if continuous else None
+                yield event({**head, "choices": [choice], "usage": usage})
 
-    return _openai_stream("/v1/completions", chunks(), group, req, head)
+    return _openai_stream("/v1/completions", chunks(), group, req, head, state.args.enable_cache_report)
 
 
-async def _openai_stream(route, chunks, group, req, head):
+async def _openai_stream(route, chunks, group, req, head, cache_report: bool):
     """What every OpenAI stream shares around its chunks: the optional usage chunk, `[DONE]`, an
     error event if something breaks, and the engine requests freed however the stream ends."""
     try:
         async for e in chunks:
             yield e
         if req.stream_options and req.stream_options.include_usage:
-            yield event({**head, "choices": [], "usage": group_usage(group.seqs)})
+            yield event({**head, "choices": [], "usage": group_usage(group.seqs, cache_report)})
         yield DONE
     except Exception as e:
         log.exception("%s stream failed", route)
@@ -297,7 +298,7 @@ async def chat_completions(request: Request):
                 "message": {"role": "assistant", "content": s.text, "reasoning_content": None, "tool_calls": None},
                 "logprobs": chat_logprobs(s.logprobs, s.token_ids, token_text) if req.logprobs else None,
                 "finish_reason": openai_finish_reason(s), "matched_stop": matched_stop(s)} for s in seqs]
-    return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs),
+    return JSONResponse({**head, "choices": choices, "usage": group_usage(seqs, state.args.enable_cache_report),
                          "metadata": {"weight_version": "default"}})
 
 
@@ -306,7 +307,8 @@ def _chat_stream(state, group, req, head, token_text):
 
     def chunk(index, delta, finish_reason=None, logprobs=None, **extra):
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
-        return event({**head, "choices": [choice], "usage": group_usage(group.seqs) if continuous else None})
+        usage = group_usage(group.seqs, state.args.enable_cache_report) if continuous else None
+        return event({**head, "choices": [choice], "usage": usage})
 
     async def chunks():
         for seq in group.seqs:
@@ -323,7 +325,7 @@ def _chat_stream(state, group, req, head, token_text):
                 if u.finished:
                     yield chunk(u.index, {}, openai_finish_reason(seq), matched_stop=matched_stop(seq))
 
-    return _openai_stream("/v1/chat/completions", chunks(), group, req, head)
+    return _openai_stream("/v1/chat/completions", chunks(), group, req, head, state.args.enable_cache_report)
 
 
 # ---- tokenize / detokenize ----------------------------------------------------------------------------------------
