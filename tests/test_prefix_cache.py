@@ -181,3 +181,20 @@ def test_a_preempted_request_resumes_from_a_cached_prompt(tiny_model_dir):
     want_toks, want_lps = run(plain, "r", prompt, 20)
     assert toks == want_toks and max(abs(a - b) for a, b in zip(lps, want_lps)) < LOGPROB_TOL
     assert eng.flush_cache() and eng.runner.caches.kv.allocator.num_used == 0
+
+
+def test_fp8_kv_pages_and_their_scales_are_cached(tiny_model_dir):
+    """With fp8 K/V pages the entries carry the pages' scales: a prompt reusing a cached system
+    prompt decodes what the uncached engine does. (fp8 page scales depend on where chunks end, so
+    the comparison is with an uncached run whose chunks end at the same places: 64-token chunks
+    and a 128-token system prompt.)"""
+    rng = random.Random(5)
+    eng = make_engine(tiny_model_dir, kv_cache_dtype="fp8_e4m3", chunked_prefill_size=64)
+    vocab = eng.cfg.vocab_size
+    system = [rng.randrange(3, vocab - 8) for _ in range(128)]
+    prompts = [system + [rng.randrange(3, vocab - 8) for _ in range(20)] for _ in range(3)]
+    outs = [run(eng, f"q{i}", p, 10) for i, p in enumerate(prompts)]
+    assert eng.stats["cached_prompt_tokens"] == len(system)  # the third started from the snapshot
+    plain = make_engine(tiny_model_dir, kv_cache_dtype="fp8_e4m3", chunked_prefill_size=64, prefix_cache_slots=0)
+    want = run(plain, "q2", prompts[2], 10)
+    assert outs[2][0] == want[0] and max(abs(a - b) for a, b in zip(outs[2][1], want[1])) < LOGPROB_TOL
