@@ -1,6 +1,7 @@
-"""Time to first token with and without the prefix cache, on the CPU (tiny model, fp32).
+"""Time to first token with and without the prefix cache.
 
     .venv/bin/python scripts/prefix_cache_ttft.py [--system 3000] [--questions 6] [--turns 3]
+    python scripts/prefix_cache_ttft.py --device cuda --preset full --system 32768   (GPU, dummy weights)
 
 A system prompt shared by several questions, then a conversation whose turns extend each other;
 each request alone, max_new_tokens=1, wall time from add_request to its first token. Prints the
@@ -37,16 +38,20 @@ def main():
     ap.add_argument("--system", type=int, default=3000)
     ap.add_argument("--questions", type=int, default=6)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--preset", default="tiny", help="tiny (random weights, fp32) or full (dummy weights, bf16)")
     a = ap.parse_args()
     torch.set_num_threads(2)
     d = tempfile.mkdtemp()
-    write_checkpoint(d, "tiny", seed=0)
+    full = a.preset != "tiny"
+    write_checkpoint(d, a.preset, seed=0, **({"weights": False} if full else {}))
+    kw = dict(load_format="dummy", dtype="bfloat16", chunked_prefill_size=8192) if full else dict(
+        dtype="float32", backend="torch", chunked_prefill_size=512)
     rng = random.Random(0)
     system = [rng.randrange(3, 8000) for _ in range(a.system)]
     questions = [system + [rng.randrange(3, 8000) for _ in range(50)] for _ in range(a.questions)]
     for slots in (4, 0):
-        eng = Engine(model=d, device="cpu", dtype="float32", backend="torch", chunked_prefill_size=512,
-                     prefix_cache_slots=slots)
+        eng = Engine(model=d, device=a.device, prefix_cache_slots=slots, **kw)
         times = [first_token_ms(eng, f"q{i}", q)[0] for i, q in enumerate(questions)]
         convo, turn_times = list(questions[0]), []
         for t in range(a.turns):
