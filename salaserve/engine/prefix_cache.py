@@ -15,8 +15,10 @@ copy of the entry and prefills from there, exactly as if its own prefill had sto
 chunk boundary.
 
 Entries give their pages back (least recently used first) whenever the scheduler is short of
-pages, before anything running is preempted; `clear` empties the cache (the /flush_cache route).
-This module does the bookkeeping; the engine allocates, copies and frees.
+pages, before anything running is preempted; Engine.flush_cache empties the cache (the
+/flush_cache route). Preempted requests, which recompute from scratch, resume from the longest
+entry their tokens extend. This module does the bookkeeping; the engine (Engine._cache_prefix,
+_reuse_cached_prompts, _reclaim_pages) allocates, copies and frees.
 """
 
 from __future__ import annotations
