@@ -359,9 +359,14 @@ def test_from_dict_keys():
     assert P.from_dict(None) == P()
     with pytest.raises(ValueError, match="bogus.*typo"):
         P.from_dict({"typo": 1, "bogus": 2})
-    for key in ("structural_tag", "stop_regex"):
-        with pytest.raises(ValueError, match=rf"{key}.*not supported"):
-            P.from_dict({key: "x"})
+    with pytest.raises(ValueError, match="structural_tag.*not supported"):
+        P.from_dict({"structural_tag": "x"})
+    assert P.from_dict({"stop_regex": "a+b"}).stop_regexes == ["a+b"]
+    assert P.from_dict({"stop_regex": ["x", "y{2}"]}).stop_regexes == ["x", "y{2}"]
+    for bad, msg in (("(", "not a valid regular expression"), ([""], "non-empty"), (3, "string or a list"),
+                     (["a"] * 17, "at most 16")):
+        with pytest.raises(ValueError, match=msg):
+            P.from_dict({"stop_regex": bad})
     assert P.from_dict({"regex": "a+", "json_schema": None}).regex == "a+"
     with pytest.raises(ValueError, match="set one of"):
         P.from_dict({"regex": "a+", "ebnf": 'root ::= "a"'})

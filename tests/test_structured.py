@@ -85,3 +85,19 @@ def test_cli_generate_with_a_regex(capsys):
     assert re.fullmatch(r"Code: [A-Z]{2}-[0-9]{2}\n", printed), printed
     assert main(["generate", "--prompt", "x", "--regex", "(", "--device", "cpu", "--backend", "torch"]) == 2
     assert "sampling_params.regex" in capsys.readouterr().err
+
+
+def test_stop_regex_ends_at_the_token_that_completes_a_match(llm):
+    """SGLang's stop_regex: the output stops at the first token whose text completes a match (its
+    text kept whole, finish reason matched = the pattern); text before that token has no match."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llm.engine.model_dir)
+    for pattern in (r"[aeiou]{2}", r"\s\w+\s"):
+        for out in llm.generate(PROMPTS, P(stop_regex=[pattern, "zzzz"], temperature=0.0, max_new_tokens=60)):
+            if out.finish_reason["type"] == "length":  # no match in 60 tokens: none anywhere
+                assert not re.search(pattern, out.text)
+                continue
+            assert out.finish_reason == {"type": "stop", "matched": pattern}, out.finish_reason
+            assert re.search(pattern, out.text) and out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+            assert not re.search(pattern, tok.decode(out.token_ids[:-1], skip_special_tokens=True))

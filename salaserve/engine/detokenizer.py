@@ -15,6 +15,7 @@ straddle a window boundary, so it cannot be applied incrementally.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -163,3 +164,33 @@ class StopStringMatcher:
                     best = k
                     break
         return best
+
+
+class StopRegexMatcher:
+    """SGLang's stop_regex: generation ends at the token whose text completes a match of any
+    pattern. `feed` takes the new text and returns whether a pattern matched; `matched` then names
+    the pattern (SGLang reports the pattern, and keeps the text whole). Each search covers the
+    new text and the WINDOW characters before it, so a step costs the same late in a long output
+    as early (SGLang searches a tail of the output too); a match longer than that is not seen."""
+
+    WINDOW = 4096
+
+    def __init__(self, patterns: Sequence[str]):
+        self.patterns = [(p, re.compile(p)) for p in patterns]
+        self.matched: str | None = None
+        self._tail = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    def feed(self, delta: str) -> bool:
+        if self.stopped or not delta:
+            return self.stopped
+        buf = self._tail + delta
+        for source, pattern in self.patterns:
+            if pattern.search(buf):
+                self.matched = source
+                return True
+        self._tail = buf[-self.WINDOW:]
+        return False

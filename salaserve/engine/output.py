@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from salaserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from salaserve.engine.detokenizer import IncrementalDetokenizer, StopRegexMatcher, StopStringMatcher
 from salaserve.engine.request import StepOutput, stop_reason
 
 
@@ -42,7 +42,7 @@ class Delta:
 
 
 class RequestStream:
-    """Per-request text state: the detokenizer and the stop-string matcher."""
+    """Per-request text state: the detokenizer and the stop-string and stop-regex matchers."""
 
     def __init__(self, tokenizer, params, prompt_ids: list[int]):
         self.params = params
@@ -51,6 +51,8 @@ class RequestStream:
                                             spaces_between_special_tokens=params.spaces_between_special_tokens)
         stops = params.stop_strs
         self.stops = StopStringMatcher(stops, no_stop_trim=params.no_stop_trim) if stops else None
+        regexes = params.stop_regexes
+        self.regexes = StopRegexMatcher(regexes) if regexes else None
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list = []
@@ -59,8 +61,8 @@ class RequestStream:
         self.finish_reason: dict | None = None
 
     def process(self, out: StepOutput) -> Delta:
-        """Consume one StepOutput. If a stop string appears, the delta is final with reason
-        `stop` (the caller must abort the request in the engine)."""
+        """Consume one StepOutput. If a stop string appears or a stop regex matches, the delta is
+        final with reason `stop` (the caller must abort the request in the engine)."""
         if self.finished:
             return Delta("", [], True, self.finish_reason, len(self.token_ids))
         self.token_ids.extend(out.new_token_ids)
@@ -71,13 +73,18 @@ class RequestStream:
         text = self.detok.add(out.new_token_ids)
         if out.finished:
             text += self.detok.flush()
+        # the regexes see the text as generated (the stop-string matcher may hold a tail back)
+        regex_hit = self.regexes is not None and self.regexes.feed(text)
         if self.stops is not None:
             text = self.stops.feed(text)
             if self.stops.stopped:
                 self.finished = True
                 self.finish_reason = stop_reason(self.stops.matched)
-            elif out.finished:
+            elif out.finished or regex_hit:
                 text += self.stops.flush()
+        if regex_hit and not self.finished:
+            self.finished = True
+            self.finish_reason = stop_reason(self.regexes.matched)
         if out.finished and not self.finished:
             self.finished = True
             self.finish_reason = out.finish_reason

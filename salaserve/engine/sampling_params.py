@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,6 @@ MAX_ABS_LOGIT_BIAS = 1e9
 # (to anything but null) is rejected rather than silently served without the constraint.
 UNSUPPORTED_KEYS = {
     "structural_tag": "structured output (structural_tag) is not supported",
-    "stop_regex": "regex stop conditions (stop_regex) are not supported",
 }
 # SGLang keys that are accepted and ignored: they do not change what is generated.
 IGNORED_KEYS = frozenset({"stream_interval", "custom_params"})
@@ -56,6 +56,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] | str | None = None
+    # SGLang's stop_regex: generation ends at the token that completes a match of any pattern in
+    # the output text (output.StopRegexMatcher); the text is kept whole, as SGLang does
+    stop_regex: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_new_tokens: int = 0
@@ -92,6 +95,12 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -198,6 +207,20 @@ class SamplingParams:
                     raise ValueError(f"stop entries must be strings, got {s!r}")
                 if not s:
                     raise ValueError(f"stop strings must be non-empty, got {s!r}")
+        if self.stop_regex is not None:
+            pats = self.stop_regex
+            if not isinstance(pats, (str, list, tuple)):
+                raise ValueError(f"stop_regex must be a string or a list of strings, got {pats!r}")
+            pats = [pats] if isinstance(pats, str) else list(pats)
+            if len(pats) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop_regex must have at most {MAX_STOP_STRINGS} patterns, got {len(pats)}")
+            for p in pats:
+                if not isinstance(p, str) or not p:
+                    raise ValueError(f"stop_regex entries must be non-empty strings, got {p!r}")
+                try:
+                    re.compile(p)
+                except re.error as e:
+                    raise ValueError(f"stop_regex: {p!r} is not a valid regular expression ({e})") from None
         ids = self.stop_token_ids
         if ids is not None:
             if not isinstance(ids, (list, tuple, set)):
