@@ -174,6 +174,18 @@ def test_response_format(oai, model):
         oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, response_format={"type": "xml"})
 
 
+def test_stop_regex_as_an_extra_field(oai, model):
+    """SGLang's stop_regex through the OpenAI route's extra fields: the completion ends at the
+    token completing a match (finish_reason stop, the text kept whole); a bad pattern is a 400."""
+    import re
+
+    r = oai.completions.create(model=model, prompt="def f():", max_tokens=60, temperature=0,
+                               extra_body={"stop_regex": r"\s\w+\s"})
+    assert r.choices[0].finish_reason == "stop" and re.search(r"\s\w+\s", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"stop_regex": "("})
+
+
 def test_errors_reach_the_client(oai, model):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=[], max_tokens=4)
