@@ -359,8 +359,9 @@ def test_from_dict_keys():
     assert P.from_dict(None) == P()
     with pytest.raises(ValueError, match="bogus.*typo"):
         P.from_dict({"typo": 1, "bogus": 2})
-    with pytest.raises(ValueError, match="structural_tag.*not supported"):
-        P.from_dict({"structural_tag": "x"})
+    assert P.from_dict({"structural_tag": '{"type": "structural_tag"}'}).structural_tag  # (compiled by the engine)
+    with pytest.raises(ValueError, match="set one of"):
+        P.from_dict({"structural_tag": "{}", "regex": "a"})
     assert P.from_dict({"stop_regex": "a+b"}).stop_regexes == ["a+b"]
     assert P.from_dict({"stop_regex": ["x", "y{2}"]}).stop_regexes == ["x", "y{2}"]
     for bad, msg in (("(", "not a valid regular expression"), ([""], "non-empty"), (3, "string or a list"),

@@ -1,5 +1,5 @@
-"""Structured output (json_schema / regex / ebnf through xgrammar) in the engine, offline API and
-server: every finished output belongs to its grammar, bad grammars are a ValueError / 400 naming
+"""Structured output (json_schema / regex / ebnf / structural_tag through xgrammar) in the engine,
+offline API and server: every finished output belongs to its grammar, bad grammars are a ValueError / 400 naming
 the field, and constrained requests are never speculated."""
 
 import json
@@ -48,10 +48,29 @@ def test_grammar_decides_where_the_output_ends(llm):
     assert out.text == "ab" and out.finish_reason["type"] == "stop" and len(out.token_ids) < 10
 
 
+def test_structural_tags_constrain_what_follows_a_trigger(llm):
+    """SGLang's structural_tag: free text, but after each trigger the tagged structure (begin, a
+    JSON value of its schema, end); also xgrammar's newer format."""
+    tag = {"structures": [{"begin": " = ", "schema": {"type": "integer", "minimum": 0, "maximum": 999}, "end": "\n"}],
+           "triggers": [" = "]}
+    seen = 0
+    for out in llm.generate(PROMPTS, P(structural_tag=json.dumps(tag), temperature=0.0, max_new_tokens=40)):
+        for m in re.finditer(" = ", out.text):
+            seen += 1
+            assert re.match(r"\d{0,3}(\n|$)", out.text[m.end():]), out.text  # (the text may end inside one)
+    assert seen >= 2  # (the default model writes assignments)
+    newer = {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                  "content": {"type": "json_schema", "json_schema": {"type": "integer"}}}}
+    out = llm.generate("x", P(structural_tag=json.dumps(newer), temperature=0.0, max_new_tokens=20))[0]
+    assert re.fullmatch(r"<a>-?\d+</a>", out.text), out.text
+
+
 def test_bad_grammars_name_their_field(llm):
     for params, field in [(P(regex="(unclosed"), "regex"), (P(json_schema="{not json"), "json_schema"),
                           (P(json_schema='{"type": "nonsense"}'), "json_schema"),
-                          (P(ebnf="root ::= undefined_rule"), "ebnf")]:
+                          (P(ebnf="root ::= undefined_rule"), "ebnf"), (P(structural_tag="{no"), "structural_tag"),
+                          (P(structural_tag='{"structures": 3, "triggers": []}'), "structural_tag"),
+                          (P(structural_tag='{"type": "nonsense"}'), "structural_tag")]:
         with pytest.raises(ValueError, match=rf"^sampling_params\.{field}: "):
             llm.generate("x", params)
     # the engine keeps serving

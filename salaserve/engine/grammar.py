@@ -19,7 +19,7 @@ import re
 import torch
 
 # sampling_params keys, in the order they are checked: at most one may be set
-GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def grammar_spec(params) -> tuple[str, str] | None:
@@ -29,7 +29,7 @@ def grammar_spec(params) -> tuple[str, str] | None:
     if not set_keys:
         return None
     if len(set_keys) > 1:
-        raise ValueError(f"sampling_params: set one of json_schema, regex, ebnf, got {', '.join(set_keys)}")
+        raise ValueError(f"sampling_params: set one of json_schema, regex, ebnf, structural_tag, got {', '.join(set_keys)}")
     key = set_keys[0]
     value = getattr(params, key)
     if not isinstance(value, str) or not value:
@@ -50,7 +50,7 @@ class GrammarCompiler:
         try:
             import xgrammar
         except ImportError:
-            raise ValueError("structured output (json_schema, regex, ebnf) needs xgrammar, which is not "
+            raise ValueError("structured output (json_schema, regex, ebnf, structural_tag) needs xgrammar, which is not "
                              "installed here (pip install 'xgrammar>=0.2.9,<0.3')") from None
         return xgrammar
 
@@ -81,13 +81,35 @@ class GrammarCompiler:
                 compiled = compiler.compile_json_schema(value, any_whitespace=False)
             elif key == "regex":
                 compiled = compiler.compile_regex(value)
+            elif key == "structural_tag":
+                compiled = self._compile_structural_tag(compiler, value)
             else:
                 compiled = compiler.compile_grammar(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"sampling_params.json_schema: not valid JSON: {e}") from None
+            raise ValueError(f"sampling_params.{key}: not valid JSON: {e}") from None
         except Exception as e:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
             raise ValueError(f"sampling_params.{key}: {_message(e)}") from None
         return self._xgr().GrammarMatcher(compiled)
+
+
+    def _compile_structural_tag(self, compiler, value: str):
+        """SGLang's structural_tag (a JSON string): its original form {"structures": [{"begin",
+        "schema", "end"}, ...], "triggers": [...]} (free text until a trigger, then the structure
+        it starts), or xgrammar's newer {"type": "structural_tag", "format": ...}."""
+        tag = json.loads(value)
+        if isinstance(tag, dict) and "structures" in tag and "triggers" in tag:
+            xgr = self._xgr()
+            structures, triggers = tag["structures"], tag["triggers"]
+            if (not isinstance(structures, list) or not isinstance(triggers, list)
+                    or not all(isinstance(t, str) and t for t in triggers)):
+                raise ValueError("structures and triggers must be lists (triggers of non-empty strings)")
+            items = []
+            for s in structures:
+                if not isinstance(s, dict) or not {"begin", "end"} <= set(s) or not isinstance(s.get("schema", {}), dict):
+                    raise ValueError("each structure needs begin, end and a JSON schema object")
+                items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]))
+            return compiler.compile_structural_tag(items, triggers)
+        return compiler.compile_structural_tag(value)
 
 
 def _message(e: Exception) -> str:

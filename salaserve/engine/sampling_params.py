@@ -33,9 +33,7 @@ MAX_ABS_LOGIT_BIAS = 1e9
 
 # SGLang sampling_params keys that salaserve does not implement. A request that sets one of them
 # (to anything but null) is rejected rather than silently served without the constraint.
-UNSUPPORTED_KEYS = {
-    "structural_tag": "structured output (structural_tag) is not supported",
-}
+UNSUPPORTED_KEYS: dict[str, str] = {}
 # SGLang keys that are accepted and ignored: they do not change what is generated.
 IGNORED_KEYS = frozenset({"stream_interval", "custom_params"})
 _BOOL_FIELDS = (
@@ -80,6 +78,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # SGLang's (a JSON string): free text with tagged JSON structures
     # Accepted SGLang keys we do not act on (kept so a request can be echoed back).
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

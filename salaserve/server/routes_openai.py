@@ -60,14 +60,17 @@ def sampling_dict(req, max_new_tokens: int | None) -> dict:
          "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
          "logit_bias": req.logit_bias or None}
     d.update({k: getattr(req, k) for k in SAMPLING_FIELDS if getattr(req, k) is not None})
-    # structured output: OpenAI's response_format, or SGLang's own json_schema / regex / ebnf fields
-    # (and its stop_regex), taken from the request's extra fields as SGLang's OpenAI routes do
+    # structured output: OpenAI's response_format, or SGLang's own json_schema / regex / ebnf /
+    # structural_tag fields (and its stop_regex), taken from the request's extra fields as SGLang's
+    # OpenAI routes do
     extra = req.model_extra or {}
-    d.update({k: extra[k] for k in ("json_schema", "regex", "ebnf", "stop_regex") if extra.get(k) is not None})
+    d.update({k: extra[k] for k in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+              if extra.get(k) is not None})
     schema = response_format_schema(getattr(req, "response_format", None) or extra.get("response_format"))
     if schema is not None:
-        if "json_schema" in d or "regex" in d or "ebnf" in d:
-            raise ApiError(400, "response_format: give it or json_schema / regex / ebnf, not both", "response_format")
+        if any(k in d for k in ("json_schema", "regex", "ebnf", "structural_tag")):
+            raise ApiError(400, "response_format: give it or json_schema / regex / ebnf / structural_tag, not both",
+                           "response_format")
         d["json_schema"] = schema
     return d
 
