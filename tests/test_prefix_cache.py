@@ -198,3 +198,14 @@ def test_fp8_kv_pages_and_their_scales_are_cached(tiny_model_dir):
     plain = make_engine(tiny_model_dir, kv_cache_dtype="fp8_e4m3", chunked_prefill_size=64, prefix_cache_slots=0)
     want = run(plain, "q2", prompts[2], 10)
     assert outs[2][0] == want[0] and max(abs(a - b) for a, b in zip(outs[2][1], want[1])) < LOGPROB_TOL
+
+
+def test_offline_outputs_report_cached_tokens(tiny_model_dir):
+    from salaserve.engine.llm import LLM
+
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", backend="torch", prefix_cache_min_tokens=40)
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, llm.config.vocab_size - 8) for _ in range(60)]
+    first = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=3))[0]
+    second = llm.generate(prompt + first.token_ids + [9, 9], SamplingParams(temperature=0.0, max_new_tokens=3))[0]
+    assert (first.cached_tokens, second.cached_tokens) == (0, 60)

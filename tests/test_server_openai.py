@@ -186,6 +186,20 @@ def test_stop_regex_as_an_extra_field(oai, model):
         oai.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"stop_regex": "("})
 
 
+def test_a_second_chat_turn_reuses_the_first(oai, model, tiny_server):
+    """The chat template renders a conversation's earlier turns as they were, so the second
+    turn's prompt extends the first one's and starts from its cached caches (the server's
+    engine_cached_prompt_tokens grows by at least the first prompt's length)."""
+    messages = [{"role": "system", "content": "You answer briefly. " * 60}, {"role": "user", "content": "Hi?"}]
+    first = oai.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens >= 256  # (the prefix cache's default minimum)
+    before = tiny_server.server_info()["internal_states"][0]["engine_cached_prompt_tokens"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    oai.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    after = tiny_server.server_info()["internal_states"][0]["engine_cached_prompt_tokens"]
+    assert after - before >= first.usage.prompt_tokens
+
+
 def test_errors_reach_the_client(oai, model):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=[], max_tokens=4)

@@ -27,6 +27,7 @@ class GenerationOutput:
     logprobs: list | None = None  # per token: (logprob, [(id, logprob), ...] or None)
     # params.logprob_start_len >= 0: per prompt token from there, (logprob or None, id, top or None)
     prompt_logprobs: list | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (or a twin's prefill)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class RequestStream:
         self.prompt_logprobs: list | None = None
         self.finished = False
         self.finish_reason: dict | None = None
+        self.cached_tokens = 0
 
     def process(self, out: StepOutput) -> Delta:
         """Consume one StepOutput. If a stop string appears or a stop regex matches, the delta is
@@ -70,6 +72,7 @@ class RequestStream:
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         text = self.detok.add(out.new_token_ids)
         if out.finished:
             text += self.detok.flush()
@@ -96,4 +99,5 @@ class RequestStream:
         return GenerationOutput(rid=rid, prompt_token_ids=self.prompt_ids, token_ids=list(self.token_ids),
                                 text=self.text, finish_reason=self.finish_reason,
                                 prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.token_ids),
-                                logprobs=self.logprobs or None, prompt_logprobs=self.prompt_logprobs)
+                                logprobs=self.logprobs or None, prompt_logprobs=self.prompt_logprobs,
+                                cached_tokens=self.cached_tokens)
