@@ -347,10 +347,7 @@ class Engine:
                     req.cache_split = cache.split_point(req.prompt_ids)
                 req.prefix_checked = cache.version  # (looked up again only when entries change)
                 continue
-            # pages that are free already: adopt must not reclaim them from the cache (this entry's
-            # among them)
-            if (sched.kv.allocator.num_free - sched._decode_reserve() < len(entry.pages)
-                    or not sched.adopt(req, len(entry.pages))):
+            if not sched.adopt(req, len(entry.pages), may_reclaim=False):  # (a reclaim could drop this entry)
                 break
             self.runner.copy_caches(entry.pages, entry.state_slot, req.pages, req.state_slot)
             self._advance(req, entry.length)

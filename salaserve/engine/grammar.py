@@ -29,7 +29,7 @@ def grammar_spec(params) -> tuple[str, str] | None:
     if not set_keys:
         return None
     if len(set_keys) > 1:
-        raise ValueError(f"sampling_params: set one of json_schema, regex, ebnf, structural_tag, got {', '.join(set_keys)}")
+        raise ValueError(f"sampling_params: set one of {', '.join(GRAMMAR_KEYS)}, got {', '.join(set_keys)}")
     key = set_keys[0]
     value = getattr(params, key)
     if not isinstance(value, str) or not value:
@@ -50,7 +50,7 @@ class GrammarCompiler:
         try:
             import xgrammar
         except ImportError:
-            raise ValueError("structured output (json_schema, regex, ebnf, structural_tag) needs xgrammar, which is not "
+            raise ValueError(f"structured output ({', '.join(GRAMMAR_KEYS)}) needs xgrammar, which is not "
                              "installed here (pip install 'xgrammar>=0.2.9,<0.3')") from None
         return xgrammar
 

@@ -60,14 +60,17 @@ class Scheduler:
         keys = [r.sort_key() for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
 
-    def adopt(self, req: Request, pages: int) -> bool:
+    def adopt(self, req: Request, pages: int, may_reclaim: bool = True) -> bool:
         """Start a waiting request now with `pages` fresh pages and a state slot, its prefill to be
-        copied in by the caller (prefill sharing); False, and nothing changed, if the running
-        limit, the slots or the pages (one kept per decoding request) do not allow it."""
+        copied in by the caller (prefill sharing, the prefix cache); False, and nothing changed,
+        if the running limit, the slots or the pages (one kept per decoding request) do not allow
+        it. may_reclaim=False: only pages free already (the copy's source may be what a reclaim
+        would give back)."""
         if req not in self.waiting or len(self.running) >= self.max_running or not self.states.num_free:
             return False
         reserve = self._decode_reserve()
-        if self._num_free_pages(pages + reserve) - reserve < pages:
+        free = self._num_free_pages(pages + reserve) if may_reclaim else self.kv.allocator.num_free
+        if free - reserve < pages:
             return False
         self.waiting.remove(req)
         req.state_slot = self.states.alloc()

@@ -17,6 +17,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from salaserve.engine.grammar import GRAMMAR_KEYS
 from salaserve.server.generation import RequestGroup, run_unless_disconnected
 from salaserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, openai_error_body, parse_model, read_json)
@@ -64,13 +65,11 @@ def sampling_dict(req, max_new_tokens: int | None) -> dict:
     # structural_tag fields (and its stop_regex), taken from the request's extra fields as SGLang's
     # OpenAI routes do
     extra = req.model_extra or {}
-    d.update({k: extra[k] for k in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
-              if extra.get(k) is not None})
+    d.update({k: extra[k] for k in GRAMMAR_KEYS + ("stop_regex",) if extra.get(k) is not None})
     schema = response_format_schema(getattr(req, "response_format", None) or extra.get("response_format"))
     if schema is not None:
-        if any(k in d for k in ("json_schema", "regex", "ebnf", "structural_tag")):
-            raise ApiError(400, "response_format: give it or json_schema / regex / ebnf / structural_tag, not both",
-                           "response_format")
+        if any(k in d for k in GRAMMAR_KEYS):
+            raise ApiError(400, f"response_format: give it or {' / '.join(GRAMMAR_KEYS)}, not both", "response_format")
         d["json_schema"] = schema
     return d
 
