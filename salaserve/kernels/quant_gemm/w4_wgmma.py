@@ -1,0 +1,194 @@
+"""The int4 decode GEMV on warpgroup MMAs that overlap the next tile's unpacking
+(`w4a16_gemv_wgmma`, M <= 16), on a repacked copy of the weights (`repack_w4_for_wgmma`).
+
+Why another tensor-core kernel (w4_tc.py has one): there, each K tile's partial is scaled by the
+group scale after its dots, so Triton waits for every wgmma before the next one starts (a dot
+result used inside the loop cannot stay in flight). Here the group scale is folded into the
+weights as they are unpacked, so the dot accumulates straight into the loop-carried sum. Then
+Triton keeps a wgmma in flight while the next tile is unpacked, and x^T, read in natural channel
+order, goes through its cp.async pipeline.
+
+Unpacking, per register (two bf16 weights): a lop3 puts two nibbles into the mantissas of a
+bf16x2 (128 + q each), a bf16x2 subtraction of (128 + z) leaves q - z (exact), a bf16x2 multiply
+by the group scale rounds (q - z) * s to bf16: the weight that dequantize-then-matmul uses.
+
+The repacked layout (same shape as GPTQ's qweight, [K/8, N] int32) puts into each word the 8
+channels one lane of a warpgroup MMA holds for one output column, so that the unpacked pairs are
+already the A fragment's registers and no layout conversion (shared memory) is needed. For word
+row R = 4 c + t (c: pair of 16-channel chunks, t: lane within its quad) and nibble position
+4 p + 16 h (p = 2 s + e), the channel is 32 c + 16 s + 8 e + 2 t + h: lane t's pairs (2t, 2t + 1)
+and (2t + 8, 2t + 9) of chunks 2c and 2c + 1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
+from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
+from salaserve.quant.formats import QuantizedLinearWeights, unpack_int4
+
+W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
+BF16_128 = tl.constexpr(0x4300)  # bf16 bits of 128.0: OR-ed over a nibble at bits 0..3 it reads 128 + q
+
+
+# ---------------------------------------------------------------- the repacked layout (host)
+
+
+def _wgmma_channel_order(device=None) -> torch.Tensor:
+    """[4, 4, 2]: the channel (within a block of 32) that word row t (of the block's 4) holds at
+    nibble position 4 p + 16 h, indexed [t, p, h]."""
+    t = torch.arange(4, device=device).view(4, 1, 1)
+    p = torch.arange(4, device=device).view(1, 4, 1)
+    h = torch.arange(2, device=device).view(1, 1, 2)
+    s, e = p // 2, p % 2
+    return 16 * s + 8 * e + 2 * t + h  # [4, 4, 2]
+
+
+def repack_w4_for_wgmma(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] (K a multiple of 32) -> the same nibbles in the wgmma layout above."""
+    K8, N = qweight.shape
+    if (8 * K8) % 32:
+        raise ValueError(f"repack_w4_for_wgmma needs K a multiple of 32, got {8 * K8}")
+    q = unpack_int4(qweight).to(torch.int32).view(K8 // 4, 32, N)  # [blocks of 32 channels, 32, N]
+    order = _wgmma_channel_order(qweight.device)  # [t, p, h] -> channel in the block
+    picked = q[:, order.reshape(-1), :].view(K8 // 4, 4, 4, 2, N)  # [block, t, p, h, N]
+    shift = (4 * torch.arange(4, device=qweight.device).view(4, 1) + 16 * torch.arange(2, device=qweight.device)
+             .view(1, 2)).to(torch.int32)  # [p, h]
+    words = (picked << shift[None, None, :, :, None]).sum(dim=(2, 3), dtype=torch.int64)  # [block, t, N]
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).reshape(K8, N).contiguous()
+
+
+# ---------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _pair_dequant(words, zz, s2, z, s, p: tl.constexpr, USE_ASM: tl.constexpr):
+    """Nibble pair p (bits 4p.. and 16 + 4p..) of every word as two bf16 tensors: (q - z) * s
+    rounded to bf16. zz: bf16x2 (128 + z, 128 + z) per column as int32; s2: bf16x2 (s, s);
+    z, s: the zero point and scale themselves (interpreter)."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            lop3.b32 t, $2, 0x000f000f, 0x43004300, 0xea;
+            sub.rn.bf16x2 t, t, $3;
+            mul.rn.bf16x2 t, t, $4;
+            mov.b32 {$0, $1}, t;
+            }""",
+            constraints="=h,=h,r,r,r", args=[words >> (4 * p), zz, s2], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=1)
+    else:
+        # the same roundings by integer arithmetic (the interpreter's own casts to bf16 truncate)
+        sb = round_to(s, tl.bfloat16)
+        lo = round_to((((words >> (4 * p)) & 0xF) - z).to(tl.float32) * sb, tl.bfloat16).to(tl.bfloat16)
+        hi = round_to((((words >> (16 + 4 * p)) & 0xF) - z).to(tl.float32) * sb, tl.bfloat16).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _w4_gemv_wgmma_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om, stride_zg,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,  # output columns; word rows (8 channels each) per K tile
+    SPLIT_K: tl.constexpr,
+    USE_ASM: tl.constexpr,  # inline PTX dequantization (GPU); False: plain Triton (interpreter)
+    DOT_FP32: tl.constexpr = False,  # interpreter runs: its tl.dot misreads bf16 operands
+    PDL: tl.constexpr = False,
+):
+    # Requires N % BLOCK_N == 0, K % (8 * BLOCK_R) == 0, GROUP_SIZE % (8 * BLOCK_R) == 0 and
+    # BLOCK_R % 4 == 0 (the launcher checks): no masks, so that Triton pipelines both loads.
+    BLOCK_M: tl.constexpr = 16
+    BLOCK_K: tl.constexpr = 8 * BLOCK_R
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    K8 = K // 8
+    r_len = tl.cdiv(K8, SPLIT_K * BLOCK_R) * BLOCK_R  # whole tiles per split: groups stay aligned
+    r_begin = tl.program_id(1) * r_len
+    r_end = tl.minimum(r_begin + r_len, K8)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    m = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    w_tile = qweight_ptr + r[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_R] words
+    x_tile = x_ptr + tl.minimum(m, M - 1)[None, :].to(tl.int64) * stride_xm + k[:, None]  # x^T [BLOCK_K, 16]
+    z_shift = (offs_n % 8) * 4
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        words = tl.load(w_tile + r0 * N)
+        xt = tl.load(x_tile + r0 * 8)
+        g = (r0 * 8) // GROUP_SIZE
+        s = tl.load(scales_ptr + g * N + offs_n)
+        z = (tl.load(qzeros_ptr + g * stride_zg + offs_n // 8) >> z_shift) & 0xF
+        zb = z | BF16_128
+        zz = (zb | (zb << 16))[:, None]
+        sb = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s2 = (sb | (sb << 16))[:, None]
+        l0, h0 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 0, USE_ASM)
+        l1, h1 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 1, USE_ASM)
+        l2, h2 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 2, USE_ASM)
+        l3, h3 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 3, USE_ASM)
+        # [BN, R, h] per pair p = 2 s + e -> [BN, R, h, e, s]
+        e0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))
+        e1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))
+        w5 = tl.join(e0, e1)  # [BN, R, h, e, s]
+        w6 = tl.reshape(w5, (BLOCK_N, BLOCK_R // 4, 4, 2, 2, 2))  # [BN, c, t, h, e, s]
+        w = tl.reshape(tl.permute(w6, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))  # [BN, c, s, e, t, h]
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    _store_output(tl.trans(acc), m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+
+
+# (BLOCK_N, BLOCK_R, num_warps, num_stages)
+# (BLOCK_N, BLOCK_R, num_warps, num_stages): sm_90 compiles with the A operand straight from the
+# unpacking (no layout conversion); (64, 16, 4, *) and (128, 16, 8, *) convert it through shared memory.
+W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4), (256, 16, 8, 3))
+
+
+def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
+    """Whether w4a16_gemv_wgmma takes these weights with this config (whole tiles, one group per
+    K tile, trivial g_idx and no channel permutation)."""
+    block_n, block_r = config[0], config[1]
+    return (w.format == "w4a16" and w.g_idx_trivial and w.perm is None and w.out_features % block_n == 0
+            and block_r % 4 == 0 and w.in_features % (8 * block_r) == 0 and w.group_size % (8 * block_r) == 0
+            and w.qweight.numel() < 2**31)
+
+
+def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, qweight_wgmma: torch.Tensor, *,
+                     config: tuple = W4_WGMMA_CONFIGS[0], split_k: Optional[int] = None) -> torch.Tensor:
+    """Decode-sized x [M <= 16, K] (bf16) @ int4 weights -> [M, N], reading qweight_wgmma
+    (repack_w4_for_wgmma(w.qweight)) and w's zeros and scales. config: (BLOCK_N, BLOCK_R,
+    num_warps, num_stages)."""
+    K, N = w.in_features, w.out_features
+    x = _check_x(x, K)
+    M = x.shape[0]
+    if not 1 <= M <= W4_WGMMA_MAX_M:
+        raise ValueError(f"w4a16_gemv_wgmma takes 1 <= M <= {W4_WGMMA_MAX_M}, got {M}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"w4a16_gemv_wgmma takes bf16 x, got {x.dtype}")
+    if not w4_wgmma_usable(w, config):
+        raise ValueError(f"w4a16_gemv_wgmma: weights [{N}, {K}] group {w.group_size} (perm {w.perm is not None}) "
+                         f"do not fit config {config}")
+    if qweight_wgmma.shape != w.qweight.shape:
+        raise ValueError("qweight_wgmma must be repack_w4_for_wgmma(w.qweight)")
+    block_n, block_r, warps, stages = config
+    tiles = N // block_n
+    split = split_k or _default_split_k(tiles, K, x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    _w4_gemv_wgmma_kernel[(tiles, split)](
+        x, qweight_wgmma, w.qzeros, w.scales, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
+        GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not _INTERPRET,
+        DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))
+    return out
