@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# For the first GPU call after the fourteenth session: the prefix cache's GPU test (fixed after
-# run 65: it compares the resource counters with their starting values), the prefix cache's time
-# to first token at full shapes (32K system prompt), and w4a16 decode with the trimmed calibration
-# (start-up time; run 64 had 147 s with the tensor-core kernel timed at every bucket).
+# Fifteenth session, first GPU call: the warpgroup-MMA int4 GEMV (quant_gemm/w4_wgmma.py) against
+# the FMA kernel at the model's shapes; the prefix cache's GPU test (fixed after run 65: it
+# compares the resource counters with their starting values) and its time to first token at full
+# shapes (32K system prompt).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-timeout 150 $GPU_PYTEST tests/test_gpu_engine.py -k "prefix_cache" 2>&1 | tee "$OUT/engine.log" \
+timeout 280 python3 scripts/w4_wgmma_probe.py --m 1 8 16 --json "$OUT/probe.json" 2>&1 | grep -v -i warn \
+  | tee "$OUT/probe.log" | tail -18
+timeout 140 $GPU_PYTEST tests/test_gpu_engine.py -k "prefix_cache" 2>&1 | tee "$OUT/engine.log" \
   | grep -E "rel err|passed|failed|Error" | tail -4
-timeout 200 python3 scripts/prefix_cache_ttft.py --device cuda --preset full --system 32768 2>&1 \
+timeout 160 python3 scripts/prefix_cache_ttft.py --device cuda --preset full --system 32768 2>&1 \
   | grep -v -i warn | tee "$OUT/ttft.log" | grep "prefix cache"
-timeout 200 python3 -m salaserve.bench.micro --quantization w4a16 --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-w4a16.json" 2>&1 | grep -v -i warn | tail -4
