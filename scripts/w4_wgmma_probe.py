@@ -42,7 +42,7 @@ def main():
     rows, worst = [], 0.0
     for name, (N, K) in shapes.items():
         w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)
-        qw = WG.repack_w4_for_wgmma(w.qweight)
+        qw = WG.repack_w4_for_wgmma(w)
         nbytes = N * K / 2 + N * K / 128 * 2.5
         for m in (1, 5, 16):  # parity
             x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
@@ -55,7 +55,7 @@ def main():
         n_copies = l2_busting_count(w.qweight.nbytes)
         copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1))
                   for _ in range(n_copies)]
-        packed = [WG.repack_w4_for_wgmma(c.qweight) for c in copies]
+        packed = [WG.repack_w4_for_wgmma(c) for c in copies]
         for m in a.m:
             x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
             log = io.StringIO()
@@ -63,16 +63,17 @@ def main():
                 Q.calibrate_w4([w], "cuda", m_values=(m,), verbose=True)
             fma = min((float(h[1]) for h in re.findall(r" (fma|tc) .* split \d+: ([0-9.]+) us", log.getvalue())),
                       default=float("nan"))
-            best = None
+            best, per_config = None, {}
             for c in WG.W4_WGMMA_CONFIGS:
                 if not WG.w4_wgmma_usable(w, c):
                     continue
                 for split in _w4_splits(N, K, c[0], c[1], "cuda"):
                     t = graph_time_us(lambda i: WG.w4a16_gemv_wgmma(x, copies[i % n_copies], packed[i % n_copies],
                                                                     config=c, split_k=split), calls=max(8, n_copies))
+                    per_config[str((c, split))] = t
                     if best is None or t < best[2]:
                         best = (c, split, t)
-            rows.append(dict(name=name, N=N, K=K, M=m, old_best_us=fma, wgmma=best))
+            rows.append(dict(name=name, N=N, K=K, M=m, old_best_us=fma, wgmma=best, per_config=per_config))
             print(f"{name:8s} M={m:2d} old {fma:6.1f} us ({nbytes / fma / 1e3:5.0f} GB/s) | wgmma {best[0]} split "
                   f"{best[1]}: {best[2]:6.1f} us ({nbytes / best[2] / 1e3:5.0f} GB/s)  x{fma / best[2]:.2f}", flush=True)
             Q._W4_TABLE.clear()

@@ -22,6 +22,7 @@ and (2t + 8, 2t + 9) of chunks 2c and 2c + 1.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -30,10 +31,9 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
-from salaserve.quant.formats import QuantizedLinearWeights, unpack_int4
+from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, unpack_int4, unpack_zeros
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
-BF16_128 = tl.constexpr(0x4300)  # bf16 bits of 128.0: OR-ed over a nibble at bits 0..3 it reads 128 + q
 
 
 # ---------------------------------------------------------------- the repacked layout (host)
@@ -49,29 +49,51 @@ def _wgmma_channel_order(device=None) -> torch.Tensor:
     return 16 * s + 8 * e + 2 * t + h  # [4, 4, 2]
 
 
-def repack_w4_for_wgmma(qweight: torch.Tensor) -> torch.Tensor:
-    """GPTQ qweight [K/8, N] (K a multiple of 32) -> the same nibbles in the wgmma layout above."""
-    K8, N = qweight.shape
+@dataclasses.dataclass(frozen=True)
+class W4WgmmaWeights:
+    """What w4a16_gemv_wgmma reads: qweight [K/8, N] int32 in the layout above, and zs [G, 2, N]
+    int32, per group and column the bf16x2 words (128 + z, 128 + z) and (s, s) (s rounded to
+    bf16). Both are whole 32-bit words so that Triton's pipeline copies them with cp.async (the
+    fp16 scales alone, 2 bytes per column, would be a plain load the loop waits for)."""
+
+    qweight: torch.Tensor
+    zs: torch.Tensor
+
+
+def _bf16x2_words(v: torch.Tensor) -> torch.Tensor:
+    """bf16 values -> int32 words holding the value twice."""
+    b = v.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    w = b | (b << 16)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def repack_w4_for_wgmma(w: QuantizedLinearWeights) -> W4WgmmaWeights:
+    """GPTQ-layout int4 weights (K a multiple of 32) -> the wgmma kernel's copy of them."""
+    if w.format != "w4a16":
+        raise ValueError(f"repack_w4_for_wgmma takes w4a16 weights, got {w.format}")
+    K8, N = w.qweight.shape
     if (8 * K8) % 32:
         raise ValueError(f"repack_w4_for_wgmma needs K a multiple of 32, got {8 * K8}")
-    q = unpack_int4(qweight).to(torch.int32).view(K8 // 4, 32, N)  # [blocks of 32 channels, 32, N]
-    order = _wgmma_channel_order(qweight.device)  # [t, p, h] -> channel in the block
+    dev = w.qweight.device
+    q = unpack_int4(w.qweight).to(torch.int32).view(K8 // 4, 32, N)  # [blocks of 32 channels, 32, N]
+    order = _wgmma_channel_order(dev)  # [t, p, h] -> channel in the block
     picked = q[:, order.reshape(-1), :].view(K8 // 4, 4, 4, 2, N)  # [block, t, p, h, N]
-    shift = (4 * torch.arange(4, device=qweight.device).view(4, 1) + 16 * torch.arange(2, device=qweight.device)
-             .view(1, 2)).to(torch.int32)  # [p, h]
-    words = (picked << shift[None, None, :, :, None]).sum(dim=(2, 3), dtype=torch.int64)  # [block, t, N]
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).reshape(K8, N).contiguous()
+    shift = (4 * torch.arange(4, device=dev).view(4, 1) + 16 * torch.arange(2, device=dev).view(1, 2)).to(torch.int64)
+    words = (picked.to(torch.int64) << shift[None, None, :, :, None]).sum(dim=(2, 3))  # [block, t, N]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(K8, N)
+    zeros = unpack_zeros(w.qzeros, N, GPTQ_V2)  # [G, N] true zero points
+    zz = _bf16x2_words(zeros.float() + 128.0)
+    s2 = _bf16x2_words(w.scales)
+    return W4WgmmaWeights(words.contiguous(), torch.stack([zz, s2], dim=1).contiguous())
 
 
 # ---------------------------------------------------------------- kernel
 
 
 @triton.jit
-def _pair_dequant(words, zz, s2, z, s, p: tl.constexpr, USE_ASM: tl.constexpr):
+def _pair_dequant(words, zz, s2, p: tl.constexpr, USE_ASM: tl.constexpr):
     """Nibble pair p (bits 4p.. and 16 + 4p..) of every word as two bf16 tensors: (q - z) * s
-    rounded to bf16. zz: bf16x2 (128 + z, 128 + z) per column as int32; s2: bf16x2 (s, s);
-    z, s: the zero point and scale themselves (interpreter)."""
+    rounded to bf16. zz, s2: the bf16x2 words (128 + z, 128 + z) and (s, s) per column."""
     if USE_ASM:
         lo, hi = tl.inline_asm_elementwise(
             asm="""{
@@ -84,17 +106,21 @@ def _pair_dequant(words, zz, s2, z, s, p: tl.constexpr, USE_ASM: tl.constexpr):
             constraints="=h,=h,r,r,r", args=[words >> (4 * p), zz, s2], dtype=(tl.bfloat16, tl.bfloat16),
             is_pure=True, pack=1)
     else:
-        # the same roundings by integer arithmetic (the interpreter's own casts to bf16 truncate)
-        sb = round_to(s, tl.bfloat16)
-        lo = round_to((((words >> (4 * p)) & 0xF) - z).to(tl.float32) * sb, tl.bfloat16).to(tl.bfloat16)
-        hi = round_to((((words >> (16 + 4 * p)) & 0xF) - z).to(tl.float32) * sb, tl.bfloat16).to(tl.bfloat16)
+        # the same arithmetic on fp32 values, rounded by integer arithmetic (the interpreter's own
+        # casts to bf16 truncate); q + 128 - (128 + z) is exact
+        zf = (zz << 16).to(tl.float32, bitcast=True)
+        sf = (s2 << 16).to(tl.float32, bitcast=True)
+        lo = round_to((((words >> (4 * p)) & 0xF).to(tl.float32) + 128.0 - zf) * sf, tl.bfloat16)
+        hi = round_to((((words >> (16 + 4 * p)) & 0xF).to(tl.float32) + 128.0 - zf) * sf, tl.bfloat16)
+        lo = lo.to(tl.bfloat16)
+        hi = hi.to(tl.bfloat16)
     return lo, hi
 
 
 @triton.jit
 def _w4_gemv_wgmma_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_om, stride_zg,
+    x_ptr, qweight_ptr, zs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om,
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,  # output columns; word rows (8 channels each) per K tile
     SPLIT_K: tl.constexpr,
@@ -119,7 +145,6 @@ def _w4_gemv_wgmma_kernel(
     k = tl.arange(0, BLOCK_K)
     w_tile = qweight_ptr + r[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_R] words
     x_tile = x_ptr + tl.minimum(m, M - 1)[None, :].to(tl.int64) * stride_xm + k[:, None]  # x^T [BLOCK_K, 16]
-    z_shift = (offs_n % 8) * 4
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -127,16 +152,12 @@ def _w4_gemv_wgmma_kernel(
         words = tl.load(w_tile + r0 * N)
         xt = tl.load(x_tile + r0 * 8)
         g = (r0 * 8) // GROUP_SIZE
-        s = tl.load(scales_ptr + g * N + offs_n)
-        z = (tl.load(qzeros_ptr + g * stride_zg + offs_n // 8) >> z_shift) & 0xF
-        zb = z | BF16_128
-        zz = (zb | (zb << 16))[:, None]
-        sb = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        s2 = (sb | (sb << 16))[:, None]
-        l0, h0 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 0, USE_ASM)
-        l1, h1 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 1, USE_ASM)
-        l2, h2 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 2, USE_ASM)
-        l3, h3 = _pair_dequant(words, zz, s2, z[:, None], s[:, None].to(tl.float32), 3, USE_ASM)
+        zz = tl.load(zs_ptr + g * 2 * N + offs_n)[:, None]
+        s2 = tl.load(zs_ptr + g * 2 * N + N + offs_n)[:, None]
+        l0, h0 = _pair_dequant(words, zz, s2, 0, USE_ASM)
+        l1, h1 = _pair_dequant(words, zz, s2, 1, USE_ASM)
+        l2, h2 = _pair_dequant(words, zz, s2, 2, USE_ASM)
+        l3, h3 = _pair_dequant(words, zz, s2, 3, USE_ASM)
         # [BN, R, h] per pair p = 2 s + e -> [BN, R, h, e, s]
         e0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))
         e1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))
@@ -153,7 +174,8 @@ def _w4_gemv_wgmma_kernel(
 # (BLOCK_N, BLOCK_R, num_warps, num_stages)
 # (BLOCK_N, BLOCK_R, num_warps, num_stages): sm_90 compiles with the A operand straight from the
 # unpacking (no layout conversion); (64, 16, 4, *) and (128, 16, 8, *) convert it through shared memory.
-W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4), (256, 16, 8, 3))
+W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4), (256, 16, 8, 3), (128, 8, 4, 4), (128, 8, 4, 6), (256, 8, 8, 4),
+                    (256, 8, 8, 6))
 
 
 def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
@@ -165,11 +187,11 @@ def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
             and w.qweight.numel() < 2**31)
 
 
-def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, qweight_wgmma: torch.Tensor, *,
+def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4WgmmaWeights, *,
                      config: tuple = W4_WGMMA_CONFIGS[0], split_k: Optional[int] = None) -> torch.Tensor:
-    """Decode-sized x [M <= 16, K] (bf16) @ int4 weights -> [M, N], reading qweight_wgmma
-    (repack_w4_for_wgmma(w.qweight)) and w's zeros and scales. config: (BLOCK_N, BLOCK_R,
-    num_warps, num_stages)."""
+    """Decode-sized x [M <= 16, K] (bf16) @ int4 weights -> [M, N], reading packed
+    (repack_w4_for_wgmma(w)); w gives the shape and checks. config: (BLOCK_N, BLOCK_R, num_warps,
+    num_stages)."""
     K, N = w.in_features, w.out_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -180,15 +202,15 @@ def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, qweight_wgmma: 
     if not w4_wgmma_usable(w, config):
         raise ValueError(f"w4a16_gemv_wgmma: weights [{N}, {K}] group {w.group_size} (perm {w.perm is not None}) "
                          f"do not fit config {config}")
-    if qweight_wgmma.shape != w.qweight.shape:
-        raise ValueError("qweight_wgmma must be repack_w4_for_wgmma(w.qweight)")
+    if packed.qweight.shape != w.qweight.shape or packed.zs.shape != (w.scales.shape[0], 2, N):
+        raise ValueError("packed must be repack_w4_for_wgmma(w)")
     block_n, block_r, warps, stages = config
     tiles = N // block_n
     split = split_k or _default_split_k(tiles, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     _w4_gemv_wgmma_kernel[(tiles, split)](
-        x, qweight_wgmma, w.qzeros, w.scales, out, ws, cnt, M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
+        x, packed.qweight, packed.zs, out, ws, cnt, M, N, K, x.stride(0), out.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not _INTERPRET,
         DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))
     return out
