@@ -3,7 +3,7 @@
     python scripts/w4_candidates.py [--m 1 8] [--json FILE]
 
 For each linear shape and M bucket: the fastest (config, split) of the FMA kernel and of the
-tensor-core kernel (us per call in CUDA graphs over L2-busting weight copies, calibrate_w4's
+wgmma kernel (us per call in CUDA graphs over L2-busting weight copies, calibrate_w4's
 timing), and the weight bytes per second of each.
 """
 
@@ -40,7 +40,7 @@ def main():
                 Q.calibrate_w4([w], "cuda", m_values=(m,), verbose=True)
             best = {}
             for line in log.getvalue().splitlines():
-                hit = re.search(r" (fma|tc) (\(.*\)) split (\d+): ([0-9.]+) us", line)
+                hit = re.search(r" (fma|wgmma) (\(.*\)) split (\d+): ([0-9.]+) us", line)
                 if hit and (hit[1] not in best or float(hit[4]) < best[hit[1]][2]):
                     best[hit[1]] = (hit[2], int(hit[3]), float(hit[4]))
             row = dict(name=name, N=N, K=K, M=m, **{k: v for k, v in best.items()})

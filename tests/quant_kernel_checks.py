@@ -162,31 +162,43 @@ def w4a16_fma_checks(gen):
     counters_rearmed()
 
 
-def w4a16_tc_checks(gen):
-    """The decode GEMV on tensor cores (nibble pairs j, j + 4 per sub-dot, x^T gathered in that
-    order): every config at 1..16 rows of bf16 x (rows past M are clamped copies, never written),
-    split-K 1..4 (empty splits included), one and several groups per split, codes and zeros at the
-    extremes; within the bf16 output's rounding of the exact result (the interpreter truncates)."""
+def w4a16_wgmma_checks(gen):
+    """The decode GEMV on warpgroup MMAs, on the repacked copy: every config at 1..16 rows of bf16 x
+    (rows past M are clamped copies, never written), split-K 1..4 (empty splits included), one and
+    several groups per split, codes and zeros at the extremes. Against its twin (weights rounded
+    to bf16 as (q - z) * bf16(s), fp32 sums): within the bf16 output's rounding (the interpreter
+    truncates); against the exact product: within that plus the weights' rounding."""
     for K, N, gs in ((256, 256, 128), (512, 256, 256), (1024, 512, 128)):
         w = random_w4a16(K, N, gs, False, gen)
+        packed = qg.repack_w4_for_wgmma(w)
         for M in (1, 3, 16):
             x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-            ref = linear_ref(x.float(), w)
-            for cfg in qg.W4_TC_CONFIGS:
-                if not qg.w4_tc_usable(w, cfg):
+            twin, exact = wgmma_twin(x, w), linear_ref(x.float(), w)
+            for cfg in qg.W4_WGMMA_CONFIGS:
+                if not qg.w4_wgmma_usable(w, cfg):
                     continue
                 for split in (1, 2, 4):
-                    y = qg.w4a16_gemv_tc(x, w, config=cfg, split_k=split)
-                    check(f"w4a16_gemv_tc K={K} N={N} gs={gs} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+                    y = qg.w4a16_gemv_wgmma(x, w, packed, config=cfg, split_k=split)
+                    check(f"w4a16_gemv_wgmma K={K} N={N} gs={gs} M={M} cfg={cfg} split={split}", y, twin, 2 ** -7)
+                    check("  ... against the exact product", y, exact, 2 ** -6)
     K, gs = 256, 128
-    w = extreme_w4a16(K, 128, gs, gen)
+    w = extreme_w4a16(K, 256, gs, gen)
     x = torch.randn(2, K, generator=gen).to(torch.bfloat16)
-    y = qg.w4a16_gemv_tc(x, w, config=(128, 16, 4, 3), split_k=2)
-    check("w4a16_gemv_tc extreme codes", y, linear_ref(x.float(), w), 2 ** -7)
-    refused("a ragged N", qg.w4a16_gemv_tc, x, random_w4a16(K, 96, gs, False, gen))
-    refused("17 rows", qg.w4a16_gemv_tc, torch.randn(17, K).to(torch.bfloat16), w)
-    refused("fp32 x", qg.w4a16_gemv_tc, torch.randn(1, K), w)
+    y = qg.w4a16_gemv_wgmma(x, w, qg.repack_w4_for_wgmma(w), config=qg.W4_WGMMA_CONFIGS[0], split_k=2)
+    check("w4a16_gemv_wgmma extreme codes", y, wgmma_twin(x, w), 2 ** -7)
+    ragged = random_w4a16(K, 96, gs, False, gen)
+    refused("a ragged N", qg.w4a16_gemv_wgmma, x, ragged, qg.repack_w4_for_wgmma(ragged))
+    refused("17 rows", qg.w4a16_gemv_wgmma, torch.randn(17, K).to(torch.bfloat16), w, qg.repack_w4_for_wgmma(w))
+    refused("fp32 x", qg.w4a16_gemv_wgmma, torch.randn(1, K), w, qg.repack_w4_for_wgmma(w))
+    refused("another weight's copy", qg.w4a16_gemv_wgmma, x, w, qg.repack_w4_for_wgmma(random_w4a16(512, 256, gs, False, gen)))
     counters_rearmed()
+
+
+def wgmma_twin(x, w):
+    """x @ W^T in fp32 with W = bf16((q - z) * bf16(s)), the weights w4a16_gemv_wgmma multiplies."""
+    wd = formats.dequantize_gptq(w.qweight, w.qzeros, w.scales.to(torch.bfloat16).float(), None, w.group_size,
+                                 formats.GPTQ_V2).to(torch.bfloat16)
+    return x.float() @ wd.float().t()
 
 
 def w4a16_dense_checks(gen):
@@ -355,6 +367,6 @@ def dispatch_checks(gen):
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_tc": w4a16_tc_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
      "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

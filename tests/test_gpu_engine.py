@@ -365,3 +365,42 @@ def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
         print(f"fp8 B={B} ctx={ctx}: graph (gemv) vs eager (w8a16) rel err {rel:.2e}")
         assert torch.isfinite(graph).all() and rel < REL_ERR
         release(runner, reqs)
+
+
+def test_w4a16_decode_batches_through_wgmma_equal_eager_without(full_dir):
+    """int4 weights quantized on load: start-up attaches the wgmma kernel's repacked copy to every
+    linear and the calibration offers that kernel at 4-16 rows. Decode batches of 8 and 13 through
+    the graphs (with whatever the calibration picked) give the logits of an eager forward with the
+    copies detached (FMA / tl.dot kernels on the GPTQ layout): the same int4 weights, rounded to
+    bf16 in one and not the other, so the bf16 noise bound applies."""
+    from salaserve.bench.micro import fake_decoding_requests, release
+    from salaserve.config import EngineArgs
+    from salaserve.engine.runner import ModelRunner
+    from salaserve.engine.scheduler import ScheduledWork
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.triton_backend import _linear_weights
+
+    runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
+                                    quantization="w4a16", max_running_requests=16, max_total_tokens=100_000), full_dir)
+    w4 = [w for w in _linear_weights(runner.model.p) if isinstance(w, Q.QuantizedLinearWeights) and w.format == "w4a16"]
+    assert w4 and all(w.wgmma is not None for w in w4)
+    picks = {k: v[0] for k, v in Q._W4_TABLE.items()}
+    print("w4 calibration picks:", sorted(set((k[0], k[1], k[2], v) for k, v in picks.items())))
+    assert any(v == "wgmma" for (m, *_), v in picks.items() if m >= 8), picks
+    for B, ctx in [(8, 1000), (13, 700)]:
+        reqs = fake_decoding_requests(runner, B, ctx)
+        slots = [r.state_slot for r in reqs]
+        saved = runner.caches.states.state[slots].clone()
+        work = [ScheduledWork(r, 1) for r in reqs]
+        copies = [w.wgmma for w in w4]
+        for w in w4:
+            w.wgmma = None
+        eager = runner.model.forward(runner.build_batch(work), runner.caches).float()
+        for w, c in zip(w4, copies):
+            w.wgmma = c
+        runner.caches.states.state[slots] = saved
+        graph = runner.forward(work).float()
+        rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
+        print(f"w4a16 B={B} ctx={ctx}: graph (calibrated, wgmma copies) vs eager (without) rel err {rel:.2e}")
+        assert torch.isfinite(graph).all() and rel < REL_ERR
+        release(runner, reqs)

@@ -48,10 +48,11 @@ def test_decode_kernels(fmt, name, M):
     if fmt == "w4a16" and M <= Q.W4_FMA_MAX_M:
         for cfg in Q.W4_FMA_CONFIGS[1 << (M - 1).bit_length()]:
             assert _rel(Q.w4a16_gemv_fma(x, w, config=cfg), ref) < TOL, cfg
-    if fmt == "w4a16":  # the tensor-core kernel: every config, the heuristic split and no split
-        for cfg in Q.W4_TC_CONFIGS:
+    if fmt == "w4a16":  # the wgmma kernel on the repacked copy: every config, the heuristic split and none
+        packed = Q.repack_w4_for_wgmma(w)
+        for cfg in Q.W4_WGMMA_CONFIGS:
             for split in (None, 1):
-                assert _rel(Q.w4a16_gemv_tc(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
+                assert _rel(Q.w4a16_gemv_wgmma(x, w, packed, config=cfg, split_k=split), ref) < TOL, (cfg, split)
     if fmt == "fp8":
         # w8a8: its twin to TOL, and the twin to the unquantized product as prefill's w8a8 (e4m3 x)
         twin = Q.w8a8_block_ref(x, w.weight, w.scale)
@@ -131,12 +132,18 @@ def test_fp8_prefill_down_quantizes_inside_silu_mul():
 
 
 def test_w4a16_calibration_picks_a_valid_config():
-    """calibrate_w4 times the FMA and tensor-core kernels' configs and splits at the real shape;
-    quant_linear then runs the recorded choice and still equals the reference."""
+    """calibrate_w4 times the FMA and wgmma kernels' configs and splits at the real shape (the
+    wgmma kernel's on the copy TritonBackend.prepare_weights attaches); quant_linear then runs the
+    recorded choice and still equals the reference."""
     from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.triton_backend import TritonBackend
 
     N, K = SHAPES["qkvg"]
     w = _weights("w4a16", N, K, 11)
+    TritonBackend().prepare_weights({"lm_head": None, "layers": [{"qkvg": w, "o_proj": None, "gate_up": None,
+                                                                  "down": None}]}, "cuda")
+    assert w.wgmma is not None
+    assert any(c[0] == "wgmma" for c in Q._w4_candidates(16, w, "cuda"))
     res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
     assert set(res) == {(1, N, K), (2, N, K), (16, N, K)}
     for m in (1, 2, 16):

@@ -296,7 +296,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_tc", "w4a16_dense",
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_wgmma", "w4a16_dense",
                                                                        "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
@@ -336,25 +336,66 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
     assert "ld.global.v4.b32" in kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_TC_CONFIGS])
-def test_w4a16_tc_kernel_compiles_for_sm90(cfg):
-    """Every config of the tensor-core decode GEMV compiles for the H200 without spills, as a
-    warpgroup MMA whose weight operand comes from registers (the packed tile reaches them from
-    shared memory as int32: no bf16 weight tile is stored there), with the lop3 + bf16x2 unpacking."""
+@pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_WGMMA_CONFIGS])
+def test_w4a16_wgmma_kernel_compiles_for_sm90(cfg):
+    """Every config of the wgmma decode GEMV compiles for the H200 without spills, as what makes
+    it fast: warpgroup MMAs kept in flight (waits with one pending, not zero, inside the loop),
+    the weight operand straight from the unpacking's registers (no bf16 weight tile in shared
+    memory, no layout conversion but the no-op ones Triton's dot split adds), x^T and the
+    packed words through cp.async, and the lop3 + bf16x2 sub/mul unpacking."""
+    import re
+
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
 
     block_n, block_r, warps, stages = cfg
-    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
-                ws_ptr="*fp32", cnt_ptr="*i32")
+    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", zs_ptr="*i32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
     constexprs = dict(GROUP_SIZE=128, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4, USE_ASM=True, DOT_FP32=False, PDL=True)
-    kernel = compile_sm90_without_spills(qg._w4_gemv_tc_kernel, ptrs, constexprs, warps, num_stages=stages,
+    kernel = compile_sm90_without_spills(qg._w4_gemv_wgmma_kernel, ptrs, constexprs, warps, num_stages=stages,
                                          fp_fusion=True, divisible=("N", "K"))
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    assert "warp_group_dot" in ttgir and "wgmma.mma_async" in ptx
-    assert "memdesc<" + f"{block_n}x{2 * block_r}xbf16" not in ttgir  # A operand never staged as bf16
-    assert "sub.rn.bf16x2" in ptx and "griddepcontrol.wait" in ptx
+    loop = ttgir[ttgir.index("scf.for"):]
+    loop = loop[:loop.index("scf.yield")]
+    assert "warp_group_dot_wait" in loop and "pendings = 0" not in loop and "pendings = 1" in loop
+    bf16_buffers = set(re.findall(r"memdesc<([0-9x]+)xbf16", ttgir))
+    # x^T's buffers ([stages x] K x 16, and the halves the dot split reads) only: a bf16 weight tile
+    # would be [.., BLOCK_N x K]
+    assert bf16_buffers and all(b.endswith("x16") for b in bf16_buffers), bf16_buffers
+    for cvt in re.findall(r"ttg.convert_layout .*", loop):
+        assert "dot_op<{opIdx = 0" in cvt, cvt  # the no-op splits of the dot's A operand only
+    assert ttgir.count("async_copy_global_to_local") >= 3 and " tt.load " not in loop
+    assert "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx and "griddepcontrol.wait" in ptx
+
+
+def test_w4_wgmma_repacked_layout():
+    """repack_w4_for_wgmma puts channel 32 c + 16 s + 8 e + 2 t + h of each block of 32 at word row
+    4 c + t, bits 4 (2 s + e) + 16 h (the lane's A-fragment pairs), and the zero/scale words hold
+    bf16 (128 + z) and bf16(s) twice; refused for other formats."""
+    from salaserve.kernels import quant_gemm as qg
+    from salaserve.quant import formats, rtn
+
+    gen = torch.Generator().manual_seed(5)
+    w = rtn.quantize_w4a16_rtn(torch.randn(40, 96, generator=gen), 32, sym=False)
+    packed = qg.repack_w4_for_wgmma(w)
+    q = formats.unpack_int4(w.qweight).long()  # [K, N]
+    words = packed.qweight.long() & 0xFFFFFFFF
+    for c in range(3):
+        for t in range(4):
+            for s in range(2):
+                for e in range(2):
+                    for h in range(2):
+                        got = (words[4 * c + t] >> (4 * (2 * s + e) + 16 * h)) & 0xF
+                        assert torch.equal(got, q[32 * c + 16 * s + 8 * e + 2 * t + h])
+    zs = packed.zs.long() & 0xFFFFFFFF
+    assert packed.zs.shape == (3, 2, 40)
+    assert torch.equal(zs >> 16, zs & 0xFFFF)  # both halves equal
+    z = formats.unpack_zeros(w.qzeros, 40, formats.GPTQ_V2).float()
+    as_bf16 = lambda v: (v & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()  # noqa: E731
+    assert torch.equal(as_bf16(zs[:, 0]), z + 128)
+    assert torch.equal(as_bf16(zs[:, 1]), w.scales.to(torch.bfloat16).float())
+    with pytest.raises(ValueError):
+        qg.repack_w4_for_wgmma(rtn.quantize_fp8(torch.randn(8, 64)))
 
 
 def test_w4_gemv_compiles_with_and_without_pdl():

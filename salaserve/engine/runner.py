@@ -65,6 +65,8 @@ class ModelRunner:
         self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
 
+        if hasattr(backend, "prepare_weights"):  # kernel-specific weight copies, before the memory plan
+            backend.prepare_weights(self.model.p, self.device)
         cfg, sc = self.cfg, self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
         state_dtype = DTYPES[args.state_dtype]

@@ -5,7 +5,7 @@
 Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycling through
 >= 256 MB of weight copies (no L2 reuse), and GB/s of weight bytes next to the copy bandwidth:
   w4 old      w4a16_gemv (tl.dot / FMA on the unpacked tile, autotuned)
-  w4 new      M <= 16: calibrate_w4's candidates (w4a16_gemv_fma and w4a16_gemv_tc, config x split),
+  w4 new      M <= 16: calibrate_w4's candidates (w4a16_gemv_fma and w4a16_gemv_wgmma, config x split),
               the best kept and timed through quant_linear
   fp8         the faster of w8a16_gemv (autotuned; tensor cores at every M, weights converted to
               bf16) and w8a8_gemv (x quantized per 128 channels, fp8 tensor cores; calibrated),
@@ -38,8 +38,11 @@ def _copies(make, nbytes):
 
 
 def _w4(N, K, seed):
+    """int4 weights with the wgmma kernel's repacked copy, as TritonBackend.prepare_weights leaves them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5, 128)
+    w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5, 128)
+    w.wgmma = Q.repack_w4_for_wgmma(w)
+    return w
 
 
 def _fp8(N, K, seed):
@@ -64,7 +67,7 @@ def decode_table(shapes, ms, out):
             r = dict(name=name, N=N, K=K, M=M)
             r["w4_old"] = _time(lambda w: Q.w4a16_gemv(x, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size,
                                                        act_order=False), w4s)
-            if M <= Q.W4_TC_MAX_M:  # the start-up calibration's candidates (kernel x config x split), printed
+            if M <= Q.W4_WGMMA_MAX_M:  # the start-up calibration's candidates (kernel x config x split), printed
                 bucket = 1 << (M - 1).bit_length()
                 res = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)
                 if (bucket, N, K) in res:

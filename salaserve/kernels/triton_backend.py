@@ -67,6 +67,21 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
 
     # ---- linear layers -----------------------------------------------------------------------
+    def prepare_weights(self, params, device) -> None:
+        """At load, before the cache plan measures free memory: on the GPU, every int4 linear the
+        wgmma decode kernel takes gets its repacked copy (quant_gemm.w4_wgmma; qweight's bytes
+        again, ~1/8 more for the zero/scale words), so that the calibration can offer that kernel
+        at 4-16 rows. SALASERVE_W4_WGMMA=0 skips it (memory for KV pages instead)."""
+        if torch.device(device).type != "cuda" or os.environ.get("SALASERVE_W4_WGMMA", "1") == "0":
+            return
+        from salaserve.kernels.quant_gemm import W4_WGMMA_CONFIGS, repack_w4_for_wgmma, w4_wgmma_usable
+
+        for w in _linear_weights(params):
+            if (isinstance(w, QuantizedLinearWeights) and w.wgmma is None
+                    and any(w4_wgmma_usable(w, c) for c in W4_WGMMA_CONFIGS)):
+                w.wgmma = repack_w4_for_wgmma(w)
+        torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
+
     def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
         sizes and verify row counts (M buckets 1..128; above 16 the tensor-core GEMV only), so

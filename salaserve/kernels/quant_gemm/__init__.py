@@ -3,7 +3,8 @@
 
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
       - M <= 16 (decode, verify), where `calibrate_w4` timed the shape at start-up: the faster of
-        `w4a16_gemv_fma` and `w4a16_gemv_tc` (kernel, config and split-K per shape and M bucket).
+        `w4a16_gemv_fma` (M <= 4) and `w4a16_gemv_wgmma` (M >= 4, on the weights' repacked copy)
+        (kernel, config and split-K per shape and M bucket).
       - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
@@ -33,8 +34,8 @@ at group 128). Act-order checkpoints should go through formats.reorder_act_order
 kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
-Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_tc.py (the int4
-decode GEMV on tensor cores), w4_dot.py (int4 on tensor cores,
+Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_wgmma.py (the
+int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
 prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
 w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
 submodules' names are re-exported here: callers (backend, tests, scripts) import the package.
@@ -67,8 +68,9 @@ from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_F
                                                  W4_MAGIC_HI, W4_MAGIC_LO, _w4_candidates, _w4_gemv_fma_kernel, _w4_key,
                                                  calibrate_w4, w4_decode_choice, w4_fma_layout, w4a16_decode,
                                                  w4a16_gemv_fma)
-from salaserve.kernels.quant_gemm.w4_tc import (W4_TC_CONFIGS, W4_TC_MAX_M, _w4_gemv_tc_kernel, w4_tc_usable,
-                                                w4a16_gemv_tc)
+from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
+                                                   _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
+                                                   w4a16_gemv_wgmma)
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 

@@ -1,6 +1,6 @@
 """The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and the start-up
-calibration (`calibrate_w4`) that picks, per shape and M bucket, between it and the tensor-core
-kernel of w4_tc.py."""
+calibration (`calibrate_w4`) that picks, per shape and M bucket, between it and the warpgroup-MMA
+kernel of w4_wgmma.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.kernels.quant_gemm.w4_tc import W4_TC_CONFIGS, W4_TC_MAX_M, w4_tc_usable, w4a16_gemv_tc
+from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
+                                                   w4_wgmma_usable, w4a16_gemv_wgmma)
 from salaserve.kernels.quant_gemm._common import _store_output, _workspace, _sm_count, _default_split_k, _check_x, _device_key, _to_calibrate
 
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
@@ -341,7 +342,7 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     return out
 
 
-# (bucket, N, K, group size, device) -> (kernel "fma" or "tc", config, split), filled by calibrate_w4
+# (bucket, N, K, group size, device) -> (kernel "fma" or "wgmma", config, split), filled by calibrate_w4
 _W4_TABLE: dict[tuple, tuple] = {}
 
 
@@ -365,37 +366,40 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
 
 def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     """(kernel, config, split) candidates of the decode calibration at M bucket m: the FMA
-    kernel's configs (M <= W4_FMA_MAX_M), else the tensor-core kernel's (M <= 16, whole tiles),
-    each with its split-K choices."""
+    kernel's configs (M <= W4_FMA_MAX_M) and, where w carries its repacked copy, the wgmma
+    kernel's (W4_WGMMA_MIN_M <= M <= 16, whole tiles), each with its split-K choices."""
     N, K = w.out_features, w.in_features
     out = []
     if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
         out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
-    if W4_FMA_MAX_M < m <= W4_TC_MAX_M:  # at M <= 4 the FMA kernel won every shape by 1.5-1.7x (runs 63-64)
-        out += [("tc", cfg, split) for cfg in W4_TC_CONFIGS if w4_tc_usable(w, cfg)
+    if w.wgmma is not None and W4_WGMMA_MIN_M <= m <= W4_WGMMA_MAX_M:
+        out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
                 for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     return out
 
 
 def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
     """The calibrated (kernel, config, split) for x [M, K] at w's shape, or None (not calibrated,
-    or the tensor-core kernel's pick with x not bf16: quant_linear's default route)."""
+    or the wgmma kernel's pick with x not bf16 or w without its repacked copy: quant_linear's
+    default route)."""
     M = x.shape[0]
-    hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_TC_MAX_M else None
-    return None if hit is not None and hit[0] == "tc" and x.dtype != torch.bfloat16 else hit
+    hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_WGMMA_MAX_M else None
+    if hit is not None and hit[0] == "wgmma" and (x.dtype != torch.bfloat16 or w.wgmma is None):
+        return None
+    return hit
 
 
 def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> torch.Tensor:
     """x @ int4 weights through a (kernel, config, split) of calibrate_w4."""
     kernel, cfg, split = choice
-    if kernel == "tc":
-        return w4a16_gemv_tc(x, w, config=cfg, split_k=split)
+    if kernel == "wgmma":
+        return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
     return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
 
 
 def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
-    """Time every (kernel, config, split) of the decode GEMVs (the FMA kernel and the tensor-core
-    kernel) per (M bucket, shape) in CUDA graphs of back-to-back calls over L2-busting random
+    """Time every (kernel, config, split) of the decode GEMVs (the FMA kernel and, for weights
+    with their repacked copy, the wgmma kernel) per (M bucket, shape) in CUDA graphs of back-to-back calls over L2-busting random
     weights of the same layout, and keep the fastest for quant_linear (a few seconds at start-up,
     before graph capture; GPU only). Returns {(m, N, K): (kernel, config, split, us)}."""
     from salaserve.kernels.timing import graph_time_us, l2_busting_count
@@ -411,8 +415,10 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     for w, todo in _to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE):
         N, K = w.out_features, w.in_features
         n_copies = l2_busting_count(w.qweight.nbytes)
-        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1))
+        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None)
                   for _ in range(n_copies)]
+        if w.wgmma is not None:
+            copies = [dataclasses.replace(c, wgmma=repack_w4_for_wgmma(c)) for c in copies]
         for m in todo:
             candidates = _w4_candidates(m, w, device)
             if not candidates:

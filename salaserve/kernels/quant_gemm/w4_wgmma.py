@@ -1,12 +1,14 @@
 """The int4 decode GEMV on warpgroup MMAs that overlap the next tile's unpacking
-(`w4a16_gemv_wgmma`, M <= 16), on a repacked copy of the weights (`repack_w4_for_wgmma`).
+(`w4a16_gemv_wgmma`, 4 <= M <= 16), on a repacked copy of the weights (`repack_w4_for_wgmma`,
+attached at start-up by TritonBackend.prepare_weights).
 
-Why another tensor-core kernel (w4_tc.py has one): there, each K tile's partial is scaled by the
-group scale after its dots, so Triton waits for every wgmma before the next one starts (a dot
-result used inside the loop cannot stay in flight). Here the group scale is folded into the
-weights as they are unpacked, so the dot accumulates straight into the loop-carried sum. Then
-Triton keeps a wgmma in flight while the next tile is unpacked, and x^T, read in natural channel
-order, goes through its cp.async pipeline.
+What keeps the wgmmas in flight: Triton's pipeliner lets a dot run on while the loop goes on only
+if its result feeds nothing in the loop but the next dot's accumulator, and its shared-memory
+operand is multi-buffered. So the group scale is folded into the weights as they are unpacked
+(the dot accumulates straight into the loop-carried sum), and x^T is read in natural channel
+order, which Triton's cp.async pipeline can stage. (The first tensor-core version scaled each
+tile's partial after its dots and gathered x^T by hand: every wgmma was waited for, and it ran at
+~1 TB/s whatever M was; runs 63-64.)
 
 Unpacking, per register (two bf16 weights): a lop3 puts two nibbles into the mantissas of a
 bf16x2 (128 + q each), a bf16x2 subtraction of (128 + z) leaves q - z (exact), a bf16x2 multiply
@@ -34,6 +36,7 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_
 from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, unpack_int4, unpack_zeros
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
+W4_WGMMA_MIN_M = 4  # below, the FMA kernel (w4_fma.py) was 1.3-1.4x faster at every shape (run 67)
 
 
 # ---------------------------------------------------------------- the repacked layout (host)
@@ -171,11 +174,11 @@ def _w4_gemv_wgmma_kernel(
     _store_output(tl.trans(acc), m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
-# (BLOCK_N, BLOCK_R, num_warps, num_stages)
 # (BLOCK_N, BLOCK_R, num_warps, num_stages): sm_90 compiles with the A operand straight from the
 # unpacking (no layout conversion); (64, 16, 4, *) and (128, 16, 8, *) convert it through shared memory.
-W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4), (256, 16, 8, 3), (128, 8, 4, 4), (128, 8, 4, 6), (256, 8, 8, 4),
-                    (256, 8, 8, 6))
+# Run 67 timed seven (128 or 256 columns, 64- or 128-channel tiles, 3-6 stages): one of these two
+# was the fastest at every shape and M = 1, 8, 16 (others at best tied); more stages were slower.
+W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (256, 8, 8, 4))
 
 
 def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
