@@ -369,26 +369,29 @@ def test_w4a16_wgmma_kernel_compiles_for_sm90(cfg):
 
 
 def test_w4_wgmma_repacked_layout():
-    """repack_w4_for_wgmma puts channel 32 c + 16 s + 8 e + 2 t + h of each block of 32 at word row
-    4 c + t, bits 4 (2 s + e) + 16 h (the lane's A-fragment pairs), and the zero/scale words hold
-    bf16 (128 + z) and bf16(s) twice; refused for other formats."""
+    """repack_w4_for_wgmma stores [N, K/8] words; in each block of 16 words (128 channels), word
+    4 t + c holds channel 32 c + 16 s + 8 e + 2 t + h of the block at bits 4 (2 s + e) + 16 h (a
+    lane's A-fragment pairs, its four words adjacent), and the zero/scale words hold bf16 (128 + z)
+    and bf16(s) twice; refused for other formats and K not a multiple of 128."""
     from salaserve.kernels import quant_gemm as qg
     from salaserve.quant import formats, rtn
 
     gen = torch.Generator().manual_seed(5)
-    w = rtn.quantize_w4a16_rtn(torch.randn(40, 96, generator=gen), 32, sym=False)
+    w = rtn.quantize_w4a16_rtn(torch.randn(40, 256, generator=gen), 64, sym=False)
     packed = qg.repack_w4_for_wgmma(w)
+    assert packed.qweight.shape == (40, 32) and packed.qweight.is_contiguous()
     q = formats.unpack_int4(w.qweight).long()  # [K, N]
-    words = packed.qweight.long() & 0xFFFFFFFF
-    for c in range(3):
+    words = packed.qweight.t().long() & 0xFFFFFFFF  # [K/8, N]
+    for block in range(2):
         for t in range(4):
-            for s in range(2):
-                for e in range(2):
-                    for h in range(2):
-                        got = (words[4 * c + t] >> (4 * (2 * s + e) + 16 * h)) & 0xF
-                        assert torch.equal(got, q[32 * c + 16 * s + 8 * e + 2 * t + h])
+            for c in range(4):
+                for s in range(2):
+                    for e in range(2):
+                        for h in range(2):
+                            got = (words[16 * block + 4 * t + c] >> (4 * (2 * s + e) + 16 * h)) & 0xF
+                            assert torch.equal(got, q[128 * block + 32 * c + 16 * s + 8 * e + 2 * t + h])
     zs = packed.zs.long() & 0xFFFFFFFF
-    assert packed.zs.shape == (3, 2, 40)
+    assert packed.zs.shape == (4, 2, 40)
     assert torch.equal(zs >> 16, zs & 0xFFFF)  # both halves equal
     z = formats.unpack_zeros(w.qzeros, 40, formats.GPTQ_V2).float()
     as_bf16 = lambda v: (v & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()  # noqa: E731
@@ -396,6 +399,8 @@ def test_w4_wgmma_repacked_layout():
     assert torch.equal(as_bf16(zs[:, 1]), w.scales.to(torch.bfloat16).float())
     with pytest.raises(ValueError):
         qg.repack_w4_for_wgmma(rtn.quantize_fp8(torch.randn(8, 64)))
+    with pytest.raises(ValueError):
+        qg.repack_w4_for_wgmma(rtn.quantize_w4a16_rtn(torch.randn(8, 96), 32))
 
 
 def test_w4_gemv_compiles_with_and_without_pdl():

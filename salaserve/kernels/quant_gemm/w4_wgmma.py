@@ -14,12 +14,14 @@ Unpacking, per register (two bf16 weights): a lop3 puts two nibbles into the man
 bf16x2 (128 + q each), a bf16x2 subtraction of (128 + z) leaves q - z (exact), a bf16x2 multiply
 by the group scale rounds (q - z) * s to bf16: the weight that dequantize-then-matmul uses.
 
-The repacked layout (same shape as GPTQ's qweight, [K/8, N] int32) puts into each word the 8
+The repacked layout ([N, K/8] int32: a column's words contiguous) puts into each word the 8
 channels one lane of a warpgroup MMA holds for one output column, so that the unpacked pairs are
-already the A fragment's registers and no layout conversion (shared memory) is needed. For word
-row R = 4 c + t (c: pair of 16-channel chunks, t: lane within its quad) and nibble position
-4 p + 16 h (p = 2 s + e), the channel is 32 c + 16 s + 8 e + 2 t + h: lane t's pairs (2t, 2t + 1)
-and (2t + 8, 2t + 9) of chunks 2c and 2c + 1.
+already the A fragment's registers and no layout conversion (shared memory) is needed. In each
+block of 16 words (128 channels, one K tile), word 4 t + c (t: lane within its quad, c: pair of
+16-channel chunks) holds at nibble position 4 p + 16 h (p = 2 s + e) the channel
+32 c + 16 s + 8 e + 2 t + h: lane t's pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of chunks 2c and
+2c + 1. A lane's four words are adjacent (one 16-byte shared-memory load), and a column's tile is
+64 contiguous bytes (16-byte cp.async copies).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, unpack_int4
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
 W4_WGMMA_MIN_M = 4  # below, the FMA kernel (w4_fma.py) was 1.3-1.4x faster at every shape (run 67)
+W4_WGMMA_BLOCK_R = 16  # words per K tile (128 channels): the repacked layout's block
 
 
 # ---------------------------------------------------------------- the repacked layout (host)
@@ -54,7 +57,7 @@ def _wgmma_channel_order(device=None) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class W4WgmmaWeights:
-    """What w4a16_gemv_wgmma reads: qweight [K/8, N] int32 in the layout above, and zs [G, 2, N]
+    """What w4a16_gemv_wgmma reads: qweight [N, K/8] int32 in the layout above, and zs [G, 2, N]
     int32, per group and column the bf16x2 words (128 + z, 128 + z) and (s, s) (s rounded to
     bf16). Both are whole 32-bit words so that Triton's pipeline copies them with cp.async (the
     fp16 scales alone, 2 bytes per column, would be a plain load the loop waits for)."""
@@ -71,19 +74,21 @@ def _bf16x2_words(v: torch.Tensor) -> torch.Tensor:
 
 
 def repack_w4_for_wgmma(w: QuantizedLinearWeights) -> W4WgmmaWeights:
-    """GPTQ-layout int4 weights (K a multiple of 32) -> the wgmma kernel's copy of them."""
+    """GPTQ-layout int4 weights (K a multiple of 128) -> the wgmma kernel's copy of them."""
     if w.format != "w4a16":
         raise ValueError(f"repack_w4_for_wgmma takes w4a16 weights, got {w.format}")
     K8, N = w.qweight.shape
-    if (8 * K8) % 32:
-        raise ValueError(f"repack_w4_for_wgmma needs K a multiple of 32, got {8 * K8}")
+    if K8 % W4_WGMMA_BLOCK_R:
+        raise ValueError(f"repack_w4_for_wgmma needs K a multiple of {8 * W4_WGMMA_BLOCK_R}, got {8 * K8}")
     dev = w.qweight.device
     q = unpack_int4(w.qweight).to(torch.int32).view(K8 // 4, 32, N)  # [blocks of 32 channels, 32, N]
     order = _wgmma_channel_order(dev)  # [t, p, h] -> channel in the block
     picked = q[:, order.reshape(-1), :].view(K8 // 4, 4, 4, 2, N)  # [block, t, p, h, N]
     shift = (4 * torch.arange(4, device=dev).view(4, 1) + 16 * torch.arange(2, device=dev).view(1, 2)).to(torch.int64)
     words = (picked.to(torch.int64) << shift[None, None, :, :, None]).sum(dim=(2, 3))  # [block, t, N]
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(K8, N)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    # blocks of 32 channels -> tiles of 128: [tile, c, t, N] -> word 4 t + c of the tile, column-major
+    words = words.view(K8 // 16, 4, 4, N).transpose(1, 2).reshape(K8, N).t()
     zeros = unpack_zeros(w.qzeros, N, GPTQ_V2)  # [G, N] true zero points
     zz = _bf16x2_words(zeros.float() + 128.0)
     s2 = _bf16x2_words(w.scales)
@@ -132,7 +137,8 @@ def _w4_gemv_wgmma_kernel(
     PDL: tl.constexpr = False,
 ):
     # Requires N % BLOCK_N == 0, K % (8 * BLOCK_R) == 0, GROUP_SIZE % (8 * BLOCK_R) == 0 and
-    # BLOCK_R % 4 == 0 (the launcher checks): no masks, so that Triton pipelines both loads.
+    # BLOCK_R == 16, the layout's block (the launcher checks): no masks, so that Triton pipelines
+    # the loads.
     BLOCK_M: tl.constexpr = 16
     BLOCK_K: tl.constexpr = 8 * BLOCK_R
     if PDL:
@@ -146,13 +152,13 @@ def _w4_gemv_wgmma_kernel(
     r = tl.arange(0, BLOCK_R)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
-    w_tile = qweight_ptr + r[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_R] words
+    w_tile = qweight_ptr + offs_n[:, None] * K8 + r[None, :]  # [BLOCK_N, BLOCK_R] words (qweight is [N, K/8])
     x_tile = x_ptr + tl.minimum(m, M - 1)[None, :].to(tl.int64) * stride_xm + k[:, None]  # x^T [BLOCK_K, 16]
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for r0 in range(r_begin, r_end, BLOCK_R):
-        words = tl.load(w_tile + r0 * N)
+        words = tl.load(w_tile + r0)
         xt = tl.load(x_tile + r0 * 8)
         g = (r0 * 8) // GROUP_SIZE
         zz = tl.load(zs_ptr + g * 2 * N + offs_n)[:, None]
@@ -165,8 +171,8 @@ def _w4_gemv_wgmma_kernel(
         e0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))
         e1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))
         w5 = tl.join(e0, e1)  # [BN, R, h, e, s]
-        w6 = tl.reshape(w5, (BLOCK_N, BLOCK_R // 4, 4, 2, 2, 2))  # [BN, c, t, h, e, s]
-        w = tl.reshape(tl.permute(w6, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))  # [BN, c, s, e, t, h]
+        w6 = tl.reshape(w5, (BLOCK_N, 4, BLOCK_R // 4, 2, 2, 2))  # [BN, t, c, h, e, s]
+        w = tl.reshape(tl.permute(w6, (0, 2, 5, 4, 1, 3)), (BLOCK_N, BLOCK_K))  # [BN, c, s, e, t, h]
         if DOT_FP32:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -176,9 +182,10 @@ def _w4_gemv_wgmma_kernel(
 
 # (BLOCK_N, BLOCK_R, num_warps, num_stages): sm_90 compiles with the A operand straight from the
 # unpacking (no layout conversion); (64, 16, 4, *) and (128, 16, 8, *) convert it through shared memory.
-# Run 67 timed seven (128 or 256 columns, 64- or 128-channel tiles, 3-6 stages): one of these two
-# was the fastest at every shape and M = 1, 8, 16 (others at best tied); more stages were slower.
-W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (256, 8, 8, 4))
+# Run 67 (the GPTQ row order, 4-byte copies) timed seven: (128, 16, 4, 3) was the fastest at 8-16
+# rows for every shape, 4 stages within 2-7%, 256 columns and 64-channel tiles only won at one row
+# (where the FMA kernel is faster still).
+W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4))
 
 
 def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
@@ -186,7 +193,8 @@ def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
     K tile, trivial g_idx and no channel permutation)."""
     block_n, block_r = config[0], config[1]
     return (w.format == "w4a16" and w.g_idx_trivial and w.perm is None and w.out_features % block_n == 0
-            and block_r % 4 == 0 and w.in_features % (8 * block_r) == 0 and w.group_size % (8 * block_r) == 0
+            and block_r == W4_WGMMA_BLOCK_R and w.in_features % (8 * block_r) == 0
+            and w.group_size % (8 * block_r) == 0
             and w.qweight.numel() < 2**31)
 
 
@@ -205,7 +213,7 @@ def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4Wgmma
     if not w4_wgmma_usable(w, config):
         raise ValueError(f"w4a16_gemv_wgmma: weights [{N}, {K}] group {w.group_size} (perm {w.perm is not None}) "
                          f"do not fit config {config}")
-    if packed.qweight.shape != w.qweight.shape or packed.zs.shape != (w.scales.shape[0], 2, N):
+    if packed.qweight.shape != (N, K // 8) or packed.zs.shape != (w.scales.shape[0], 2, N):
         raise ValueError("packed must be repack_w4_for_wgmma(w)")
     block_n, block_r, warps, stages = config
     tiles = N // block_n
