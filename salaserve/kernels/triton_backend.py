@@ -16,6 +16,7 @@ only identical kernel choices give identical results.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -29,6 +30,8 @@ from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.quant.formats import QuantizedLinearWeights
+
+log = logging.getLogger(__name__)
 
 
 # One-row steps apply the MLP's silu_mul in the gate_up GEMV's epilogue (gemv.gemv_silu_out)
@@ -76,11 +79,16 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             return
         from salaserve.kernels.quant_gemm import W4_WGMMA_CONFIGS, repack_w4_for_wgmma, w4_wgmma_usable
 
+        added = 0
         for w in _linear_weights(params):
             if (isinstance(w, QuantizedLinearWeights) and w.wgmma is None
                     and any(w4_wgmma_usable(w, c) for c in W4_WGMMA_CONFIGS)):
                 w.wgmma = repack_w4_for_wgmma(w)
-        torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
+                added += w.wgmma.qweight.nbytes + w.wgmma.zs.nbytes
+        if added:
+            torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
+            log.info("int4 weights: repacked copies for the wgmma decode GEMV, %.2f GiB (SALASERVE_W4_WGMMA=0 "
+                     "skips them)", added / 2**30)
 
     def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
