@@ -1,6 +1,8 @@
 """The engine on the GPU (triton backend, CUDA graphs) against the reference at full shapes with
 dummy bf16 weights. Run with `pytest -m gpu` on a CUDA machine (needs ~40 GiB)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -336,35 +338,48 @@ def test_speculative_decoding_follows_plain_decoding(full_dir):
     assert eng.resource_counters() == initial
 
 
+def graph_vs_eager(runner, B, ctx, eager_mode):
+    """A decode batch of B fake requests at context ctx: its logits eagerly with `eager_mode` (a
+    context manager) in force, then through the graphs from the same states. Returns (graph logits,
+    the rows' worst relative difference); the requests are released."""
+    from salaserve.bench.micro import fake_decoding_requests, release
+    from salaserve.engine.scheduler import ScheduledWork
+
+    reqs = fake_decoding_requests(runner, B, ctx)
+    slots = [r.state_slot for r in reqs]
+    saved = runner.caches.states.state[slots].clone()
+    work = [ScheduledWork(r, 1) for r in reqs]
+    with eager_mode():
+        eager = runner.model.forward(runner.build_batch(work), runner.caches).float()
+    runner.caches.states.state[slots] = saved
+    graph = runner.forward(work).float()
+    release(runner, reqs)
+    return graph, ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
+
+
 def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
     """fp8 weights quantized on load: decode batches through the graphs with the default fp8 decode
     kernels (SALASERVE_FP8_DECODE=gemv: the calibrated FMA GEMV, at one row its silu_mul epilogue
     on gate_up) give the logits of an eager forward through w8a16 on tensor cores: the same fp8
     products summed in fp32 by other kernels, so the bf16 noise bound applies."""
-    from salaserve.bench.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
-    from salaserve.engine.scheduler import ScheduledWork
     from salaserve.kernels import quant_gemm as Q
+
+    @contextlib.contextmanager
+    def through_w8a16():
+        monkeypatch.setattr(Q, "FP8_DECODE", "w8a16")
+        yield
+        monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
 
     monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     quantization="fp8", max_running_requests=8, max_total_tokens=100_000), full_dir)
     assert Q._FP8_GEMV_TABLE, "the start-up calibration chose no fp8 GEMV config for any shape"
     for B, ctx in [(1, 300), (1, 9000), (4, 1000)]:
-        reqs = fake_decoding_requests(runner, B, ctx)
-        slots = [r.state_slot for r in reqs]
-        saved = runner.caches.states.state[slots].clone()
-        work = [ScheduledWork(r, 1) for r in reqs]
-        monkeypatch.setattr(Q, "FP8_DECODE", "w8a16")
-        eager = runner.model.forward(runner.build_batch(work), runner.caches).float()
-        monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
-        runner.caches.states.state[slots] = saved
-        graph = runner.forward(work).float()
-        rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
+        graph, rel = graph_vs_eager(runner, B, ctx, through_w8a16)
         print(f"fp8 B={B} ctx={ctx}: graph (gemv) vs eager (w8a16) rel err {rel:.2e}")
         assert torch.isfinite(graph).all() and rel < REL_ERR
-        release(runner, reqs)
 
 
 def test_w4a16_decode_batches_through_wgmma_equal_eager_without(full_dir):
@@ -373,10 +388,8 @@ def test_w4a16_decode_batches_through_wgmma_equal_eager_without(full_dir):
     the graphs (with whatever the calibration picked) give the logits of an eager forward with the
     copies detached (FMA / tl.dot kernels on the GPTQ layout): the same int4 weights, rounded to
     bf16 in one and not the other, so the bf16 noise bound applies."""
-    from salaserve.bench.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
-    from salaserve.engine.scheduler import ScheduledWork
     from salaserve.kernels import quant_gemm as Q
     from salaserve.kernels.triton_backend import _linear_weights
 
@@ -387,20 +400,17 @@ def test_w4a16_decode_batches_through_wgmma_equal_eager_without(full_dir):
     picks = {k: v[0] for k, v in Q._W4_TABLE.items()}
     print("w4 calibration picks:", sorted(set((k[0], k[1], k[2], v) for k, v in picks.items())))
     assert any(v == "wgmma" for (m, *_), v in picks.items() if m >= 8), picks
-    for B, ctx in [(8, 1000), (13, 700)]:
-        reqs = fake_decoding_requests(runner, B, ctx)
-        slots = [r.state_slot for r in reqs]
-        saved = runner.caches.states.state[slots].clone()
-        work = [ScheduledWork(r, 1) for r in reqs]
+
+    @contextlib.contextmanager
+    def without_copies():
         copies = [w.wgmma for w in w4]
         for w in w4:
             w.wgmma = None
-        eager = runner.model.forward(runner.build_batch(work), runner.caches).float()
+        yield
         for w, c in zip(w4, copies):
             w.wgmma = c
-        runner.caches.states.state[slots] = saved
-        graph = runner.forward(work).float()
-        rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
+
+    for B, ctx in [(8, 1000), (13, 700)]:
+        graph, rel = graph_vs_eager(runner, B, ctx, without_copies)
         print(f"w4a16 B={B} ctx={ctx}: graph (calibrated, wgmma copies) vs eager (without) rel err {rel:.2e}")
         assert torch.isfinite(graph).all() and rel < REL_ERR
-        release(runner, reqs)

@@ -323,6 +323,7 @@ def reorder_act_order(w: QuantizedLinearWeights) -> QuantizedLinearWeights:
         g_idx=g_idx,
         perm=perm.to(torch.int32),
         g_idx_trivial=is_trivial_g_idx(g_idx, w.group_size),
+        wgmma=None,  # a kernel copy of the old channel order
     )
 
 
