@@ -38,7 +38,9 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_
 from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, unpack_int4, unpack_zeros
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
-W4_WGMMA_MIN_M = 4  # below, the FMA kernel (w4_fma.py) was 1.3-1.4x faster at every shape (run 67)
+W4_WGMMA_MIN_M = 4  # from here the calibration times it against the FMA kernel (w4_fma.py), which was
+# 1.25-1.5x faster at one row for every shape (runs 67, 73); two rows were not timed. At four rows
+# it won four of five shapes (run 68).
 W4_WGMMA_BLOCK_R = 16  # words per K tile (128 channels): the repacked layout's block
 
 
