@@ -170,9 +170,9 @@ def _w4_gemv_wgmma_kernel(
         l2, h2 = _pair_dequant(words, zz, s2, 2, USE_ASM)
         l3, h3 = _pair_dequant(words, zz, s2, 3, USE_ASM)
         # [BN, R, h] per pair p = 2 s + e -> [BN, R, h, e, s]
-        e0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))
-        e1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))
-        w5 = tl.join(e0, e1)  # [BN, R, h, e, s]
+        chunk0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))  # s = 0: [BN, R, h, e]
+        chunk1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))  # s = 1
+        w5 = tl.join(chunk0, chunk1)  # [BN, R, h, e, s]
         w6 = tl.reshape(w5, (BLOCK_N, 4, BLOCK_R // 4, 2, 2, 2))  # [BN, t, c, h, e, s]
         w = tl.reshape(tl.permute(w6, (0, 2, 5, 4, 1, 3)), (BLOCK_N, BLOCK_K))  # [BN, c, s, e, t, h]
         if DOT_FP32:
