@@ -478,6 +478,5 @@ class Engine:
         """Empty the prefix cache; only when idle (False otherwise, nothing changed)."""
         if self.scheduler.has_work or self._inflight is not None:
             return False
-        while (entry := self.prefix_cache.pop_lru()) is not None:
-            self._drop_cached(entry)
+        self._reclaim_pages(self.prefix_cache.num_pages)  # every entry holds at least one page
         return True
