@@ -21,14 +21,7 @@ from salaserve.kernels import quant_gemm as Q
 from salaserve.kernels.quant_gemm import w4_wgmma as WG
 from salaserve.kernels.quant_gemm.w4_fma import _w4_splits
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
-from salaserve.quant import formats, rtn
-
-
-def bf16_twin(x, w):
-    """x @ W^T with W = bf16((q - z) * bf16(s)): the kernel's weights, fp32 products and sums."""
-    wd = formats.dequantize_gptq(w.qweight, w.qzeros, w.scales.to(torch.bfloat16).float(), None, w.group_size,
-                                 "gptq_v2").to(torch.bfloat16)
-    return x.float() @ wd.float().t()
+from salaserve.quant import rtn
 
 
 def main():
@@ -46,7 +39,7 @@ def main():
         nbytes = N * K / 2 + N * K / 128 * 2.5
         for m in (1, 5, 16):  # parity
             x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-            ref = bf16_twin(x, w)
+            ref = WG.w4a16_wgmma_ref(x, w)
             for c in WG.W4_WGMMA_CONFIGS:
                 if WG.w4_wgmma_usable(w, c):
                     y = WG.w4a16_gemv_wgmma(x, w, qw, config=c).float()

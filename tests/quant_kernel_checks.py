@@ -173,7 +173,7 @@ def w4a16_wgmma_checks(gen):
         packed = qg.repack_w4_for_wgmma(w)
         for M in (1, 3, 16):
             x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-            twin, exact = wgmma_twin(x, w), linear_ref(x.float(), w)
+            twin, exact = qg.w4a16_wgmma_ref(x, w), linear_ref(x.float(), w)
             for cfg in qg.W4_WGMMA_CONFIGS:
                 if not qg.w4_wgmma_usable(w, cfg):
                     continue
@@ -185,20 +185,13 @@ def w4a16_wgmma_checks(gen):
     w = extreme_w4a16(K, 256, gs, gen)
     x = torch.randn(2, K, generator=gen).to(torch.bfloat16)
     y = qg.w4a16_gemv_wgmma(x, w, qg.repack_w4_for_wgmma(w), config=qg.W4_WGMMA_CONFIGS[0], split_k=2)
-    check("w4a16_gemv_wgmma extreme codes", y, wgmma_twin(x, w), 2 ** -7)
+    check("w4a16_gemv_wgmma extreme codes", y, qg.w4a16_wgmma_ref(x, w), 2 ** -7)
     ragged = random_w4a16(K, 96, gs, False, gen)
     refused("a ragged N", qg.w4a16_gemv_wgmma, x, ragged, qg.repack_w4_for_wgmma(ragged))
     refused("17 rows", qg.w4a16_gemv_wgmma, torch.randn(17, K).to(torch.bfloat16), w, qg.repack_w4_for_wgmma(w))
     refused("fp32 x", qg.w4a16_gemv_wgmma, torch.randn(1, K), w, qg.repack_w4_for_wgmma(w))
     refused("another weight's copy", qg.w4a16_gemv_wgmma, x, w, qg.repack_w4_for_wgmma(random_w4a16(512, 256, gs, False, gen)))
     counters_rearmed()
-
-
-def wgmma_twin(x, w):
-    """x @ W^T in fp32 with W = bf16((q - z) * bf16(s)), the weights w4a16_gemv_wgmma multiplies."""
-    wd = formats.dequantize_gptq(w.qweight, w.qzeros, w.scales.to(torch.bfloat16).float(), None, w.group_size,
-                                 formats.GPTQ_V2).to(torch.bfloat16)
-    return x.float() @ wd.float().t()
 
 
 def w4a16_dense_checks(gen):

@@ -70,7 +70,7 @@ from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_F
                                                  w4a16_gemv_fma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
                                                    _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
-                                                   w4a16_gemv_wgmma)
+                                                   w4a16_gemv_wgmma, w4a16_wgmma_ref)
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
-from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, unpack_int4, unpack_zeros
+from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, _to_int32, dequantize_gptq, unpack_int4,
+                                     unpack_zeros)
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
 W4_WGMMA_MIN_M = 4  # from here the calibration times it against the FMA kernel (w4_fma.py), which was
@@ -47,14 +48,15 @@ W4_WGMMA_BLOCK_R = 16  # words per K tile (128 channels): the repacked layout's 
 # ---------------------------------------------------------------- the repacked layout (host)
 
 
-def _wgmma_channel_order(device=None) -> torch.Tensor:
-    """[4, 4, 2]: the channel (within a block of 32) that word row t (of the block's 4) holds at
-    nibble position 4 p + 16 h, indexed [t, p, h]."""
-    t = torch.arange(4, device=device).view(4, 1, 1)
+def _tile_channel_order(device=None) -> torch.Tensor:
+    """[16, 4, 2]: the channel (of a 128-channel K tile) that word 4 t + c holds at nibble
+    position 4 p + 16 h (p = 2 s + e), indexed [word, p, h]: 32 c + 16 s + 8 e + 2 t + h."""
+    word = torch.arange(W4_WGMMA_BLOCK_R, device=device).view(-1, 1, 1)
+    t, c = word // 4, word % 4
     p = torch.arange(4, device=device).view(1, 4, 1)
-    h = torch.arange(2, device=device).view(1, 1, 2)
     s, e = p // 2, p % 2
-    return 16 * s + 8 * e + 2 * t + h  # [4, 4, 2]
+    h = torch.arange(2, device=device).view(1, 1, 2)
+    return 32 * c + 16 * s + 8 * e + 2 * t + h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +73,7 @@ class W4WgmmaWeights:
 def _bf16x2_words(v: torch.Tensor) -> torch.Tensor:
     """bf16 values -> int32 words holding the value twice."""
     b = v.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    w = b | (b << 16)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    return _to_int32(b | (b << 16))
 
 
 def repack_w4_for_wgmma(w: QuantizedLinearWeights) -> W4WgmmaWeights:
@@ -83,18 +84,21 @@ def repack_w4_for_wgmma(w: QuantizedLinearWeights) -> W4WgmmaWeights:
     if K8 % W4_WGMMA_BLOCK_R:
         raise ValueError(f"repack_w4_for_wgmma needs K a multiple of {8 * W4_WGMMA_BLOCK_R}, got {8 * K8}")
     dev = w.qweight.device
-    q = unpack_int4(w.qweight).to(torch.int32).view(K8 // 4, 32, N)  # [blocks of 32 channels, 32, N]
-    order = _wgmma_channel_order(dev)  # [t, p, h] -> channel in the block
-    picked = q[:, order.reshape(-1), :].view(K8 // 4, 4, 4, 2, N)  # [block, t, p, h, N]
-    shift = (4 * torch.arange(4, device=dev).view(4, 1) + 16 * torch.arange(2, device=dev).view(1, 2)).to(torch.int64)
-    words = (picked.to(torch.int64) << shift[None, None, :, :, None]).sum(dim=(2, 3))  # [block, t, N]
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    # blocks of 32 channels -> tiles of 128: [tile, c, t, N] -> word 4 t + c of the tile, column-major
-    words = words.view(K8 // 16, 4, 4, N).transpose(1, 2).reshape(K8, N).t()
+    q = unpack_int4(w.qweight).view(K8 // W4_WGMMA_BLOCK_R, 8 * W4_WGMMA_BLOCK_R, N)  # [K tile, channel, N]
+    picked = q[:, _tile_channel_order(dev).reshape(-1), :].view(K8 // W4_WGMMA_BLOCK_R, W4_WGMMA_BLOCK_R, 4, 2, N)
+    shift = 4 * torch.arange(4, device=dev).view(4, 1) + 16 * torch.arange(2, device=dev).view(1, 2)  # [p, h]
+    words = (picked.to(torch.int64) << shift[None, None, :, :, None]).sum(dim=(2, 3))  # [K tile, word, N]
     zeros = unpack_zeros(w.qzeros, N, GPTQ_V2)  # [G, N] true zero points
     zz = _bf16x2_words(zeros.float() + 128.0)
     s2 = _bf16x2_words(w.scales)
-    return W4WgmmaWeights(words.contiguous(), torch.stack([zz, s2], dim=1).contiguous())
+    return W4WgmmaWeights(_to_int32(words).reshape(K8, N).t().contiguous(), torch.stack([zz, s2], dim=1).contiguous())
+
+
+def w4a16_wgmma_ref(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:
+    """The torch twin of w4a16_gemv_wgmma: x @ W^T in fp32 with W = bf16((q - z) * bf16(s)), the
+    weights the kernel multiplies (dequantize-then-matmul with bf16 weights)."""
+    wd = dequantize_gptq(w.qweight, w.qzeros, w.scales.to(torch.bfloat16).float(), w.g_idx, w.group_size, GPTQ_V2)
+    return x.float() @ wd.to(torch.bfloat16).float().t()
 
 
 # ---------------------------------------------------------------- kernel
