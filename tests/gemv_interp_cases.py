@@ -424,6 +424,19 @@ FP8_DOT = [G.GemvConfig(16, 32, 1, dot=True), G.GemvConfig(16, 32, 1, split_k=2,
 FP8_CONFIGS = [G.GemvConfig(4, 64, 1), G.GemvConfig(2, 128, 1, split_k=2), G.GemvConfig(1, 32, 1, split_k=4)]
 
 
+# fp8 on mma.sync from registers (FP8_MMA_CONFIGS' structure: 16-row tiles, 64-channel chunks), one
+# and two warps, one and two row tiles per warp, splits 1, 2 and 4 (K = 128 with split 4 leaves
+# splits empty)
+FP8_MMA = [G.GemvConfig(16, 64, 1, 1, mma=True), G.GemvConfig(32, 64, 1, 1, split_k=2, mma=True),
+           G.GemvConfig(64, 64, 2, 1, split_k=4, mma=True)]
+
+
+def _x_through_f16(x):
+    """x as the mma path feeds it to the tensor cores: f16 of x * 2^-8, times 2^8 (exact for bf16 x
+    with |x| >= 2^-6; rounds fp32 x to f16's 11 bits)."""
+    return (x.double() * 2.0 ** -8).half().double() * 2.0 ** 8
+
+
 def _fp8_weights(N, K, seed):
     from salaserve.quant.formats import quantize_fp8_per_channel
 
@@ -432,7 +445,7 @@ def _fp8_weights(N, K, seed):
 
 
 @pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("N,K", [(64, 64), (42, 96)])  # (42, 96): a partial row tile, an uneven K split
+@pytest.mark.parametrize("N,K", [(64, 64), (42, 96), (40, 192)])  # a partial row tile, an uneven K split
 def test_gemv_fp8_matches_reference(M, N, K):
     """fp8 weights against quant.matmul.fp8_matmul_ref (dequantize in fp32, then x @ W^T): fp32 x to
     ~1e-5, bf16 x within one bf16 ulp of the fp64 product of the same values."""
@@ -456,6 +469,15 @@ def test_gemv_fp8_matches_reference(M, N, K):
                 y = G.gemv_fp8(x, w8, scale, cfg)
                 assert y.shape == (M, N) and y.dtype == bf16
                 assert_within_ulps(y, exact.to(bf16), max_ulps=1, max_frac=0.05)
+        if K % 64 == 0:  # mma.sync: the same f16 operands; every channel's x must meet its own codes
+            exact_f16 = _x_through_f16(x) @ (w8.double() * scale.double()[:, None]).t()
+            for cfg in FP8_MMA:
+                y = G.gemv_fp8(x, w8, scale, cfg)
+                assert y.shape == (M, N) and y.dtype == dtype
+                if dtype == torch.float32:
+                    _close(y, exact_f16)
+                else:
+                    assert_within_ulps(y, exact_f16.to(bf16), max_ulps=1, max_frac=0.05)
 
 
 @pytest.mark.parametrize("M", [1, 3])
@@ -467,7 +489,7 @@ def test_gemv_fp8_silu_out_matches_reference(M):
     w8, scale = _fp8_weights(2 * F, K, seed=M)
     g = torch.Generator().manual_seed(10 + M)
     x = torch.randn(M, K, generator=g).to(bf16)
-    for cfg in FP8_CONFIGS + [G.GemvConfig(8, 32, 1), G.GemvConfig(4, 64, 1, split_k=2)] + FP8_DOT:
+    for cfg in FP8_CONFIGS + [G.GemvConfig(8, 32, 1), G.GemvConfig(4, 64, 1, split_k=2)] + FP8_DOT + FP8_MMA:
         if cfg.block_n % 2:
             continue
         y = G.gemv_fp8(x, w8, scale, cfg, silu_out=True)
@@ -519,3 +541,21 @@ def test_gemv_fp8_refuses_bad_input():
         G.gemv_fp8(x, w8.float(), scale, FP8_CONFIGS[0])
     with pytest.raises(ValueError, match="int32 words"):
         G.gemv_fp8(torch.randn(1, 62), w8[:, :62], scale, FP8_CONFIGS[0])
+    # the mma path: up to 8 tokens (its N), whole 64-channel chunks, fp8 weights only
+    with pytest.raises(ValueError, match="M <= 8"):
+        G.gemv_fp8(torch.randn(9, 64), w8, scale, FP8_MMA[0])
+    w8b, scale_b = _fp8_weights(64, 96, seed=2)
+    with pytest.raises(ValueError, match="K % 64"):
+        G.gemv_fp8(torch.randn(1, 96), w8b, scale_b, FP8_MMA[0])
+    with pytest.raises(ValueError, match="fp8 weights"):
+        G.gemv(x.to(bf16), w8.float().to(bf16), config=FP8_MMA[0])
+
+
+def test_gemv_fp8_mma_reads_misaligned_x():
+    """x rows that are not 16-byte aligned (a view one element in) go through an aligned copy."""
+    w8, scale = _fp8_weights(32, 128, seed=3)
+    base = torch.randn(2 * 129 + 1).to(bf16)
+    x = base[1:].view(2, 129)[:, :128]  # row stride 129 elements, data one element in
+    y = G.gemv_fp8(x, w8, scale, FP8_MMA[0])
+    exact = _x_through_f16(x) @ (w8.double() * scale.double()[:, None]).t()
+    assert_within_ulps(y, exact.to(bf16), max_ulps=1, max_frac=0.05)

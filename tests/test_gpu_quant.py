@@ -178,8 +178,31 @@ def test_fp8_fma_gemv_every_config(name, M):
     w = _weights("fp8", N, K, 20 + M)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = linear_ref(x, w)
-    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)] + G.FP8_DOT_CONFIGS:
+    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)] + G.FP8_DOT_CONFIGS + G.FP8_MMA_CONFIGS:
         assert _rel(G.gemv_fp8(x, w.weight, w.scale, cfg), ref) < TOL, cfg
+
+
+@pytest.mark.parametrize("M", [1, 3, 5, 8])
+def test_fp8_mma_gemv_every_config(M):
+    """The mma.sync GEMV (FP8_MMA_CONFIGS) at every token count it takes, at the real shapes with
+    their automatic splits and with no split: against dequantize-then-matmul, and its silu_mul
+    epilogue on gate_up against silu_mul of its own output."""
+    import dataclasses
+
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.fused import silu_mul
+
+    x_all = torch.randn(M, 16384, device="cuda").to(torch.bfloat16)
+    for name, (N, K) in sorted(SHAPES.items()):
+        w = _weights("fp8", N, K, 40 + M)
+        x = x_all[:, :K].contiguous()
+        ref = linear_ref(x, w)
+        for cfg in G.FP8_MMA_CONFIGS:
+            for c in (cfg, dataclasses.replace(cfg, split_k=1)):
+                assert _rel(G.gemv_fp8(x, w.weight, w.scale, c), ref) < TOL, (name, c)
+                if name == "gate_up":
+                    act = G.gemv_fp8(x, w.weight, w.scale, c, silu_out=True)
+                    assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
 
 
 def test_fp8_gemv_calibration_records_a_choice():
@@ -197,7 +220,8 @@ def test_fp8_gemv_calibration_records_a_choice():
     for m in (1, 8):
         cfg, t, t_ref = res[(m, N, K)]
         assert t > 0 and t_ref > 0
-        assert cfg is None or dataclasses.replace(cfg, split_k=0) in G.FP8_FMA_CONFIGS[m]  # a candidate, its split set
+        # a candidate, its split set
+        assert cfg is None or dataclasses.replace(cfg, split_k=0) in G.FP8_FMA_CONFIGS[m] + G.FP8_MMA_CONFIGS
         assert (cfg is None) == (t == t_ref)
     old = Q.FP8_DECODE
     try:

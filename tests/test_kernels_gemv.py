@@ -150,6 +150,49 @@ def test_gemv_compiles_for_sm90(name):
                 assert op not in body, f"{op} inside an FMA main loop (x not in W's thread mapping)"
 
 
+def _mma_cases():
+    from salaserve.kernels import gemv as G
+
+    cases = {}
+    for cfg in G.FP8_MMA_CONFIGS:  # as launched: PDL on, the automatic split (> 1 at the model's shapes)
+        cases[f"{cfg}-split4"] = (cfg, dict(SPLIT_K=4))
+        cases[f"{cfg}-silu-out-split2"] = (cfg, dict(SPLIT_K=2, SILU_OUT=True))
+        cases[f"{cfg}-split1"] = (cfg, dict(SPLIT_K=1))
+    return cases
+
+
+@pytest.mark.parametrize("name", sorted(_mma_cases()))
+def test_fp8_mma_gemv_compiles_for_sm90(name):
+    """quant_gemm/fp8_mma.py for sm_90: no spills; per loop step 4 mma.sync per row tile, W in
+    16-byte loads (two rows per tile, the loop's prefetch), every code pair converted by one cvt,
+    and no shared memory or shuffle in the loop (the fragments are loaded in the mma's layout)."""
+    import triton.language as tl
+
+    from kernel_checks import compile_sm90_without_spills
+    from salaserve.kernels.quant_gemm import fp8_mma
+
+    cfg, extra = _mma_cases()[name]
+    rt = cfg.block_n // (16 * cfg.num_warps)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32",
+                cnt_ptr="*i32")
+    constexprs = dict(RT=rt, NUM_WARPS=cfg.num_warps, SPLIT_K=1, SILU_OUT=False, X_BF16=True, Y_DT=tl.bfloat16,
+                      OUT_DT=tl.bfloat16, PDL=True, ASM=True)
+    constexprs.update(extra)
+    kernel = compile_sm90_without_spills(fp8_mma._fp8_mma_gemv_kernel, ptrs, constexprs, cfg.num_warps,
+                                         num_stages=cfg.num_stages, fp_fusion=True,
+                                         divisible=("K_WORDS", "SPLIT_WORDS"))
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    main = [b for b in _loops(ptx) if "mma.sync" in b]
+    assert len(main) == 1, "no single mma main loop"
+    body = main[0]
+    assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4 * rt
+    assert body.count("cvt.rn.f16x2.e4m3x2") == 16 * rt  # 4 code pairs per mma
+    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body)) == 2 * rt + 2  # W rows g, g + 8; x
+    for op in ("ld.shared", "st.shared", "bar.sync", "shfl.sync"):
+        assert op not in body, f"{op} inside the mma main loop"
+
+
 def test_large_m_configs_and_limits():
     """M 17..128: dot configs with explicit small splits per bucket, a split-1 one in each (the
     wide N), the uncalibrated default among them; splits that cannot pay off at an N are not

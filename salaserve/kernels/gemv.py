@@ -518,9 +518,11 @@ class GemvConfig:
     num_stages: int = 3
     split_k: int = 0
     dot: bool = False
+    mma: bool = False  # fp8 weights only: quant_gemm/fp8_mma.py (mma.sync from registers)
 
     def __str__(self):
-        s = f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+        kind = "mma" if self.mma else "dot" if self.dot else "fma"
+        s = f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
         return s + (f" split{self.split_k}" if self.split_k else "")
 
 
@@ -555,6 +557,10 @@ FP8_FMA_CONFIGS = {
 # instructions per weight (the FMA path: ~5.3; with bf16 operands instead of f16 this tile needs an
 # F2F per weight, 4.1-4.8, quarter-rate); 99 / 171 registers.
 FP8_DOT_CONFIGS = (GemvConfig(64, 128, 4, 4, dot=True), GemvConfig(64, 256, 4, 3, dot=True))
+# fp8 weights on mma.sync from registers (quant_gemm/fp8_mma.py), any M <= 8 (the mma's 8 token
+# columns): BLOCK_N = 16 rows x row tiles per warp x warps, BLOCK_K = one 64-channel chunk
+FP8_MMA_CONFIGS = (GemvConfig(256, 64, 4, 1, mma=True), GemvConfig(128, 64, 4, 1, mma=True),
+                   GemvConfig(512, 64, 8, 1, mma=True))
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
     GemvConfig(64, 128, 4, 4, dot=True),  # 48 registers, 80 KB shared memory
     GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB
@@ -726,13 +732,20 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     if silu_out and cfg.block_n % 2:
         raise ValueError(f"the silu_mul epilogue needs an even BLOCK_N, got {cfg}")
     if not cfg.dot and M > FMA_MAX_M:
-        raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
+        raise ValueError(f"FMA and mma configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
+    use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
+    if cfg.mma:
+        if w_scale is None:
+            raise ValueError(f"{cfg} takes fp8 weights")
+        from salaserve.kernels.quant_gemm import fp8_mma
+
+        return fp8_mma.launch(x, w, w_scale, out, cfg, silu_out=silu_out, use_pdl=use_pdl, y_dt=y_dt, out_dt=out_dt,
+                              split=split)
     block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
     tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     even_k = K % (split * cfg.block_k) == 0
-    use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
     kw = dict(launch_pdl=True) if use_pdl else {}
     _gemv_kernel[(tiles, split)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w, ws, cnt,

@@ -22,6 +22,9 @@ from salaserve.kernels.quant_gemm._common import (_INTERPRET, _configs, _GEMV_KE
 # GEMV calibration's candidates. Off: correct on the GPU but slower than the FMA GEMV at every
 # shape (BENCHMARKS run 44).
 FP8_DOT = os.environ.get("SALASERVE_FP8_DOT", "0") == "1"
+# SALASERVE_FP8_MMA=0 leaves gemv.FP8_MMA_CONFIGS (fp8 codes on mma.sync from registers,
+# quant_gemm/fp8_mma.py) out of that calibration.
+FP8_MMA = os.environ.get("SALASERVE_FP8_MMA", "1") != "0"
 
 
 # ---------------------------------------------------------------- w8a16 (fp8 weights)
@@ -308,9 +311,22 @@ def fp8_gemv_choice(M: int, w: QuantizedLinearWeights, device):
     return _FP8_GEMV_TABLE.get(_fp8_gemv_key(M, w, device))
 
 
+def _mma_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
+    """gemv.FP8_MMA_CONFIGS where the mma GEMV takes this shape and weight (fp8_mma.launch's
+    conditions on W; x's are met by the calibration's and the engine's contiguous rows), unless
+    SALASERVE_FP8_MMA=0."""
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.quant_gemm import fp8_mma
+
+    if not FP8_MMA or not fp8_mma.mma_usable(M, w.in_features) or not fp8_mma.w_aligned(w.weight):
+        return ()
+    return G.FP8_MMA_CONFIGS
+
+
 def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
                        silu_shapes=frozenset()) -> dict:
-    """Per (M bucket, fp8 shape): time w8a16_gemv and every gemv.FP8_FMA_CONFIGS config (CUDA graphs
+    """Per (M bucket, fp8 shape): time w8a16_gemv, every gemv.FP8_FMA_CONFIGS config and the
+    FP8_MMA_CONFIGS ones (`_mma_candidates`) (CUDA graphs
     of back-to-back calls over L2-busting random weights) and record the faster for quant_linear.
     silu_shapes: (N, K) of [gate | up] weights, which one-row steps call through the silu_mul
     junction (TritonBackend.residual_norm_linear): at M = 1 those are timed as the junction runs
@@ -334,7 +350,7 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
             after = silu_mul if junction else (lambda y: y)
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
-            for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)] + (G.FP8_DOT_CONFIGS if FP8_DOT else ()):
+            for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)] + (G.FP8_DOT_CONFIGS if FP8_DOT else ()) + _mma_candidates(m, w):
                 cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
                 if junction and cfg.block_n % 2 == 0:
                     t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
