@@ -231,8 +231,11 @@ def _fp8_mma_gemv_kernel(
     kw_begin = pid_k * SPLIT_WORDS
     kw_end = tl.minimum(kw_begin + SPLIT_WORDS, K_WORDS)
     lane_kw = (4 * t)[None, :] + tl.zeros((RT, T), dtype=tl.int32)  # the lane's words in a chunk
-    # the first chunk's W before the dependency wait: weights never depend on the previous kernel
+    # the first chunks' W before the dependency wait: weights never depend on the previous kernel.
+    # W runs two chunks ahead of the one being multiplied (with one, the loop waited on DRAM
+    # latency each step: BENCHMARKS run 74)
     wa, wb = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw_begin, lane_kw, kw_end, stride_ww, ASM)
+    wa_next, wb_next = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw_begin + 16, lane_kw, kw_end, stride_ww, ASM)
     if PDL:
         tl.extra.cuda.gdc_wait()
     xa, xb, xc, xd = _x_words(x_ptr, g, t, M, kw_begin, kw_end, stride_xl, X_BF16, ASM)
@@ -241,8 +244,8 @@ def _fp8_mma_gemv_kernel(
     c2 = tl.zeros((RT, T), dtype=tl.float32)
     c3 = tl.zeros((RT, T), dtype=tl.float32)
     for kw in range(kw_begin, kw_end, 16):
-        # the next chunk's W and x issued before this one is consumed (masked off past the end)
-        wa_next, wb_next = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw + 16, lane_kw, kw_end, stride_ww, ASM)
+        # chunk kw + 32's W and kw + 16's x issued before this one is consumed (masked off past the end)
+        wa_far, wb_far = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw + 32, lane_kw, kw_end, stride_ww, ASM)
         xa_next, xb_next, xc_next, xd_next = _x_words(x_ptr, g, t, M, kw + 16, kw_end, stride_xl, X_BF16, ASM)
         p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(xa, xb, xc, xd, X_BF16, T, ASM)
         lo0, lo1, lo2, lo3 = _four(wa, RT, T)  # word s: the codes of mma step s
@@ -253,6 +256,8 @@ def _fp8_mma_gemv_kernel(
         c0, c1, c2, c3 = _mma(c0, c1, c2, c3, lo3, hi3, p6, p7, RT, NUM_WARPS, ASM)
         wa = wa_next
         wb = wb_next
+        wa_next = wa_far
+        wb_next = wb_far
         xa = xa_next
         xb = xb_next
         xc = xc_next
