@@ -188,7 +188,7 @@ def test_fp8_mma_gemv_compiles_for_sm90(name):
     body = main[0]
     assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4 * rt
     assert body.count("cvt.rn.f16x2.e4m3x2") == 16 * rt  # 4 code pairs per mma
-    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body)) == 2 * rt + 2  # W rows g, g + 8 (2 ahead); x
+    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body)) == 2 * rt + 2  # W rows g, g + 8 (3 ahead); x
     for op in ("ld.shared", "st.shared", "bar.sync", "shfl.sync"):
         assert op not in body, f"{op} inside the mma main loop"
 

@@ -560,7 +560,7 @@ FP8_DOT_CONFIGS = (GemvConfig(64, 128, 4, 4, dot=True), GemvConfig(64, 256, 4, 3
 # fp8 weights on mma.sync from registers (quant_gemm/fp8_mma.py), any M <= 8 (the mma's 8 token
 # columns): BLOCK_N = 16 rows x row tiles per warp x warps, BLOCK_K = one 64-channel chunk
 FP8_MMA_CONFIGS = (GemvConfig(64, 64, 4, 1, mma=True), GemvConfig(128, 64, 4, 1, mma=True),
-                   GemvConfig(256, 64, 8, 1, mma=True))
+                   GemvConfig(128, 64, 8, 1, mma=True))
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
     GemvConfig(64, 128, 4, 4, dot=True),  # 48 registers, 80 KB shared memory
     GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB

@@ -232,10 +232,11 @@ def _fp8_mma_gemv_kernel(
     kw_end = tl.minimum(kw_begin + SPLIT_WORDS, K_WORDS)
     lane_kw = (4 * t)[None, :] + tl.zeros((RT, T), dtype=tl.int32)  # the lane's words in a chunk
     # the first chunks' W before the dependency wait: weights never depend on the previous kernel.
-    # W runs two chunks ahead of the one being multiplied (with one, the loop waited on DRAM
-    # latency each step: BENCHMARKS run 74)
+    # W runs three chunks ahead of the one being multiplied: with one (run 74) the loop waited on
+    # DRAM each step, two (run 75) still kept only ~2 KB per warp in flight (ncu, run 78)
     wa, wb = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw_begin, lane_kw, kw_end, stride_ww, ASM)
-    wa_next, wb_next = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw_begin + 16, lane_kw, kw_end, stride_ww, ASM)
+    wa1, wb1 = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw_begin + 16, lane_kw, kw_end, stride_ww, ASM)
+    wa2, wb2 = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw_begin + 32, lane_kw, kw_end, stride_ww, ASM)
     if PDL:
         tl.extra.cuda.gdc_wait()
     xa, xb, xc, xd = _x_words(x_ptr, g, t, M, kw_begin, kw_end, stride_xl, X_BF16, ASM)
@@ -244,8 +245,8 @@ def _fp8_mma_gemv_kernel(
     c2 = tl.zeros((RT, T), dtype=tl.float32)
     c3 = tl.zeros((RT, T), dtype=tl.float32)
     for kw in range(kw_begin, kw_end, 16):
-        # chunk kw + 32's W and kw + 16's x issued before this one is consumed (masked off past the end)
-        wa_far, wb_far = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw + 32, lane_kw, kw_end, stride_ww, ASM)
+        # chunk kw + 48's W and kw + 16's x issued before this one is consumed (masked off past the end)
+        wa3, wb3 = _w_words(wp, row_lo, row_hi, ok_lo, ok_hi, kw + 48, lane_kw, kw_end, stride_ww, ASM)
         xa_next, xb_next, xc_next, xd_next = _x_words(x_ptr, g, t, M, kw + 16, kw_end, stride_xl, X_BF16, ASM)
         p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(xa, xb, xc, xd, X_BF16, T, ASM)
         lo0, lo1, lo2, lo3 = _four(wa, RT, T)  # word s: the codes of mma step s
@@ -254,10 +255,12 @@ def _fp8_mma_gemv_kernel(
         c0, c1, c2, c3 = _mma(c0, c1, c2, c3, lo1, hi1, p2, p3, RT, NUM_WARPS, ASM)
         c0, c1, c2, c3 = _mma(c0, c1, c2, c3, lo2, hi2, p4, p5, RT, NUM_WARPS, ASM)
         c0, c1, c2, c3 = _mma(c0, c1, c2, c3, lo3, hi3, p6, p7, RT, NUM_WARPS, ASM)
-        wa = wa_next
-        wb = wb_next
-        wa_next = wa_far
-        wb_next = wb_far
+        wa = wa1
+        wb = wb1
+        wa1 = wa2
+        wb1 = wb2
+        wa2 = wa3
+        wb2 = wb3
         xa = xa_next
         xb = xb_next
         xc = xc_next
