@@ -193,6 +193,23 @@ def test_fp8_mma_gemv_compiles_for_sm90(name):
         assert op not in body, f"{op} inside the mma main loop"
 
 
+def test_fp8_mma_candidates_follow_the_switch(monkeypatch):
+    """The fp8 calibration times the mma configs only with SALASERVE_FP8_MMA=1, and only where the
+    kernel takes the shape: up to 8 rows, K in 64-channel chunks, W rows 16-byte aligned."""
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.quant_gemm import fp8 as F8
+    from salaserve.quant import rtn
+
+    w = rtn.quantize_fp8(torch.randn(64, 128))
+    assert F8.FP8_MMA is False  # off by default
+    assert F8._mma_candidates(1, w) == ()
+    monkeypatch.setattr(F8, "FP8_MMA", True)
+    assert F8._mma_candidates(1, w) == F8._mma_candidates(8, w) == G.FP8_MMA_CONFIGS
+    assert all(c.mma and c.block_k == 64 and c.block_n % (16 * c.num_warps) == 0 for c in G.FP8_MMA_CONFIGS)
+    assert F8._mma_candidates(9, w) == ()
+    assert F8._mma_candidates(1, rtn.quantize_fp8(torch.randn(64, 96))) == ()
+
+
 def test_large_m_configs_and_limits():
     """M 17..128: dot configs with explicit small splits per bucket, a split-1 one in each (the
     wide N), the uncalibrated default among them; splits that cannot pay off at an N are not

@@ -22,9 +22,11 @@ from salaserve.kernels.quant_gemm._common import (_INTERPRET, _configs, _GEMV_KE
 # GEMV calibration's candidates. Off: correct on the GPU but slower than the FMA GEMV at every
 # shape (BENCHMARKS run 44).
 FP8_DOT = os.environ.get("SALASERVE_FP8_DOT", "0") == "1"
-# SALASERVE_FP8_MMA=0 leaves gemv.FP8_MMA_CONFIGS (fp8 codes on mma.sync from registers,
-# quant_gemm/fp8_mma.py) out of that calibration.
-FP8_MMA = os.environ.get("SALASERVE_FP8_MMA", "1") != "0"
+# SALASERVE_FP8_MMA=1 adds gemv.FP8_MMA_CONFIGS (fp8 codes on mma.sync from registers,
+# quant_gemm/fp8_mma.py) too. Off: correct on the GPU, slower than the FMA GEMV at one row (run 79:
+# gate_up 44.6 vs 38.9 us) and within 1% of w8a16 over a step's linears at 8 rows (run 75), not
+# worth its compiles at every start-up.
+FP8_MMA = os.environ.get("SALASERVE_FP8_MMA", "0") == "1"
 
 
 # ---------------------------------------------------------------- w8a16 (fp8 weights)
@@ -313,8 +315,7 @@ def fp8_gemv_choice(M: int, w: QuantizedLinearWeights, device):
 
 def _mma_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
     """gemv.FP8_MMA_CONFIGS where the mma GEMV takes this shape and weight (fp8_mma.launch's
-    conditions on W; x's are met by the calibration's and the engine's contiguous rows), unless
-    SALASERVE_FP8_MMA=0."""
+    conditions on W), with SALASERVE_FP8_MMA=1."""
     from salaserve.kernels import gemv as G
     from salaserve.kernels.quant_gemm import fp8_mma
 
@@ -325,8 +326,8 @@ def _mma_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
 
 def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
                        silu_shapes=frozenset()) -> dict:
-    """Per (M bucket, fp8 shape): time w8a16_gemv, every gemv.FP8_FMA_CONFIGS config and the
-    FP8_MMA_CONFIGS ones (`_mma_candidates`) (CUDA graphs
+    """Per (M bucket, fp8 shape): time w8a16_gemv, every gemv.FP8_FMA_CONFIGS config and, where
+    switched on, the FP8_DOT_CONFIGS and FP8_MMA_CONFIGS ones (CUDA graphs
     of back-to-back calls over L2-busting random weights) and record the faster for quant_linear.
     silu_shapes: (N, K) of [gate | up] weights, which one-row steps call through the silu_mul
     junction (TritonBackend.residual_norm_linear): at M = 1 those are timed as the junction runs
