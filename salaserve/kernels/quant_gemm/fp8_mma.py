@@ -7,8 +7,13 @@ path (FP8_DOT_CONFIGS) sends the codes through shared memory a byte pair at a ti
 lane loads its W bytes with 16-byte global loads into registers, converts pairs of codes with one
 cvt.rn.f16x2.e4m3x2 each (exact), and feeds them as the A fragment of an m16n8k16 f16 mma.sync
 (fp32 accumulation) whose B fragment is x: 8 columns, one per token (M <= 8). No shared memory,
-no layout conversion: ~0.6 instructions per weight plus x's conversion, which each lane does once
-per K chunk for all its row tiles.
+no layout conversion: sm_90 loop SASS ~1.6 instructions per weight (0.5 of them the code cvts; x
+is converted once per K chunk for all of a lane's row tiles).
+
+Measured (BENCHMARKS runs 74-79): correct, but at one row slower than the FMA GEMV at every shape
+(gate_up 44.6 vs 38.9 us with W three chunks ahead), and within 1% of w8a16 over a step's linears
+at 8 rows; hence opt-in (SALASERVE_FP8_MMA=1 adds its configs to the fp8 calibration).
+docs/perf-notes.md has what bounds it (bytes in flight per warp, per-CTA fixed costs).
 
 The K permutation that makes 16-byte loads possible: the mma's A fragment gives lane (g, t)
 (g = lane / 4, t = lane % 4) the logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of rows g and
