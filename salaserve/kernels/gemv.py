@@ -772,7 +772,8 @@ def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | Non
     """x [M, K] @ (w_fp8 [N, K] e4m3 * w_scale [N] fp32)^T -> [M, N] in x.dtype (weight-only fp8,
     quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config (each thread
     streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs:
-    `_fp8_sums`) or an FP8_DOT_CONFIGS one (tensor cores on f16 operands, x scaled by 2^-8).
+    `_fp8_sums`), an FP8_DOT_CONFIGS one (tensor cores on f16 operands, x scaled by 2^-8) or an
+    FP8_MMA_CONFIGS one (quant_gemm/fp8_mma.py: mma.sync on the codes straight from registers).
     silu_out: a [gate | up] weight, silu_mul of the product written ([M, N / 2], as gemv_silu_out;
     the config's BLOCK_N even)."""
     return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale, silu_out=silu_out)
