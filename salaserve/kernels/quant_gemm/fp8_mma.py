@@ -299,19 +299,20 @@ def _fp8_mma_gemv_kernel(
                 c1 += tl.load(part + tok1 * N + row_lo, mask=m1, other=0.0, cache_modifier=".cg")
                 c2 += tl.load(part + tok0 * N + row_hi, mask=n0, other=0.0, cache_modifier=".cg")
                 c3 += tl.load(part + tok1 * N + row_hi, mask=n1, other=0.0, cache_modifier=".cg")
-            _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, M, w_scale_ptr, out_ptr, stride_om,
-                      SILU_OUT, Y_DT, OUT_DT)
+            _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, m0, m1, n0, n1, w_scale_ptr, out_ptr,
+                      stride_om, SILU_OUT, Y_DT, OUT_DT)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch
     else:
-        _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, M, w_scale_ptr, out_ptr, stride_om,
-                  SILU_OUT, Y_DT, OUT_DT)
+        _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, m0, m1, n0, n1, w_scale_ptr, out_ptr,
+                  stride_om, SILU_OUT, Y_DT, OUT_DT)
 
 
 @triton.jit
-def _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, M, w_scale_ptr, out_ptr, stride_om,
-              SILU_OUT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
+def _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, m0, m1, n0, n1, w_scale_ptr, out_ptr,
+              stride_om, SILU_OUT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
     """Sums -> outputs: times 2^8 (x's scaling) and the per-channel scales, rounded to the linear's
-    dtype as x @ w.t() stores it; SILU_OUT: silu(gate row) * up row with fused.silu_mul's roundings."""
+    dtype as x @ w.t() stores it; SILU_OUT: silu(gate row) * up row with fused.silu_mul's roundings.
+    m0, m1, n0, n1: the kernel's store masks of c0..c3 (row in range, token < M)."""
     s_lo = 256.0 * tl.load(w_scale_ptr + row_lo, mask=ok_lo, other=0.0)
     s_hi = 256.0 * tl.load(w_scale_ptr + row_hi, mask=ok_hi, other=0.0)
     y0 = round_to(c0 * s_lo, Y_DT)
@@ -321,14 +322,14 @@ def _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, M, w_sca
     ty = out_ptr.dtype.element_ty
     if SILU_OUT:  # row_lo is output column row_lo's gate row, row_hi its up row
         tl.store(out_ptr + tok0.to(tl.int64) * stride_om + row_lo, silu_mul_rounded(y0, y2, Y_DT, OUT_DT).to(ty),
-                 mask=ok_lo & (tok0 < M))
+                 mask=m0)
         tl.store(out_ptr + tok1.to(tl.int64) * stride_om + row_lo, silu_mul_rounded(y1, y3, Y_DT, OUT_DT).to(ty),
-                 mask=ok_lo & (tok1 < M))
+                 mask=m1)
     else:
-        tl.store(out_ptr + tok0.to(tl.int64) * stride_om + row_lo, round_to(y0, OUT_DT).to(ty), mask=ok_lo & (tok0 < M))
-        tl.store(out_ptr + tok1.to(tl.int64) * stride_om + row_lo, round_to(y1, OUT_DT).to(ty), mask=ok_lo & (tok1 < M))
-        tl.store(out_ptr + tok0.to(tl.int64) * stride_om + row_hi, round_to(y2, OUT_DT).to(ty), mask=ok_hi & (tok0 < M))
-        tl.store(out_ptr + tok1.to(tl.int64) * stride_om + row_hi, round_to(y3, OUT_DT).to(ty), mask=ok_hi & (tok1 < M))
+        tl.store(out_ptr + tok0.to(tl.int64) * stride_om + row_lo, round_to(y0, OUT_DT).to(ty), mask=m0)
+        tl.store(out_ptr + tok1.to(tl.int64) * stride_om + row_lo, round_to(y1, OUT_DT).to(ty), mask=m1)
+        tl.store(out_ptr + tok0.to(tl.int64) * stride_om + row_hi, round_to(y2, OUT_DT).to(ty), mask=n0)
+        tl.store(out_ptr + tok1.to(tl.int64) * stride_om + row_hi, round_to(y3, OUT_DT).to(ty), mask=n1)
 
 
 def mma_usable(M: int, K: int) -> bool:
