@@ -10,3 +10,12 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 # The GPU tests, verbose enough to keep the printed errors and the summary line (pyproject's
 # addopts already has -q).
 GPU_PYTEST="python3 -m pytest -m gpu -s -p no:cacheprovider -rfE --tb=short"
+# Decode at 4K context, batches 1 and 8, no prefill (salaserve.bench.micro), the shared step of the
+# quantized-vs-bf16 device scripts: decode_4k LABEL TIMEOUT TAIL_LINES [more micro arguments].
+# Writes $OUT/micro-LABEL.json and .log, prints the log's last lines.
+decode_4k() {
+  local label=$1 limit=$2 lines=$3
+  shift 3
+  timeout "$limit" python3 -m salaserve.bench.micro --contexts 4096 --batches 1,8 --prefill "" "$@" \
+    --json "$OUT/micro-$label.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-$label.log" | tail -"$lines"
+}

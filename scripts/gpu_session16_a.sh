@@ -7,10 +7,8 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export TRITON_CACHE_DIR=/tmp/cold-triton-cache  # a fresh cache: start-up compiles everything
 t0=$(date +%s)
-timeout 260 python3 -m salaserve.bench.micro --quantization w4a16 --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-w4a16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-w4a16.log" | tail -4
+decode_4k w4a16 260 4 --quantization w4a16
 echo "w4a16 micro wall $(( $(date +%s) - t0 )) s with a cold kernel cache"
-timeout 100 python3 -m salaserve.bench.micro --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-bf16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-bf16.log" | tail -3
+decode_4k bf16 100 3
 timeout 200 $GPU_PYTEST tests/test_gpu_engine.py -k "w4a16_decode_batches" 2>&1 \
   | tee "$OUT/engine.log" | grep -E "rel err|passed|failed|Error" | tail -6

@@ -9,7 +9,5 @@ timeout 150 $GPU_PYTEST tests/test_gpu_quant.py -k "fp8_mma or fp8_fma_gemv_ever
   | tee "$OUT/tests.log" | grep -E "passed|failed|Error|assert" | tail -8
 timeout 170 python3 scripts/fp8_gemv_ab.py "$OUT/fp8-ab.json" 1 8 2>&1 | grep -v -i warn | tee "$OUT/fp8-ab.log" \
   | grep -v "^           [a-z]*:\|^           mma\|^           fma" | tail -30
-timeout 150 python3 -m salaserve.bench.micro --quantization fp8 --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-fp8.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-fp8.log" | tail -4
-timeout 100 python3 -m salaserve.bench.micro --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-bf16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-bf16.log" | tail -3
+decode_4k fp8 150 4 --quantization fp8
+decode_4k bf16 100 3

@@ -6,9 +6,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout 170 python3 scripts/fp8_gemv_ab.py "$OUT/fp8-ab.json" 1 8 2>&1 | grep -v -i warn | tee "$OUT/fp8-ab.log" \
   | grep -v "^           [a-z]*:\|^           fma n\|^           mma n" | tail -34
-timeout 150 python3 -m salaserve.bench.micro --quantization fp8 --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-fp8.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-fp8.log" | tail -4
-timeout 100 python3 -m salaserve.bench.micro --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-bf16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-bf16.log" | tail -3
+decode_4k fp8 150 4 --quantization fp8
+decode_4k bf16 100 3
 timeout 150 $GPU_PYTEST tests/test_gpu_engine.py tests/test_gpu_quant.py -k "fp8_decode_kernels or fp8_mma" 2>&1 \
   | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|assert" | tail -8

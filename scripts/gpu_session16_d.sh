@@ -5,7 +5,5 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout 130 python3 scripts/fp8_gemv_ab.py "$OUT/fp8-ab.json" 1 2>&1 | grep -v -i warn | tee "$OUT/fp8-ab.log" \
   | grep -v "^           [a-z]*:\|^           fma n\|^           mma n" | tail -26
-timeout 130 python3 -m salaserve.bench.micro --quantization fp8 --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-fp8.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-fp8.log" | tail -4
-timeout 90 python3 -m salaserve.bench.micro --contexts 4096 --batches 1,8 --prefill "" \
-  --json "$OUT/micro-bf16.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-bf16.log" | tail -3
+decode_4k fp8 130 4 --quantization fp8
+decode_4k bf16 90 3
