@@ -401,7 +401,9 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     """Time every (kernel, config, split) of the decode GEMVs (the FMA kernel and, for weights
     with their repacked copy, the wgmma kernel) per (M bucket, shape) in CUDA graphs of
     back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
-    for quant_linear (a few seconds at start-up, before graph capture; GPU only). Returns {(m, N, K): (kernel, config, split, us)}."""
+    for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
+    with an empty one the compiles of every candidate take minutes (the w4a16 engine's start-up:
+    243.6 s, BENCHMARKS run 77). Returns {(m, N, K): (kernel, config, split, us)}."""
     from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
     device = torch.device(device)
