@@ -1,7 +1,7 @@
 """fp8 decode GEMVs per linear of the full model (GPU only), at the given row counts: w8a16_gemv
-against gemv.gemv_fp8 with every FP8_FMA_CONFIGS config of the M bucket (FP8_DOT_CONFIGS too with
-SALASERVE_FP8_DOT=1, with and without PDL) and every FP8_MMA_CONFIGS one, each at several splits,
-and the bf16 GEMV, each in a CUDA graph of back-to-back calls over L2-busting weight copies.
+against gemv.gemv_fp8 with every FP8_FMA_CONFIGS and FP8_STREAM_CONFIGS config of the M bucket
+(FP8_DOT_CONFIGS too with SALASERVE_FP8_DOT=1, with and without PDL; FP8_MMA_CONFIGS with
+SALASERVE_FP8_MMA=1), each at several splits, and the bf16 GEMV, each in a CUDA graph of back-to-back calls over L2-busting weight copies.
 Prints a table and the sums per decode step against the weight-read floor; writes JSON to OUT.
 
     python scripts/fp8_gemv_ab.py OUT.json [M ...]     (M default: 1)
@@ -36,7 +36,8 @@ def main(path: str, m_values: list[int]) -> None:
 
 
 def _configs(M: int) -> tuple:
-    return G.FP8_FMA_CONFIGS[G._bucket(M)] + (G.FP8_DOT_CONFIGS if Q.FP8_DOT else ()) + G.FP8_MMA_CONFIGS
+    return (G.FP8_FMA_CONFIGS[G._bucket(M)] + G.FP8_STREAM_CONFIGS.get(G._bucket(M), ())
+            + (G.FP8_DOT_CONFIGS if Q.FP8_DOT else ()) + (G.FP8_MMA_CONFIGS if Q.FP8_MMA else ()))
 
 
 def _one_m(cfg, M: int, bw: float) -> dict:
@@ -70,7 +71,7 @@ def _one_m(cfg, M: int, bw: float) -> dict:
               f" | gemv best {best[1]:6.1f} ({b8 / best[1] / 1e3:4.0f} GB/s) {best[0]}"
               f" | bf16 {r['bf16']:6.1f} ({b16 / r['bf16'] / 1e3:4.0f} GB/s) | fp8 floor {r['floor_fp8_us']:5.1f}",
               flush=True)
-        for kind in ("fma", "mma"):
+        for kind in ("fma", "stream", "mma"):
             of_kind = [kv for kv in r["gemv"].items() if kv[0].startswith(kind)]
             if of_kind:
                 k, v = min(of_kind, key=lambda kv: kv[1])

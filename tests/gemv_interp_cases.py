@@ -422,6 +422,11 @@ def test_backend_silu_epilogue_at_one_row(monkeypatch, enabled):
 FP8_DOT = [G.GemvConfig(16, 32, 1, dot=True), G.GemvConfig(16, 32, 1, split_k=2, dot=True)]
 # rows per program walked in one (row, K tile) loop: 1, 2 and 4 rows, with and without splits
 FP8_CONFIGS = [G.GemvConfig(4, 64, 1), G.GemvConfig(2, 128, 1, split_k=2), G.GemvConfig(1, 32, 1, split_k=4)]
+# the cp.async-pipelined FMA path (FP8_STREAM_CONFIGS' structure): [BN, BK / 4] word tiles, one to
+# three stages, splits 1, 2 and 4 (K = 96 with split 4 leaves splits empty); BLOCK_K 32 at K = 96:
+# three loop steps per program
+FP8_CONFIGS += [G.GemvConfig(8, 32, 1, 3, stream=True), G.GemvConfig(2, 64, 1, 2, split_k=2, stream=True),
+                G.GemvConfig(4, 32, 1, 1, split_k=4, stream=True)]
 
 
 # fp8 on mma.sync from registers (FP8_MMA_CONFIGS' structure: 16-row tiles, 64-channel chunks), one

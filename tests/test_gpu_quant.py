@@ -205,6 +205,29 @@ def test_fp8_mma_gemv_every_config(M):
                     assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
 
 
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+def test_fp8_stream_gemv_every_config(M):
+    """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket) at the real shapes,
+    with the automatic split and with none: against dequantize-then-matmul, and its silu_mul
+    epilogue on gate_up against silu_mul of its own output."""
+    import dataclasses
+
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.fused import silu_mul
+
+    x_all = torch.randn(M, 16384, device="cuda").to(torch.bfloat16)
+    for name, (N, K) in sorted(SHAPES.items()):
+        w = _weights("fp8", N, K, 60 + M)
+        x = x_all[:, :K].contiguous()
+        ref = linear_ref(x, w)
+        for cfg in G.FP8_STREAM_CONFIGS[G._bucket(M)]:
+            for c in (cfg, dataclasses.replace(cfg, split_k=1)):
+                assert _rel(G.gemv_fp8(x, w.weight, w.scale, c), ref) < TOL, (name, c)
+                if name == "gate_up":
+                    act = G.gemv_fp8(x, w.weight, w.scale, c, silu_out=True)
+                    assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
+
+
 def test_fp8_gemv_calibration_records_a_choice():
     """calibrate_fp8_gemv times w8a16 and the fp8 FMA configs; quant_linear then follows the table
     (set to the GEMV by FP8_DECODE = "gemv") and still equals the reference."""
@@ -221,7 +244,7 @@ def test_fp8_gemv_calibration_records_a_choice():
         cfg, t, t_ref = res[(m, N, K)]
         assert t > 0 and t_ref > 0
         # a candidate, its split set
-        assert cfg is None or dataclasses.replace(cfg, split_k=0) in G.FP8_FMA_CONFIGS[m] + G.FP8_MMA_CONFIGS
+        assert cfg is None or dataclasses.replace(cfg, split_k=0) in Q._fp8_candidates(m, w)
         assert (cfg is None) == (t == t_ref)
     old = Q.FP8_DECODE
     try:

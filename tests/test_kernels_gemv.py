@@ -76,6 +76,12 @@ def _aot_cases():
     for bucket, cfgs in G.FP8_FMA_CONFIGS.items():  # fp8 weights with their scales (gemv_fp8)
         for cfg in cfgs:
             cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, X_WORDS=True, PDL=True, SPLIT_K=2))
+    for bucket, cfgs in G.FP8_STREAM_CONFIGS.items():  # fp8 behind the cp.async pipeline, as launched
+        for cfg in cfgs:
+            stream = dict(W_SCALE=True, X_WORDS=True, PDL=True, FP8_STREAM=True, STAGES=cfg.num_stages)
+            cases[f"fp8-stream-m{bucket}-{cfg}"] = (cfg, bucket, dict(stream, SPLIT_K=2))
+            if cfg.block_n % 2 == 0 and bucket == 1:
+                cases[f"fp8-stream-m1-{cfg}-silu-out"] = (cfg, 1, dict(stream, SILU_OUT=True, SPLIT_K=1))
     return cases
 
 
@@ -129,6 +135,14 @@ def test_gemv_compiles_for_sm90(name):
         # W streamed into shared memory by 16-byte async copies (Triton's pipeliner)
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte cp.async"
         assert "wgmma" in ptx or "mma.sync" in ptx
+    elif extra.get("FP8_STREAM"):  # fp8 through the cp.async pipeline: 16-byte copies, cvt-converted codes
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte cp.async"
+        main = [b for b in _loops(ptx) if "fma.rn.f32" in b]
+        assert main, "no FMA main loop found"
+        for body in main:
+            assert "cp.async" in body, "the loop issues no copies for later steps (not pipelined)"
+            assert "ld.global" not in body, "W or x read straight from global memory inside the loop"
+            assert "cvt.rn.f16x2.e4m3x2" in body and "prmt" not in body, "fp8 codes not converted by the asm"
     elif extra.get("W_SCALE"):  # fp8: 16-byte vectors of 16 weights per thread and row, cvt-converted
         assert cfg.block_k % (512 * cfg.num_warps) == 0
         # the rows are walked one at a time: the first tile's load and the loop's prefetch

@@ -334,6 +334,42 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
 
 
 @triton.jit
+def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
+                     stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr,
+                     STAGES: tl.constexpr):
+    """fp8 weights through a deep cp.async pipeline (a `stream` config): the same per-word math as
+    `_fp8_sums` (int32 words of 4 codes, cvt-converted, fp32 FMAs against x's 4 matching values),
+    but all BN rows' [BN, BK / 4] word tiles of a K step are one load that Triton's software
+    pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu (run 78) put the
+    register-prefetch loop at ~2 KB in flight per warp and 59% DRAM busy; queued copies in shared
+    memory hold no registers, so a CTA keeps (STAGES - 1) * BN * BK bytes in flight. PDL waits
+    first: the pipeline's prologue loads x with W."""
+    kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
+    wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    w_rows = wp + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
+    nm = n_mask[None, :, None]
+    rows = offs_m[:, None, None]
+    row_mask = m_mask[:, None, None]
+    scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    kw_end = k_end // 4  # K % 4 == 0 (the launcher checks)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    for kq in tl.range(k_begin // 4, kw_end, BLOCK_K // 4, num_stages=STAGES):
+        kw = kq + kt
+        if EVEN_K:
+            words = tl.load(w_rows + kw, mask=nm, other=0)
+            x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask, stride_xm, X_WORDS)
+        else:
+            words = tl.load(w_rows + kw, mask=nm & (kw < kw_end), other=0)
+            x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask & (kw < kw_end), stride_xm, X_WORDS)
+        acc = _fp8_acc(acc, words, x0, x1, x2, x3, ASM)
+    # per output channel; a split's scaled partial adds up like the unscaled ones
+    return tl.sum(acc, axis=2) * scale[None, :]
+
+
+@triton.jit
 def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale,
            RESIDUAL: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
     """Final fp32 sums [BM, BN] -> output, with the residual epilogue if asked."""
@@ -384,6 +420,8 @@ def _gemv_kernel(
     SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F rows): write silu_mul(y) [M, F] (_write_silu)
     FP8_ASM: tl.constexpr = True,  # fp8 codes -> fp32 by cvt instructions (_e4m3_words_to_f32); False: bit ops
     X_WORDS: tl.constexpr = False,  # fp8 path: bf16 x read as int64 words of 4 values (_x_quads)
+    FP8_STREAM: tl.constexpr = False,  # fp8 path: all rows' tiles through the cp.async pipeline (_fp8_stream_sums)
+    STAGES: tl.constexpr = 1,  # FP8_STREAM's pipeline depth
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -444,6 +482,9 @@ def _gemv_kernel(
         y = tl.trans(acc)  # [BM, BN]
         if W_SCALE:
             y = y * (256.0 * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0))[None, :]
+    elif W_SCALE and FP8_STREAM:
+        y = _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, STAGES)
     elif W_SCALE:
         y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end,
                       stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT,
@@ -519,9 +560,10 @@ class GemvConfig:
     split_k: int = 0
     dot: bool = False
     mma: bool = False  # fp8 weights only: quant_gemm/fp8_mma.py (mma.sync from registers)
+    stream: bool = False  # fp8 weights only: FMAs behind a num_stages-deep cp.async pipeline (_fp8_stream_sums)
 
     def __str__(self):
-        kind = "mma" if self.mma else "dot" if self.dot else "fma"
+        kind = "mma" if self.mma else "dot" if self.dot else "stream" if self.stream else "fma"
         s = f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
         return s + (f" split{self.split_k}" if self.split_k else "")
 
@@ -549,6 +591,18 @@ FP8_FMA_CONFIGS = {
     2: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4)),
     4: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4)),
     8: (GemvConfig(1, 2048, 4),),
+}
+# fp8 weights behind a cp.async pipeline (`_fp8_stream_sums`): a program's BN rows x BK codes per
+# loop step, num_stages deep in shared memory (BN * BK + 2 * BM * BK bytes per stage). Loop SASS
+# at one row: 2.5 instructions per weight for the math (one cvt per code pair, an f16 -> f32 and
+# an FFMA per weight) plus the loads and x's shifts, 3.6 in all at (16, 512) and 4.3 at (8, 512).
+FP8_STREAM_CONFIGS = {
+    1: (GemvConfig(8, 512, 4, 4, stream=True), GemvConfig(16, 512, 4, 4, stream=True),
+        GemvConfig(16, 512, 4, 6, stream=True), GemvConfig(32, 512, 8, 4, stream=True),
+        GemvConfig(8, 1024, 4, 4, stream=True)),
+    2: (GemvConfig(8, 512, 4, 4, stream=True), GemvConfig(16, 512, 4, 4, stream=True)),
+    4: (GemvConfig(8, 512, 4, 4, stream=True),),
+    8: (GemvConfig(4, 512, 4, 4, stream=True), GemvConfig(8, 512, 4, 4, stream=True)),
 }
 # fp8 weights on tensor cores (gemv_fp8 with a DOT config; opt-in, SALASERVE_FP8_DOT=1 adds them to
 # quant_gemm's calibration; correct on the H200 but slower than the FMA path at every shape,
@@ -742,6 +796,8 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
 
         return fp8_mma.launch(x, w, w_scale, out, cfg, silu_out=silu_out, use_pdl=use_pdl, y_dt=y_dt, out_dt=out_dt,
                               split=split)
+    if cfg.stream and w_scale is None:
+        raise ValueError(f"{cfg} takes fp8 weights")
     block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
     tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
@@ -755,7 +811,7 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
-        SILU_OUT=silu_out, FP8_ASM=not _INTERPRET,
+        SILU_OUT=silu_out, FP8_ASM=not _INTERPRET, FP8_STREAM=cfg.stream, STAGES=cfg.num_stages,
         X_WORDS=w_scale is not None and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out

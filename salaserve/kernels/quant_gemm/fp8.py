@@ -27,6 +27,9 @@ FP8_DOT = os.environ.get("SALASERVE_FP8_DOT", "0") == "1"
 # gate_up 44.6 vs 38.9 us) and within 1% of w8a16 over a step's linears at 8 rows (run 75), not
 # worth its compiles at every start-up.
 FP8_MMA = os.environ.get("SALASERVE_FP8_MMA", "0") == "1"
+# SALASERVE_FP8_STREAM=0 leaves out gemv.FP8_STREAM_CONFIGS (the FMA GEMV behind a cp.async
+# pipeline, `gemv._fp8_stream_sums`) from the calibration's candidates.
+FP8_STREAM = os.environ.get("SALASERVE_FP8_STREAM", "1") == "1"
 
 
 # ---------------------------------------------------------------- w8a16 (fp8 weights)
@@ -324,10 +327,19 @@ def _mma_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
     return G.FP8_MMA_CONFIGS
 
 
+def _fp8_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
+    """The gemv_fp8 configs the calibration times for this decode size and weight."""
+    from salaserve.kernels import gemv as G
+
+    b = G._bucket(M)
+    return (G.FP8_FMA_CONFIGS[b] + (G.FP8_STREAM_CONFIGS.get(b, ()) if FP8_STREAM else ())
+            + (G.FP8_DOT_CONFIGS if FP8_DOT else ()) + _mma_candidates(M, w))
+
+
 def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
                        silu_shapes=frozenset()) -> dict:
     """Per (M bucket, fp8 shape): time w8a16_gemv, every gemv.FP8_FMA_CONFIGS config and, where
-    switched on, the FP8_DOT_CONFIGS and FP8_MMA_CONFIGS ones (CUDA graphs
+    switched on, the FP8_STREAM_CONFIGS, FP8_DOT_CONFIGS and FP8_MMA_CONFIGS ones (CUDA graphs
     of back-to-back calls over L2-busting random weights) and record the faster for quant_linear.
     silu_shapes: (N, K) of [gate | up] weights, which one-row steps call through the silu_mul
     junction (TritonBackend.residual_norm_linear): at M = 1 those are timed as the junction runs
@@ -351,7 +363,7 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
             after = silu_mul if junction else (lambda y: y)
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
-            for cfg in G.FP8_FMA_CONFIGS[G._bucket(m)] + (G.FP8_DOT_CONFIGS if FP8_DOT else ()) + _mma_candidates(m, w):
+            for cfg in _fp8_candidates(m, w):
                 cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
                 if junction and cfg.block_n % 2 == 0:
                     t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
