@@ -205,11 +205,11 @@ def test_fp8_mma_gemv_every_config(M):
                     assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("M", [1, 2, 5])
 def test_fp8_stream_gemv_every_config(M):
-    """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket) at the real shapes,
-    with the automatic split and with none: against dequantize-then-matmul, and its silu_mul
-    epilogue on gate_up against silu_mul of its own output."""
+    """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket; M = 5, which has none,
+    with the 2-row ones) at the real shapes, with its split and with none: against
+    dequantize-then-matmul, and its silu_mul epilogue on gate_up against silu_mul of its own output."""
     import dataclasses
 
     from salaserve.kernels import gemv as G
@@ -220,7 +220,7 @@ def test_fp8_stream_gemv_every_config(M):
         w = _weights("fp8", N, K, 60 + M)
         x = x_all[:, :K].contiguous()
         ref = linear_ref(x, w)
-        for cfg in G.FP8_STREAM_CONFIGS[G._bucket(M)]:
+        for cfg in G.FP8_STREAM_CONFIGS[min(G._bucket(M), 2)]:
             for c in (cfg, dataclasses.replace(cfg, split_k=1)):
                 assert _rel(G.gemv_fp8(x, w.weight, w.scale, c), ref) < TOL, (name, c)
                 if name == "gate_up":

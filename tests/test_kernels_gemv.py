@@ -76,10 +76,10 @@ def _aot_cases():
     for bucket, cfgs in G.FP8_FMA_CONFIGS.items():  # fp8 weights with their scales (gemv_fp8)
         for cfg in cfgs:
             cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, X_WORDS=True, PDL=True, SPLIT_K=2))
-    for bucket, cfgs in G.FP8_STREAM_CONFIGS.items():  # fp8 behind the cp.async pipeline, as launched
+    for bucket, cfgs in G.FP8_STREAM_CONFIGS.items():  # fp8 behind the cp.async pipeline, as launched (its split)
         for cfg in cfgs:
-            stream = dict(W_SCALE=True, X_WORDS=True, PDL=True, FP8_STREAM=True, STAGES=cfg.num_stages)
-            cases[f"fp8-stream-m{bucket}-{cfg}"] = (cfg, bucket, dict(stream, SPLIT_K=2))
+            stream = dict(W_SCALE=True, X_WORDS=True, PDL=True, FP8_STREAM=True, STAGES=cfg.num_stages, PREFETCH=True)
+            cases[f"fp8-stream-m{bucket}-{cfg}"] = (cfg, bucket, dict(stream, SPLIT_K=cfg.split_k))
             if cfg.block_n % 2 == 0 and bucket == 1:
                 cases[f"fp8-stream-m1-{cfg}-silu-out"] = (cfg, 1, dict(stream, SILU_OUT=True, SPLIT_K=1))
     return cases
@@ -137,6 +137,8 @@ def test_gemv_compiles_for_sm90(name):
         assert "wgmma" in ptx or "mma.sync" in ptx
     elif extra.get("FP8_STREAM"):  # fp8 through the cp.async pipeline: 16-byte copies, cvt-converted codes
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "no 16-byte cp.async"
+        # the first stages' L2 prefetch comes before the PDL wait
+        assert 0 <= ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("griddepcontrol.wait")
         main = [b for b in _loops(ptx) if "fma.rn.f32" in b]
         assert main, "no FMA main loop found"
         for body in main:

@@ -334,23 +334,37 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
 
 
 @triton.jit
-def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
+def _l2_prefetch(row_ptrs, nbytes):
+    """Fire-and-forget bulk prefetch of nbytes (a multiple of 16, 16-byte aligned) from each row
+    pointer into L2 (sm_90 cp.async.bulk.prefetch); nothing waits for it."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                              args=[row_ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, N, k_begin, k_end, stride_xm,
                      stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """fp8 weights through a deep cp.async pipeline (a `stream` config): the same per-word math as
     `_fp8_sums` (int32 words of 4 codes, cvt-converted, fp32 FMAs against x's 4 matching values),
     but all BN rows' [BN, BK / 4] word tiles of a K step are one load that Triton's software
     pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu (run 78) put the
     register-prefetch loop at ~2 KB in flight per warp and 59% DRAM busy; queued copies in shared
-    memory hold no registers, so a CTA keeps (STAGES - 1) * BN * BK bytes in flight. PDL waits
-    first: the pipeline's prologue loads x with W."""
+    memory hold no registers, so a CTA keeps (STAGES - 1) * BN * BK bytes in flight. PDL: the
+    pipeline's first copies carry x too, so they wait for the previous kernel; PREFETCH (sm_90,
+    aligned rows, EVEN_K) asks L2 for those first STAGES - 1 steps of W before the wait, while the
+    previous kernel finishes."""
     kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
     wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     w_rows = wp + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
     nm = n_mask[None, :, None]
     rows = offs_m[:, None, None]
     row_mask = m_mask[:, None, None]
+    if PREFETCH:
+        first = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_begin
+        _l2_prefetch(first, tl.minimum(k_end - k_begin, (STAGES - 1) * BLOCK_K))
     scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -422,6 +436,7 @@ def _gemv_kernel(
     X_WORDS: tl.constexpr = False,  # fp8 path: bf16 x read as int64 words of 4 values (_x_quads)
     FP8_STREAM: tl.constexpr = False,  # fp8 path: all rows' tiles through the cp.async pipeline (_fp8_stream_sums)
     STAGES: tl.constexpr = 1,  # FP8_STREAM's pipeline depth
+    PREFETCH: tl.constexpr = False,  # FP8_STREAM: L2 prefetch of the first stages before the PDL wait
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -483,8 +498,8 @@ def _gemv_kernel(
         if W_SCALE:
             y = y * (256.0 * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0))[None, :]
     elif W_SCALE and FP8_STREAM:
-        y = _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
-                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, STAGES)
+        y = _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, N, k_begin, k_end, stride_xm,
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, STAGES, PREFETCH)
     elif W_SCALE:
         y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end,
                       stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT,
@@ -596,13 +611,16 @@ FP8_FMA_CONFIGS = {
 # loop step, num_stages deep in shared memory (BN * BK + 2 * BM * BK bytes per stage). Loop SASS
 # at one row: 2.5 instructions per weight for the math (one cvt per code pair, an f16 -> f32 and
 # an FFMA per weight) plus the loads and x's shifts, 3.6 in all at (16, 512) and 4.3 at (8, 512).
+# Explicit splits: a split shortens every program's pipelined loop, and each program pays the
+# pipeline's fill and drain; at one row split 1 was the fastest at every shape but down, where 2
+# came close (run 80). At 8 rows the FFMAs per weight make it 1.1 TB/s (w8a16: 2-3.6): none there.
 FP8_STREAM_CONFIGS = {
-    1: (GemvConfig(8, 512, 4, 4, stream=True), GemvConfig(16, 512, 4, 4, stream=True),
-        GemvConfig(16, 512, 4, 6, stream=True), GemvConfig(32, 512, 8, 4, stream=True),
-        GemvConfig(8, 1024, 4, 4, stream=True)),
-    2: (GemvConfig(8, 512, 4, 4, stream=True), GemvConfig(16, 512, 4, 4, stream=True)),
-    4: (GemvConfig(8, 512, 4, 4, stream=True),),
-    8: (GemvConfig(4, 512, 4, 4, stream=True), GemvConfig(8, 512, 4, 4, stream=True)),
+    1: (GemvConfig(8, 512, 4, 4, split_k=1, stream=True),  # 56 registers, 15 KB shared memory
+        GemvConfig(16, 512, 4, 6, split_k=1, stream=True),  # 64, 45 KB
+        GemvConfig(32, 512, 8, 4, split_k=1, stream=True),  # 78, 51 KB
+        GemvConfig(8, 1024, 4, 4, split_k=1, stream=True),  # 72, 30 KB
+        GemvConfig(8, 512, 4, 4, split_k=2, stream=True)),
+    2: (GemvConfig(8, 512, 4, 4, split_k=1, stream=True),),  # 80 (split 2 spills 8 bytes here)
 }
 # fp8 weights on tensor cores (gemv_fp8 with a DOT config; opt-in, SALASERVE_FP8_DOT=1 adds them to
 # quant_gemm's calibration; correct on the H200 but slower than the FMA path at every shape,
@@ -812,9 +830,17 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
         SILU_OUT=silu_out, FP8_ASM=not _INTERPRET, FP8_STREAM=cfg.stream, STAGES=cfg.num_stages,
+        PREFETCH=cfg.stream and even_k and _bulk_prefetch_ok(w, x.device),
         X_WORDS=w_scale is not None and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
+
+
+def _bulk_prefetch_ok(w: torch.Tensor, device: torch.device) -> bool:
+    """Whether `_l2_prefetch` may run on w's rows: sm_90+ (cp.async.bulk), not the interpreter,
+    16-byte aligned rows (every EVEN_K split starts at a multiple of BLOCK_K >= 16 bytes)."""
+    return (not _INTERPRET and device.type == "cuda" and _device_info(str(device))[1] >= 9
+            and w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0)
 
 
 def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None = None):

@@ -364,7 +364,7 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
             for cfg in _fp8_candidates(m, w):
-                cfg = dataclasses.replace(cfg, split_k=G._auto_split(N, K, cfg, device))
+                cfg = dataclasses.replace(cfg, split_k=cfg.split_k or G._auto_split(N, K, cfg, device))
                 if junction and cfg.block_n % 2 == 0:
                     t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
                                       calls=max(8, n))
