@@ -5,12 +5,15 @@ SALASERVE_FP8_MMA=1), each at several splits, and the bf16 GEMV, each in a CUDA 
 Prints a table and the sums per decode step against the weight-read floor; writes JSON to OUT.
 
     python scripts/fp8_gemv_ab.py OUT.json [M ...]     (M default: 1)
+
+FP8_AB_KINDS=stream,fma (config kinds as GemvConfig prints them) times only those kinds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -36,6 +39,11 @@ def main(path: str, m_values: list[int]) -> None:
 
 
 def _configs(M: int) -> tuple:
+    kinds = os.environ.get("FP8_AB_KINDS")  # e.g. "stream": only those kinds' configs
+    return tuple(c for c in _all_configs(M) if not kinds or str(c).split()[0] in kinds.split(","))
+
+
+def _all_configs(M: int) -> tuple:
     return (G.FP8_FMA_CONFIGS[G._bucket(M)] + G.FP8_STREAM_CONFIGS.get(G._bucket(M), ())
             + (G.FP8_DOT_CONFIGS if Q.FP8_DOT else ()) + (G.FP8_MMA_CONFIGS if Q.FP8_MMA else ()))
 

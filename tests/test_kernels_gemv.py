@@ -78,7 +78,8 @@ def _aot_cases():
             cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, X_WORDS=True, PDL=True, SPLIT_K=2))
     for bucket, cfgs in G.FP8_STREAM_CONFIGS.items():  # fp8 behind the cp.async pipeline, as launched (its split)
         for cfg in cfgs:
-            stream = dict(W_SCALE=True, X_WORDS=True, PDL=True, FP8_STREAM=True, STAGES=cfg.num_stages, PREFETCH=True)
+            stream = dict(W_SCALE=True, X_WORDS=True, PDL=True, FP8_STREAM=True, STAGES=cfg.num_stages,
+                          PREFETCH=32 * cfg.num_warps)
             cases[f"fp8-stream-m{bucket}-{cfg}"] = (cfg, bucket, dict(stream, SPLIT_K=cfg.split_k))
             if cfg.block_n % 2 == 0 and bucket == 1:
                 cases[f"fp8-stream-m1-{cfg}-silu-out"] = (cfg, 1, dict(stream, SILU_OUT=True, SPLIT_K=1))
