@@ -359,7 +359,7 @@ def graph_vs_eager(runner, B, ctx, eager_mode):
 
 def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
     """fp8 weights quantized on load: decode batches through the graphs with the default fp8 decode
-    kernels (SALASERVE_FP8_DECODE=gemv: the calibrated FMA GEMV, at one row its silu_mul epilogue
+    kernels (SALASERVE_FP8_DECODE=gemv: the calibrated FMA or stream GEMV, at one row its silu_mul epilogue
     on gate_up) give the logits of an eager forward through w8a16 on tensor cores: the same fp8
     products summed in fp32 by other kernels, so the bf16 noise bound applies."""
     from salaserve.config import EngineArgs
@@ -376,6 +376,7 @@ def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     quantization="fp8", max_running_requests=8, max_total_tokens=100_000), full_dir)
     assert Q._FP8_GEMV_TABLE, "the start-up calibration chose no fp8 GEMV config for any shape"
+    print("fp8 calibration picks:", sorted((k[:3], str(v)) for k, v in Q._FP8_GEMV_TABLE.items()))
     for B, ctx in [(1, 300), (1, 9000), (4, 1000)]:
         graph, rel = graph_vs_eager(runner, B, ctx, through_w8a16)
         print(f"fp8 B={B} ctx={ctx}: graph (gemv) vs eager (w8a16) rel err {rel:.2e}")

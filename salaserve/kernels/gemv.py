@@ -334,42 +334,24 @@ def _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, 
 
 
 @triton.jit
-def _l2_prefetch(row_ptrs, nbytes):
-    """Fire-and-forget bulk prefetch of nbytes (a multiple of 16, 16-byte aligned) from each row
-    pointer into L2 (sm_90 cp.async.bulk.prefetch); nothing waits for it."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              args=[row_ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end, stride_xm,
+def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
                      stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, PDL: tl.constexpr, X_WORDS: tl.constexpr, ASM: tl.constexpr,
-                     STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                     STAGES: tl.constexpr):
     """fp8 weights through a deep cp.async pipeline (a `stream` config): the same per-word math as
     `_fp8_sums` (int32 words of 4 codes, cvt-converted, fp32 FMAs against x's 4 matching values),
     but all BN rows' [BN, BK / 4] word tiles of a K step are one load that Triton's software
     pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu (run 78) put the
     register-prefetch loop at ~2 KB in flight per warp and 59% DRAM busy; queued copies in shared
     memory hold no registers, so a CTA keeps (STAGES - 1) * BN * BK bytes in flight. PDL: the
-    pipeline's first copies carry x too, so they wait for the previous kernel; PREFETCH (sm_90,
-    aligned rows, EVEN_K; SALASERVE_FP8_PREFETCH=1) asks L2 for those first STAGES - 1 steps of W
-    before the wait, while the previous kernel finishes: each thread one piece of one row (run 81:
-    one request per row from every thread holding it, 16 duplicates each, made the kernel ~15%
-    slower)."""
+    pipeline's first copies carry x too, so they wait for the previous kernel (an L2 prefetch of
+    the first stages before the wait measured slower, runs 81-82: docs/perf-notes.md)."""
     kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
     wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     w_rows = wp + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
     nm = n_mask[None, :, None]
     rows = offs_m[:, None, None]
     row_mask = m_mask[:, None, None]
-    if PREFETCH:  # one piece per thread (PREFETCH = the CTA's thread count): no duplicate requests
-        part = tl.arange(0, PREFETCH)
-        parts: tl.constexpr = PREFETCH // BLOCK_N
-        row = tl.minimum(pid_n * BLOCK_N + part % BLOCK_N, N - 1)
-        piece = (tl.minimum(k_end - k_begin, (STAGES - 1) * BLOCK_K) // parts) & -16
-        _l2_prefetch(w_ptr + row.to(tl.int64) * stride_wn + k_begin + (part // BLOCK_N) * piece, piece)
     scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -441,7 +423,6 @@ def _gemv_kernel(
     X_WORDS: tl.constexpr = False,  # fp8 path: bf16 x read as int64 words of 4 values (_x_quads)
     FP8_STREAM: tl.constexpr = False,  # fp8 path: all rows' tiles through the cp.async pipeline (_fp8_stream_sums)
     STAGES: tl.constexpr = 1,  # FP8_STREAM's pipeline depth
-    PREFETCH: tl.constexpr = 0,  # FP8_STREAM: L2 prefetch of the first stages before the PDL wait, by this many threads
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -503,8 +484,8 @@ def _gemv_kernel(
         if W_SCALE:
             y = y * (256.0 * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0))[None, :]
     elif W_SCALE and FP8_STREAM:
-        y = _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end, stride_xm,
-                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, STAGES, PREFETCH)
+        y = _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, STAGES)
     elif W_SCALE:
         y = _fp8_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, pid_n, N, k_begin, k_end,
                       stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, SILU_OUT,
@@ -612,8 +593,6 @@ FP8_FMA_CONFIGS = {
     4: (GemvConfig(1, 2048, 4), GemvConfig(2, 2048, 4)),
     8: (GemvConfig(1, 2048, 4),),
 }
-# SALASERVE_FP8_PREFETCH=1: the stream configs ask L2 for their first stages before the PDL wait
-FP8_PREFETCH = os.environ.get("SALASERVE_FP8_PREFETCH", "0") == "1"
 # fp8 weights behind a cp.async pipeline (`_fp8_stream_sums`): a program's BN rows x BK codes per
 # loop step, num_stages deep in shared memory (BN * BK + 2 * BM * BK bytes per stage). Loop SASS
 # at one row: 2.5 instructions per weight for the math (one cvt per code pair, an f16 -> f32 and
@@ -837,17 +816,9 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
         Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
         SILU_OUT=silu_out, FP8_ASM=not _INTERPRET, FP8_STREAM=cfg.stream, STAGES=cfg.num_stages,
-        PREFETCH=32 * cfg.num_warps if cfg.stream and FP8_PREFETCH and even_k and _bulk_prefetch_ok(w, x.device) else 0,
         X_WORDS=w_scale is not None and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
-
-
-def _bulk_prefetch_ok(w: torch.Tensor, device: torch.device) -> bool:
-    """Whether `_l2_prefetch` may run on w's rows: sm_90+ (cp.async.bulk), not the interpreter,
-    16-byte aligned rows (every EVEN_K split starts at a multiple of BLOCK_K >= 16 bytes)."""
-    return (not _INTERPRET and device.type == "cuda" and _device_info(str(device))[1] >= 9
-            and w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0)
 
 
 def gemv(x, w, out=None, *, config: GemvConfig | None = None, pdl: bool | None = None):
