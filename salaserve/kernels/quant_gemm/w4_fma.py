@@ -156,12 +156,7 @@ def _w4_gemv_fma_kernel(
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K of BLOCK_R * 8: no masks
     PREFETCH: tl.constexpr = 1,  # weight tiles loaded ahead of the one being consumed: 1 or 2
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
-    STAGES: tl.constexpr = 0,  # > 0: no register prefetch; Triton's pipeliner streams the loop's loads
 ):
-    # STAGES > 0 (a "stream" config): the loop loads its own tile, and the software pipeliner turns
-    # every load in it (weights, scales, zeros, x) into cp.async copies STAGES - 1 tiles ahead in
-    # shared memory, which hold no registers (the fp8 GEMV's stream path: 10-20% on the large
-    # shapes, BENCHMARKS run 80). PDL then waits first: the first copies carry x.
     # Everything stays in the weight slab's layout [VECS, RS, NV/4, 4] (RS rows of a slab, NV columns
     # of a vector's stripe), and x's values arrive as [1, RS, ., 1] slices of it: no layout
     # conversion (shared memory) inside the loop.
@@ -199,7 +194,7 @@ def _w4_gemv_fma_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     # first weight tile before the dependency wait: weights never depend on the previous kernel
     w = _w4_tile(w_slab0, w_slab1, r_begin, r_end, N, rr, cols, BLOCK_R, SLABS, EVEN)
-    if PREFETCH >= 2 and STAGES == 0:
+    if PREFETCH >= 2:
         w1 = _w4_tile(w_slab0, w_slab1, r_begin + BLOCK_R, r_end, N, rr, cols, BLOCK_R, SLABS, EVEN)
     else:
         w1 = w  # unused
@@ -209,13 +204,9 @@ def _w4_gemv_fma_kernel(
     acc1 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
     acc2 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
     acc3 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
-    for r0 in tl.range(r_begin, r_end, BLOCK_R, num_stages=max(STAGES, 1), loop_unroll_factor=1 if STAGES else 2):
-        if STAGES:
-            w = _w4_tile(w_slab0, w_slab1, r0, r_end, N, rr, cols, BLOCK_R, SLABS, EVEN)
-            w_next = w
-        else:
-            # the tile PREFETCH ahead is issued before this one is consumed: PREFETCH + 1 tiles in flight
-            w_next = _w4_tile(w_slab0, w_slab1, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, BLOCK_R, SLABS, EVEN)
+    for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
+        # the tile PREFETCH ahead is issued before this one is consumed: PREFETCH + 1 tiles in flight
+        w_next = _w4_tile(w_slab0, w_slab1, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, BLOCK_R, SLABS, EVEN)
         rows = r0 + rr
         if EVEN:
             x_mask = None
@@ -270,7 +261,7 @@ def _w4_gemv_fma_kernel(
         if BLOCK_M >= 4:
             acc2 += s * part2
             acc3 += s * part3
-        if PREFETCH >= 2 and STAGES == 0:
+        if PREFETCH >= 2:
             w = w1
             w1 = w_next
         else:
@@ -296,12 +287,9 @@ W4_FMA_MAX_M = 4  # above, the per-row accumulators crowd the registers: the tl.
 # (BLOCK_N, BLOCK_R, num_warps, tiles prefetched) per M bucket; each checked by an sm_90 compile
 # (no spills). Run 14 (M = 1): 64-column tiles won at every shape but lm_head. 2 warps on 64
 # columns: 2 rows x 8 columns per thread (3.28 loop instructions per nibble, 4 warps 3.70).
-# A fifth element > 0: a stream config (STAGES: the loop's loads pipelined through shared memory
-# by cp.async instead of the register prefetch; sm_90 loop SASS 3.7-4.5 instructions per nibble).
 W4_FMA_CONFIGS = {
     1: ((64, 16, 4, 1), (64, 16, 4, 2), (64, 16, 2, 1), (64, 16, 2, 2), (64, 8, 4, 2), (128, 16, 4, 1),
-        (128, 8, 4, 2), (256, 8, 8, 1),
-        (64, 16, 4, 1, 4), (128, 16, 4, 1, 4), (64, 16, 2, 1, 4), (64, 16, 4, 1, 6)),  # 56, 72, 72, 64 registers
+        (128, 8, 4, 2), (256, 8, 8, 1)),
     2: ((128, 8, 4, 1), (64, 16, 4, 1)),
     4: ((64, 8, 4, 1), (128, 4, 4, 1)),
 }
@@ -320,8 +308,8 @@ def w4_fma_layout(block_n: int, block_r: int, warps: int) -> dict:
 def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
                    split_k: Optional[int] = None) -> torch.Tensor:
     """Decode-sized x [M <= W4_FMA_MAX_M, K] @ int4 weights (trivial g_idx, or reordered with perm)
-    -> [M, N] in x.dtype. config: (BLOCK_N, BLOCK_R, num_warps[, tiles prefetched[, pipeline
-    stages]]), default the bucket's first."""
+    -> [M, N] in x.dtype. config: (BLOCK_N, BLOCK_R, num_warps[, tiles prefetched]), default the
+    bucket's first."""
     K, N = w.in_features, w.out_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -337,7 +325,6 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
         config, split_k = hit[1:] if hit is not None and hit[0] == "fma" else (W4_FMA_CONFIGS[block_m][0], split_k)
     block_n, block_r, warps, *more = config
     prefetch = more[0] if more else 1
-    stages = more[1] if len(more) > 1 else 0
     if w.group_size % (block_r * 8) or K % 8:
         raise ValueError(f"group size {w.group_size} must be a multiple of the K tile {block_r * 8}")
     tiles = triton.cdiv(N, block_n)
@@ -350,8 +337,8 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0), W4_MAGIC_LO, W4_MAGIC_HI,
         GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, X_PAIRS=x_pairs, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=block_r, SPLIT_K=split, **w4_fma_layout(block_n, block_r, warps),
-        EVEN=N % block_n == 0 and K % (8 * block_r) == 0, PREFETCH=prefetch, STAGES=stages, num_warps=warps,
-        num_stages=max(stages, 1), **pdl_launch_kwargs(x.device))
+        EVEN=N % block_n == 0 and K % (8 * block_r) == 0, PREFETCH=prefetch, num_warps=warps,
+        **pdl_launch_kwargs(x.device))
     return out
 
 
@@ -384,10 +371,7 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     N, K = w.out_features, w.in_features
     out = []
     if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
-        # stream configs: the two shortest splits only (a split shortens every program's pipelined
-        # loop; the fp8 stream GEMV was fastest unsplit, BENCHMARKS run 80)
-        out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m]
-                for split in _w4_splits(N, K, cfg[0], cfg[1], device)[:2 if len(cfg) > 4 else None]]
+        out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     if w.wgmma is not None and W4_WGMMA_MIN_M <= m <= W4_WGMMA_MAX_M:
         out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
                 for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
