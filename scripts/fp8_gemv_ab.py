@@ -1,7 +1,8 @@
 """fp8 decode GEMVs per linear of the full model (GPU only), at the given row counts: w8a16_gemv
 against gemv.gemv_fp8 with every FP8_FMA_CONFIGS and FP8_STREAM_CONFIGS config of the M bucket
 (FP8_DOT_CONFIGS too with SALASERVE_FP8_DOT=1, with and without PDL; FP8_MMA_CONFIGS with
-SALASERVE_FP8_MMA=1), each at several splits, and the bf16 GEMV, each in a CUDA graph of back-to-back calls over L2-busting weight copies.
+SALASERVE_FP8_MMA=1), each at several splits, and the bf16 GEMV, each in a CUDA graph of
+back-to-back calls over L2-busting weight copies.
 Prints a table and the sums per decode step against the weight-read floor; writes JSON to OUT.
 
     python scripts/fp8_gemv_ab.py OUT.json [M ...]     (M default: 1)

@@ -554,6 +554,12 @@ def test_gemv_fp8_refuses_bad_input():
         G.gemv_fp8(torch.randn(1, 96), w8b, scale_b, FP8_MMA[0])
     with pytest.raises(ValueError, match="fp8 weights"):
         G.gemv(x.to(bf16), w8.float().to(bf16), config=FP8_MMA[0])
+    # the stream path: fp8 weights only, up to 8 rows (its register accumulators)
+    stream = next(c for c in FP8_CONFIGS if c.stream)
+    with pytest.raises(ValueError, match="fp8 weights"):
+        G.gemv(x.to(bf16), w8.float().to(bf16), config=stream)
+    with pytest.raises(ValueError, match="M <= 8"):
+        G.gemv_fp8(torch.randn(9, 64), w8, scale, stream)
 
 
 def test_gemv_fp8_mma_reads_misaligned_x():

@@ -40,6 +40,10 @@ flight per SM); small N (4096) is split over K to get there. Inner paths, chosen
     converted by inline PTX (cvt.rn.f16x2.e4m3x2, then f16 -> f32), x read as int64 words of 4 bf16
     in the same thread mapping; a program walks its BLOCK_N rows one (or, BLOCK_N even, a pair)
     at a time in one pipelined loop, per-channel scales on the sums (`_fp8_sums`).
+    Or (`stream` configs, one or two rows of x) all of a program's BLOCK_N rows per K step in one
+    plain loop whose loads Triton's software pipeliner turns into cp.async copies 3-5 steps ahead
+    in shared memory (`_fp8_stream_sums`): more bytes in flight per warp than registers allow,
+    which won the large shapes (BENCHMARKS run 80).
 fp32 accumulation everywhere (tensor cores accumulate in fp32 too).
 
 Split-K reduction: "last program reduces", inside the same launch. Every split stores its fp32

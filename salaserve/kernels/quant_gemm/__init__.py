@@ -55,9 +55,9 @@ from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _INTERPRET, _WORKSP
                                                   SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
                                                   _device_key, _sm_count, _workspace)
 from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _W8A8_GEMV, _W8A8_TABLE, ACT_BLOCK, FP8_DOT, FP8_MMA,
-                                              FP8_STREAM, _fp8_candidates, _fp8_gemv_key, _w8a8_candidates, _w8a8_gemv_kernel, _w8a16_gemv_dot_tuned,
-                                              _w8a16_gemv_fma_tuned, _w8a16_kernel, calibrate_fp8_gemv, calibrate_w8a8,
-                                              fp8_gemv_choice, w8a8_block_ref, w8a8_gemv, w8a16_gemv)
+                                              FP8_STREAM, _fp8_candidates, _fp8_gemv_key, _w8a8_candidates,
+                                              _w8a8_gemv_kernel, _w8a16_gemv_dot_tuned, _w8a16_gemv_fma_tuned, _w8a16_kernel,
+                                              calibrate_fp8_gemv, calibrate_w8a8, fp8_gemv_choice, w8a8_block_ref, w8a8_gemv, w8a16_gemv)
 from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quantize_rows_fp8_kernel,
                                                    fp8_quantize_rows_ref, fp8_scaled_mm, fp8_scaled_mm_quantized,
                                                    quantize_rows_fp8, rowquant_constexprs, rowquant_warps)
