@@ -16,6 +16,9 @@ def tiny_model_dir(tmp_path_factory):
 def pytest_configure(config):
     # keep CPU tests deterministic and light on the 2-core CI machine
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # no calibration plans read from or written to the home directory (tests/test_plan_cache.py
+    # points SALASERVE_PLAN_CACHE at a temporary directory)
+    os.environ.setdefault("SALASERVE_PLAN_CACHE", "0")
     # torch's intra-op threads spin-wait on a busy 2-core machine and make the tiny model's
     # small ops 100x slower; one thread is the fast setting for these sizes
     import torch

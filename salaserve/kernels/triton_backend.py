@@ -97,7 +97,16 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         capture); int4 weights (in `params`, the model's fused weights): the decode
         FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's, or
         (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16. max_rows: the most rows a
-        decode or verify step can have (buckets above it are not timed)."""
+        decode or verify step can have (buckets above it are not timed). The picks are kept on disk
+        (kernels/plan_cache.py, SALASERVE_PLAN_CACHE): a restart on the same GPU and code times only
+        shapes it has not seen, and compiles only the picked kernels."""
+        from salaserve.kernels import plan_cache
+
+        plan_cache.load(device)  # picks of an earlier start-up: only shapes new to the plan get timed
+        self._calibrate(cfg, device, params, max_rows)
+        plan_cache.save(device)
+
+    def _calibrate(self, cfg, device, params, max_rows: int) -> None:
         top = max(gemv_ops._bucket(max_rows), 16)
         gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
                            m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top))

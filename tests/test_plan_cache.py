@@ -1,0 +1,130 @@
+"""kernels/plan_cache.py: the start-up calibration picks written to disk and read back (CPU: the
+tables filled by hand, as the GPU calibrations would fill them for device "cpu")."""
+
+import json
+import logging
+
+import pytest
+
+from salaserve.kernels import gemv as G
+from salaserve.kernels import plan_cache
+from salaserve.kernels.quant_gemm import fp8, w4_fma
+
+
+@pytest.fixture
+def tables(monkeypatch, tmp_path):
+    """Empty calibration tables and a plan directory of the test's own."""
+    monkeypatch.setenv("SALASERVE_PLAN_CACHE", str(tmp_path / "plans"))
+    fresh = dict(gemv={}, fp8_gemv={}, w8a8={}, w4={})
+    monkeypatch.setattr(G, "_TABLE", fresh["gemv"])
+    monkeypatch.setattr(fp8, "_FP8_GEMV_TABLE", fresh["fp8_gemv"])
+    monkeypatch.setattr(fp8, "_W8A8_TABLE", fresh["w8a8"])
+    monkeypatch.setattr(w4_fma, "_W4_TABLE", fresh["w4"])
+    return fresh
+
+
+def _fill(t, dev="cpu"):
+    """One pick of each kind, as the calibrations record them (fp8: a config and a w8a16 win)."""
+    t["gemv"][(dev, 1, 4096, 4096)] = G.Choice(G.GemvConfig(4, 1024, 4), 10.5, 12.25)
+    t["gemv"][(dev, 32, 4096, 16384)] = G.Choice(G.GemvConfig(128, 128, 8, 3, split_k=4, dot=True), 40.0, 38.0)
+    t["fp8_gemv"][(1, 32768, 4096, dev)] = G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True)
+    t["fp8_gemv"][(8, 32768, 4096, dev)] = None
+    t["w8a8"][(1, 4096, 4096, dev)] = (64, 4, 4, 3)
+    t["w4"][(1, 16384, 4096, 128, dev)] = ("fma", (64, 16, 4, 1), 8)
+
+
+def _snapshot(t):
+    return {name: dict(table) for name, table in t.items()}
+
+
+def test_picks_round_trip_and_drive_the_dispatch(tables):
+    _fill(tables)
+    _fill(tables, dev="cuda:1")  # another device's picks stay out of this device's plan
+    want = {name: {k: v for k, v in table.items() if "cpu" in k} for name, table in _snapshot(tables).items()}
+    path = plan_cache.save("cpu")
+    assert path is not None and path.exists()
+    for table in tables.values():
+        table.clear()
+    assert plan_cache.load("cpu") == 6
+    assert _snapshot(tables) == want
+    # the restored picks are what the kernels' dispatch reads
+    assert G.choose_config(1, 4096, 4096, "cpu") == G.GemvConfig(4, 1024, 4)
+    assert G.uses_gemv(1, 4096, 4096, "cpu") and not G.uses_gemv(32, 4096, 16384, "cpu")
+    w = type("W", (), dict(out_features=32768, in_features=4096))()
+    assert fp8.fp8_gemv_choice(1, w, "cpu") == G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True)
+    assert fp8.fp8_gemv_choice(8, w, "cpu") is None
+
+
+def test_picks_in_the_tables_win_and_saves_merge(tables):
+    _fill(tables)
+    plan_cache.save("cpu")
+    newer = G.Choice(G.GemvConfig(2, 1024, 4), 9.0, 12.0)
+    for table in tables.values():
+        table.clear()
+    tables["gemv"][("cpu", 1, 4096, 4096)] = newer  # calibrated in this process: kept
+    tables["gemv"][("cpu", 2, 8704, 4096)] = G.Choice(G.GemvConfig(2, 1024, 4), 11.0, 15.0)  # new shape
+    assert plan_cache.load("cpu") == 5
+    assert tables["gemv"][("cpu", 1, 4096, 4096)] == newer
+    plan_cache.save("cpu")
+    data = json.loads(plan_cache.plan_path("cpu").read_text())
+    keys = [k for k, _ in data["tables"]["gemv"]]
+    assert [1, 4096, 4096] in keys and [2, 8704, 4096] in keys and [32, 4096, 16384] in keys
+    assert data["fingerprint"]["gpu"] == "cpu"
+
+
+def test_a_changed_switch_or_kernel_source_is_another_plan(tables, monkeypatch):
+    _fill(tables)
+    first = plan_cache.save("cpu")
+    monkeypatch.setenv("SALASERVE_FP8_STREAM", "0")  # the candidates differ: the picks may be stale
+    assert plan_cache.plan_path("cpu") != first
+    for table in tables.values():
+        table.clear()
+    assert plan_cache.load("cpu") == 0
+    monkeypatch.delenv("SALASERVE_FP8_STREAM")
+    assert plan_cache.plan_path("cpu") == first
+    fp = plan_cache.fingerprint("cpu")
+    assert len(fp["kernels"]) == 16 and fp["switches"].get("SALASERVE_PLAN_CACHE") is None
+
+
+def test_bad_files_and_unwritable_directories_never_fail_a_start_up(tables, monkeypatch, tmp_path, caplog):
+    _fill(tables)
+    path = plan_cache.save("cpu")
+    for table in tables.values():
+        table.clear()
+    caplog.set_level(logging.WARNING, logger="salaserve.kernels.plan_cache")
+    path.write_text("{not json")
+    assert plan_cache.load("cpu") == 0 and "unreadable" in caplog.text
+    path.write_text(json.dumps(dict(format=plan_cache.PLAN_FORMAT, tables=dict(gemv=[[[1, 4096], {"gemv": {}}]]))))
+    assert plan_cache.load("cpu") == 0 and "malformed" in caplog.text
+    assert all(not t for t in tables.values())
+    # a plan directory that cannot be made (a file in its place): a warning, no plan
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.setenv("SALASERVE_PLAN_CACHE", str(blocker / "plans"))
+    _fill(tables)
+    assert plan_cache.save("cpu") is None and "could not write" in caplog.text
+
+
+def test_plans_off(tables, monkeypatch):
+    monkeypatch.setenv("SALASERVE_PLAN_CACHE", "0")
+    _fill(tables)
+    assert plan_cache.plan_path("cpu") is None
+    assert plan_cache.save("cpu") is None and plan_cache.load("cpu") == 0
+
+
+def test_nothing_to_save_writes_no_file(tables):
+    assert plan_cache.save("cpu") is None
+    assert not plan_cache.plan_path("cpu").exists()
+
+
+def test_backend_start_up_loads_then_saves(monkeypatch):
+    """TritonBackend.prepare reads the plan before its calibrations and writes it after."""
+    from salaserve.config import preset_config
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    calls = []
+    monkeypatch.setattr(plan_cache, "load", lambda device: calls.append(("load", str(device))) or 0)
+    monkeypatch.setattr(TritonBackend, "_calibrate", lambda self, *a: calls.append(("calibrate",)))
+    monkeypatch.setattr(plan_cache, "save", lambda device: calls.append(("save", str(device))))
+    TritonBackend().prepare(preset_config("tiny"), "cpu")
+    assert calls == [("load", "cpu"), ("calibrate",), ("save", "cpu")]
