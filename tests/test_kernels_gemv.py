@@ -85,6 +85,17 @@ def _aot_cases():
     return cases
 
 
+def _ttgir_loop(ttgir: str) -> str:
+    """The body of the first scf.for in a TTGIR listing (up to its closing brace)."""
+    start = ttgir.index("scf.for")
+    depth = 0
+    for i in range(ttgir.index("{", start), len(ttgir)):
+        depth += {"{": 1, "}": -1}.get(ttgir[i], 0)
+        if depth == 0:
+            return ttgir[start:i]
+    raise AssertionError("unterminated scf.for")
+
+
 def _loops(ptx: str) -> list[str]:
     """Bodies of the PTX loops: every basic block LLVM's comments put in a loop (its header block,
     marked 'Loop Header', and the blocks marked 'in Loop: Header=BB..'), wherever the layout
@@ -143,6 +154,11 @@ def test_gemv_compiles_for_sm90(name):
             assert "cp.async" in body, "the loop issues no copies for later steps (not pipelined)"
             assert "ld.global" not in body, "W or x read straight from global memory inside the loop"
             assert "cvt.rn.f16x2.e4m3x2" in body and "prmt" not in body, "fp8 codes not converted by the asm"
+        # W and x come back from the pipeline's shared memory in the math's layout: no conversion
+        # (a shared-memory round trip with barriers) per step; the int4 kernel's stream form had 25
+        # and ran 3-5x slower (BENCHMARKS run 84)
+        loop = _ttgir_loop(kernel.asm["ttgir"])
+        assert loop.count("ttg.local_load") == 2 and "ttg.convert_layout" not in loop
     elif extra.get("W_SCALE"):  # fp8: 16-byte vectors of 16 weights per thread and row, cvt-converted
         assert cfg.block_k % (512 * cfg.num_warps) == 0
         # the rows are walked one at a time: the first tile's load and the loop's prefetch
