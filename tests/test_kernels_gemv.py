@@ -231,13 +231,39 @@ def test_fp8_mma_candidates_follow_the_switch(monkeypatch):
     from salaserve.quant import rtn
 
     w = rtn.quantize_fp8(torch.randn(64, 128))
-    assert F8.FP8_MMA is False  # off by default
+    monkeypatch.setattr(F8, "FP8_MMA", False)  # whatever the environment says
     assert F8._mma_candidates(1, w) == ()
     monkeypatch.setattr(F8, "FP8_MMA", True)
     assert F8._mma_candidates(1, w) == F8._mma_candidates(8, w) == G.FP8_MMA_CONFIGS
     assert all(c.mma and c.block_k == 64 and c.block_n % (16 * c.num_warps) == 0 for c in G.FP8_MMA_CONFIGS)
     assert F8._mma_candidates(9, w) == ()
     assert F8._mma_candidates(1, rtn.quantize_fp8(torch.randn(64, 96))) == ()
+
+
+def test_fp8_calibration_switch_defaults_and_stream_candidates(monkeypatch):
+    """Defaults of the fp8 calibration's switches in a clean environment (mma and dot off, the
+    stream configs on), and the stream configs among the candidates at 1-2 rows only."""
+    import subprocess
+    import sys
+
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.quant_gemm import fp8 as F8
+    from salaserve.quant import rtn
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SALASERVE_FP8_")}
+    code = "from salaserve.kernels.quant_gemm import fp8; print(fp8.FP8_MMA, fp8.FP8_DOT, fp8.FP8_STREAM)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
+    w = rtn.quantize_fp8(torch.randn(64, 128))
+    monkeypatch.setattr(F8, "FP8_MMA", False)
+    monkeypatch.setattr(F8, "FP8_DOT", False)
+    monkeypatch.setattr(F8, "FP8_STREAM", True)
+    assert F8._fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1] + G.FP8_STREAM_CONFIGS[1]
+    assert F8._fp8_candidates(2, w) == G.FP8_FMA_CONFIGS[2] + G.FP8_STREAM_CONFIGS[2]
+    assert F8._fp8_candidates(8, w) == G.FP8_FMA_CONFIGS[8]
+    assert all(c.stream and c.split_k for cs in G.FP8_STREAM_CONFIGS.values() for c in cs)
+    monkeypatch.setattr(F8, "FP8_STREAM", False)
+    assert F8._fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1]
 
 
 def test_large_m_configs_and_limits():
