@@ -363,12 +363,9 @@ def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, 
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     for kq in tl.range(k_begin // 4, kw_end, BLOCK_K // 4, num_stages=STAGES):
         kw = kq + kt
-        if EVEN_K:
-            words = tl.load(w_rows + kw, mask=nm, other=0)
-            x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask, stride_xm, X_WORDS)
-        else:
-            words = tl.load(w_rows + kw, mask=nm & (kw < kw_end), other=0)
-            x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask & (kw < kw_end), stride_xm, X_WORDS)
+        words = tl.load(w_rows + kw, mask=nm if EVEN_K else nm & (kw < kw_end), other=0)
+        x0, x1, x2, x3 = _x_quads(x_ptr, rows, kw, row_mask if EVEN_K else row_mask & (kw < kw_end), stride_xm,
+                                  X_WORDS)
         acc = _fp8_acc(acc, words, x0, x1, x2, x3, ASM)
     # per output channel; a split's scaled partial adds up like the unscaled ones
     return tl.sum(acc, axis=2) * scale[None, :]
@@ -797,15 +794,13 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         raise ValueError(f"FMA and mma configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
     use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
+    if (cfg.mma or cfg.stream) and w_scale is None:
+        raise ValueError(f"{cfg} takes fp8 weights")
     if cfg.mma:
-        if w_scale is None:
-            raise ValueError(f"{cfg} takes fp8 weights")
         from salaserve.kernels.quant_gemm import fp8_mma
 
         return fp8_mma.launch(x, w, w_scale, out, cfg, silu_out=silu_out, use_pdl=use_pdl, y_dt=y_dt, out_dt=out_dt,
                               split=split)
-    if cfg.stream and w_scale is None:
-        raise ValueError(f"{cfg} takes fp8 weights")
     block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
     tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
