@@ -31,6 +31,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from salaserve.kernels.quant_gemm._common import _device_key
+
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = 1
@@ -79,13 +81,6 @@ def plan_dir() -> Optional[Path]:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "salaserve" / "plans"
 
 
-def _device_str(device) -> str:
-    """The tables' device string for `device` ("cuda" -> "cuda:<current>", as their keys have it)."""
-    from salaserve.kernels.quant_gemm._common import _device_key
-
-    return _device_key(device)
-
-
 def fingerprint(device) -> dict:
     """What the picks depend on besides the shapes (see the module docstring)."""
     import triton
@@ -109,13 +104,19 @@ def fingerprint(device) -> dict:
                 switches=switches)
 
 
-def plan_path(device) -> Optional[Path]:
-    """This device's plan file (None: plans off)."""
+def _plan(device) -> tuple[Optional[Path], Optional[dict]]:
+    """(this device's plan file, its fingerprint); (None, None) with plans off."""
     root = plan_dir()
     if root is None:
-        return None
-    fp = json.dumps(fingerprint(device), sort_keys=True)
-    return root / f"plan-{hashlib.sha256(fp.encode()).hexdigest()[:20]}.json"
+        return None, None
+    fp = fingerprint(device)
+    digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:20]
+    return root / f"plan-{digest}.json", fp
+
+
+def plan_path(device) -> Optional[Path]:
+    """This device's plan file (None: plans off)."""
+    return _plan(device)[0]
 
 
 def _read(path: Path) -> Optional[dict]:
@@ -138,7 +139,7 @@ def load(device) -> int:
     data = _read(path) if path is not None else None
     if data is None:
         return 0
-    dev = _device_str(device)
+    dev = _device_key(device)
     restored = 0
     try:
         for t in _tables():
@@ -158,10 +159,10 @@ def load(device) -> int:
 def save(device) -> Optional[Path]:
     """Write this device's picks (merged with those already on file) to its plan file, atomically.
     Returns the path, or None (plans off, or nothing to write)."""
-    path = plan_path(device)
+    path, fp = _plan(device)
     if path is None:
         return None
-    dev = _device_str(device)
+    dev = _device_key(device)
     old = _read(path) or {"tables": {}}
     tables = {}
     for t in _tables():
@@ -173,7 +174,7 @@ def save(device) -> Optional[Path]:
         tables[t.name] = [[json.loads(k), v] for k, v in sorted(entries.items())]
     if not any(tables.values()):
         return None
-    data = dict(format=PLAN_FORMAT, fingerprint=fingerprint(device), tables=tables)
+    data = dict(format=PLAN_FORMAT, fingerprint=fp, tables=tables)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
