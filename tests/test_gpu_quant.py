@@ -182,33 +182,8 @@ def test_fp8_fma_gemv_every_config(name, M):
         assert _rel(G.gemv_fp8(x, w.weight, w.scale, cfg), ref) < TOL, cfg
 
 
-@pytest.mark.parametrize("M", [1, 3, 5, 8])
-def test_fp8_mma_gemv_every_config(M):
-    """The mma.sync GEMV (FP8_MMA_CONFIGS) at every token count it takes, at the real shapes with
-    their automatic splits and with no split: against dequantize-then-matmul, and its silu_mul
-    epilogue on gate_up against silu_mul of its own output."""
-    import dataclasses
-
-    from salaserve.kernels import gemv as G
-    from salaserve.kernels.fused import silu_mul
-
-    x_all = torch.randn(M, 16384, device="cuda").to(torch.bfloat16)
-    for name, (N, K) in sorted(SHAPES.items()):
-        w = _weights("fp8", N, K, 40 + M)
-        x = x_all[:, :K].contiguous()
-        ref = linear_ref(x, w)
-        for cfg in G.FP8_MMA_CONFIGS:
-            for c in (cfg, dataclasses.replace(cfg, split_k=1)):
-                assert _rel(G.gemv_fp8(x, w.weight, w.scale, c), ref) < TOL, (name, c)
-                if name == "gate_up":
-                    act = G.gemv_fp8(x, w.weight, w.scale, c, silu_out=True)
-                    assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
-
-
-@pytest.mark.parametrize("M", [1, 2, 5])
-def test_fp8_stream_gemv_every_config(M):
-    """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket; M = 5, which has none,
-    with the 2-row ones) at the real shapes, with its split and with none: against
+def _fp8_configs_at_real_shapes(M, configs, seed):
+    """Each config at every real shape, with its own split and with none: against
     dequantize-then-matmul, and its silu_mul epilogue on gate_up against silu_mul of its own output."""
     import dataclasses
 
@@ -217,15 +192,32 @@ def test_fp8_stream_gemv_every_config(M):
 
     x_all = torch.randn(M, 16384, device="cuda").to(torch.bfloat16)
     for name, (N, K) in sorted(SHAPES.items()):
-        w = _weights("fp8", N, K, 60 + M)
+        w = _weights("fp8", N, K, seed)
         x = x_all[:, :K].contiguous()
         ref = linear_ref(x, w)
-        for cfg in G.FP8_STREAM_CONFIGS[min(G._bucket(M), 2)]:
+        for cfg in configs:
             for c in (cfg, dataclasses.replace(cfg, split_k=1)):
                 assert _rel(G.gemv_fp8(x, w.weight, w.scale, c), ref) < TOL, (name, c)
                 if name == "gate_up":
                     act = G.gemv_fp8(x, w.weight, w.scale, c, silu_out=True)
                     assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
+
+
+@pytest.mark.parametrize("M", [1, 3, 5, 8])
+def test_fp8_mma_gemv_every_config(M):
+    """The mma.sync GEMV (FP8_MMA_CONFIGS, automatic splits) at every token count it takes."""
+    from salaserve.kernels import gemv as G
+
+    _fp8_configs_at_real_shapes(M, G.FP8_MMA_CONFIGS, 40 + M)
+
+
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_fp8_stream_gemv_every_config(M):
+    """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket, their explicit splits;
+    M = 5, which has none, with the 2-row ones)."""
+    from salaserve.kernels import gemv as G
+
+    _fp8_configs_at_real_shapes(M, G.FP8_STREAM_CONFIGS[min(G._bucket(M), 2)], 60 + M)
 
 
 def test_fp8_gemv_calibration_records_a_choice():
@@ -243,8 +235,9 @@ def test_fp8_gemv_calibration_records_a_choice():
     for m in (1, 8):
         cfg, t, t_ref = res[(m, N, K)]
         assert t > 0 and t_ref > 0
-        # a candidate, its split set
-        assert cfg is None or dataclasses.replace(cfg, split_k=0) in Q._fp8_candidates(m, w)
+        # a candidate: itself (an explicit split) or with its automatic split set
+        cands = Q._fp8_candidates(m, w)
+        assert cfg is None or cfg in cands or dataclasses.replace(cfg, split_k=0) in cands
         assert (cfg is None) == (t == t_ref)
     old = Q.FP8_DECODE
     try:
