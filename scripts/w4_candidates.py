@@ -2,9 +2,10 @@
 
     python scripts/w4_candidates.py [--m 1 8] [--json FILE]
 
-For each linear shape and M bucket: the fastest (config, split) of the FMA kernel and of the
-wgmma kernel (us per call in CUDA graphs over L2-busting weight copies, calibrate_w4's
-timing), and the weight bytes per second of each.
+For each linear shape and M bucket: the fastest (config, split) of each kernel the calibration
+times (the FMA kernel, and on the repacked copy the mma and wgmma kernels; us per call in CUDA
+graphs over L2-busting weight copies, calibrate_w4's timing), and the weight bytes per second of
+each. Every mma config is first checked against dequantize-then-matmul at each M.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from salaserve.config import preset_config
 from salaserve.kernels import quant_gemm as Q
 from salaserve.quant import rtn
+from salaserve.quant.matmul import linear_ref
 
 
 def main():
@@ -33,14 +35,25 @@ def main():
     rows = []
     for name, (N, K) in shapes.items():
         w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)
+        w.wgmma = Q.repack_w4_for_wgmma(w)  # as TritonBackend.prepare_weights attaches them
+        w.mma = Q.repack_w4_for_mma(w)
         nbytes = N * K / 2 + N * K / 128 * 2.5
         for m in a.m:
+            if m <= Q.W4_MMA_MAX_M:
+                x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+                ref = linear_ref(x, w).float()
+                for cfg in Q.W4_MMA_CONFIGS:
+                    for split in (None, 1):
+                        y = Q.w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split).float()
+                        rel = float((y - ref).norm() / ref.norm())
+                        if not rel < 4e-3:
+                            raise SystemExit(f"{name} M={m} mma {cfg} split {split}: rel err {rel:.2e}")
             log = io.StringIO()
             with contextlib.redirect_stdout(log):
                 Q.calibrate_w4([w], "cuda", m_values=(m,), verbose=True)
             best = {}
             for line in log.getvalue().splitlines():
-                hit = re.search(r" (fma|wgmma) (\(.*\)) split (\d+): ([0-9.]+) us", line)
+                hit = re.search(r" (fma|mma|wgmma) (\(.*\)) split (\d+): ([0-9.]+) us", line)
                 if hit and (hit[1] not in best or float(hit[4]) < best[hit[1]][2]):
                     best[hit[1]] = (hit[2], int(hit[3]), float(hit[4]))
             row = dict(name=name, N=N, K=K, M=m, **{k: v for k, v in best.items()})

@@ -36,7 +36,7 @@ def _weights(fmt, N, K, seed):
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
 def test_decode_kernels(fmt, name, M):
     """quant_linear as the engine calls it at decode sizes, and the alternatives it chose between:
-    every w4a16 FMA config (M <= 4), every w8a8 candidate, w8a16 and its FMA path at M = 1."""
+    every w4a16 FMA config (M <= 4), every mma config (M <= 8) and wgmma config, every w8a8 candidate, w8a16 and its FMA path at M = 1."""
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES[name]
@@ -53,6 +53,11 @@ def test_decode_kernels(fmt, name, M):
         for cfg in Q.W4_WGMMA_CONFIGS:
             for split in (None, 1):
                 assert _rel(Q.w4a16_gemv_wgmma(x, w, packed, config=cfg, split_k=split), ref) < TOL, (cfg, split)
+        if M <= Q.W4_MMA_MAX_M:  # the mma kernel on its own copy
+            mma = Q.repack_w4_for_mma(w)
+            for cfg in Q.W4_MMA_CONFIGS:
+                for split in (None, 1):
+                    assert _rel(Q.w4a16_gemv_mma(x, w, mma, config=cfg, split_k=split), ref) < TOL, (cfg, split)
     if fmt == "fp8":
         # w8a8: its twin to TOL, and the twin to the unquantized product as prefill's w8a8 (e4m3 x)
         twin = Q.w8a8_block_ref(x, w.weight, w.scale)
@@ -142,8 +147,9 @@ def test_w4a16_calibration_picks_a_valid_config():
     w = _weights("w4a16", N, K, 11)
     TritonBackend().prepare_weights({"lm_head": None, "layers": [{"qkvg": w, "o_proj": None, "gate_up": None,
                                                                   "down": None}]}, "cuda")
-    assert w.wgmma is not None
+    assert w.wgmma is not None and w.mma is not None
     assert any(c[0] == "wgmma" for c in Q._w4_candidates(16, w, "cuda"))
+    assert any(c[0] == "mma" for c in Q._w4_candidates(1, w, "cuda"))
     res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
     assert set(res) == {(1, N, K), (2, N, K), (16, N, K)}
     for m in (1, 2, 16):

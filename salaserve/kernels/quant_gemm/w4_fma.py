@@ -1,10 +1,11 @@
 """The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and the start-up
-calibration (`calibrate_w4`) that picks, per shape and M bucket, between it and the warpgroup-MMA
-kernel of w4_wgmma.py."""
+calibration (`calibrate_w4`) that picks, per shape and M bucket, between it, the warp-level MMA
+kernel of w4_mma.py and the warpgroup-MMA kernel of w4_wgmma.py (both on the repacked copy)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -13,8 +14,10 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
+from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_BLOCK_R, W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
                                                    w4_wgmma_usable, w4a16_gemv_wgmma)
+from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, repack_w4_for_mma,
+                                                 w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm._common import _store_output, _workspace, _sm_count, _default_split_k, _check_x, _device_key, _to_calibrate
 
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
@@ -342,7 +345,10 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     return out
 
 
-# (bucket, N, K, group size, device) -> (kernel "fma" or "wgmma", config, split), filled by calibrate_w4
+# the mma kernel (w4_mma.py) in the calibration's candidates; SALASERVE_W4_MMA=0 leaves it out
+W4_MMA = os.environ.get("SALASERVE_W4_MMA", "1") != "0"  # TritonBackend attaches the copy only then
+
+# (bucket, N, K, group size, device) -> (kernel "fma", "mma" or "wgmma", config, split), filled by calibrate_w4
 _W4_TABLE: dict[tuple, tuple] = {}
 
 
@@ -366,12 +372,15 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
 
 def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     """(kernel, config, split) candidates of the decode calibration at M bucket m: the FMA
-    kernel's configs (M <= W4_FMA_MAX_M) and, where w carries its repacked copy, the wgmma
-    kernel's (W4_WGMMA_MIN_M <= M <= 16, whole tiles), each with its split-K choices."""
+    kernel's configs (M <= W4_FMA_MAX_M) and, where w carries its repacked copy, the mma kernel's
+    (M <= 8; SALASERVE_W4_MMA=0 leaves them out) and the wgmma kernel's (W4_WGMMA_MIN_M <= M <= 16,
+    whole tiles), each with its split-K choices."""
     N, K = w.out_features, w.in_features
     out = []
     if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
         out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+    if W4_MMA and w.mma is not None and m <= W4_MMA_MAX_M and w4_mma_usable(w):
+        out += [("mma", cfg, split) for cfg in W4_MMA_CONFIGS for split in W4_MMA_SPLITS if K // 128 >= 2 * split]
     if w.wgmma is not None and W4_WGMMA_MIN_M <= m <= W4_WGMMA_MAX_M:
         out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
                 for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
@@ -384,7 +393,7 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
     default route)."""
     M = x.shape[0]
     hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_WGMMA_MAX_M else None
-    if hit is not None and hit[0] == "wgmma" and (x.dtype != torch.bfloat16 or w.wgmma is None):
+    if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or getattr(w, hit[0]) is None):
         return None
     return hit
 
@@ -394,6 +403,8 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> t
     kernel, cfg, split = choice
     if kernel == "wgmma":
         return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
+    if kernel == "mma":
+        return w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split)
     return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
 
 
@@ -417,10 +428,12 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     for w, todo in _to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE):
         N, K = w.out_features, w.in_features
         n_copies = l2_busting_count(w.qweight.nbytes)
-        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None)
+        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None, mma=None)
                   for _ in range(n_copies)]
         if w.wgmma is not None:
             copies = [dataclasses.replace(c, wgmma=repack_w4_for_wgmma(c)) for c in copies]
+        if w.mma is not None:
+            copies = [dataclasses.replace(c, mma=repack_w4_for_mma(c)) for c in copies]
         for m in todo:
             candidates = _w4_candidates(m, w, device)
             if not candidates:
