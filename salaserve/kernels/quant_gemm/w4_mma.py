@@ -189,10 +189,12 @@ def _w4_mma_gemv_kernel(
     j4 = tl.arange(0, 4)[None, None, :]
     w_lo = qw_ptr + row_lo[:, :, None].to(tl.int64) * K_WORDS + (4 * t)[None, :, None] + j4  # [RT, T, 4]
     w_hi = qw_ptr + row_hi[:, :, None].to(tl.int64) * K_WORDS + (4 * t)[None, :, None] + j4
-    # token g's x pair words 16t .. 16t + 15 of a tile; tokens past M read token 0 (their columns
-    # are dropped)
+    # token g's x pair words 16t .. 16t + 15 of a tile. Tokens past M read nothing (zeros; their
+    # columns are dropped): run 87 had them read token 0, and at one row every lane of a quad
+    # column asked for the same bytes, twice as slow as at eight rows
     x_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.where(g < M, g, 0)[None, :, None].to(tl.int64) * stride_xw
     x_lane = x_row + (16 * t)[None, :, None] + j4  # [1, T, 4]
+    x_ok = (g < M)[None, :, None] & (j4 >= 0)
     # the lane's (128 + z, s) of rows g, g + 8 in a group: [RT, T, 4]
     gz_lane = gz_ptr + ((pid_n * BLOCK_N) // 16 + tile)[:, :, None] * 32 + (4 * g)[None, :, None] + j4
     if PDL:
@@ -209,10 +211,10 @@ def _w4_mma_gemv_kernel(
             wa = tl.load(w_lo + kw, mask=ok_lo[:, :, None], other=0)
             wb = tl.load(w_hi + kw, mask=ok_hi[:, :, None], other=0)
         xt = x_lane + 4 * kw  # the tile's first x pair words (8 channels per W word)
-        xa = tl.load(xt)  # words 16t + 4c + (0..3) for c = 0..3: W word c's four pairs
-        xb = tl.load(xt + 4)
-        xc = tl.load(xt + 8)
-        xd = tl.load(xt + 12)
+        xa = tl.load(xt, mask=x_ok, other=0)  # words 16t + 4c + (0..3) for c = 0..3: W word c's four pairs
+        xb = tl.load(xt + 4, mask=x_ok, other=0)
+        xc = tl.load(xt + 8, mask=x_ok, other=0)
+        xd = tl.load(xt + 12, mask=x_ok, other=0)
         gz = gz_lane + (kw // GROUP_WORDS) * 2 * N  # gz [G, N/16, 8, 4]: 2N floats per group
         if EVEN_N:
             zs = tl.load(gz)
