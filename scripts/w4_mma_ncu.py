@@ -13,8 +13,8 @@ packed = Q.repack_w4_for_mma(w)
 for m in (1, 8):
     x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
     for _ in range(2):
-        Q.w4a16_gemv_mma(x, w, packed, config=(8, 4, 3), split_k=4)
-        Q.w4a16_gemv_mma(x, w, packed, config=(4, 2, 4), split_k=8)
+        Q.w4a16_gemv_mma(x, w, packed, config=(4, 4, 3), split_k=4)
+        Q.w4a16_gemv_mma(x, w, packed, config=(2, 8, 4), split_k=4)
         if m == 1:
             Q.w4a16_gemv_fma(x, w, config=(128, 8, 4, 2), split_k=8)
 torch.cuda.synchronize()
