@@ -159,9 +159,11 @@ def _mma_ones(c0, c1, b0, b1, NW: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _load4(base, ok, S0: tl.constexpr, S1: tl.constexpr, FLOAT: tl.constexpr, ASM: tl.constexpr):
     """The 16 bytes at each of base's [S0, S1] addresses as four [S0, S1] tensors (int32, or fp32
-    with FLOAT), zeros where ok is false. GPU: one ld.global.nc.v4 in inline asm, which Triton's
+    with FLOAT), zeros where ok is false. GPU: one ld.global.v4 in inline asm, which Triton's
     pipeliner leaves alone (so x and the group words stay out of the shared-memory stages: run 88's
-    ncu found 4-8 warps per SM, held back by each lane's own staged copy of x)."""
+    ncu found 4-8 warps per SM, held back by each lane's own staged copy of x). Not pure: a pure
+    asm may be moved, and the first x load above the PDL wait (run 89: wrong results at 2 row
+    tiles per warp); plain ld.global, not .nc, like Triton's own loads after the wait."""
     if ASM:
         if FLOAT:
             v0, v1, v2, v3 = tl.inline_asm_elementwise(
@@ -172,10 +174,10 @@ def _load4(base, ok, S0: tl.constexpr, S1: tl.constexpr, FLOAT: tl.constexpr, AS
                 mov.f32 $1, 0f00000000;
                 mov.f32 $2, 0f00000000;
                 mov.f32 $3, 0f00000000;
-                @p ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];
+                @p ld.global.v4.f32 {$0, $1, $2, $3}, [$4];
                 }""",
                 constraints="=f,=f,=f,=f,l,r", args=[base, ok.to(tl.int32)],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
         else:
             v0, v1, v2, v3 = tl.inline_asm_elementwise(
                 asm="""{
@@ -185,10 +187,10 @@ def _load4(base, ok, S0: tl.constexpr, S1: tl.constexpr, FLOAT: tl.constexpr, AS
                 mov.b32 $1, 0;
                 mov.b32 $2, 0;
                 mov.b32 $3, 0;
-                @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];
+                @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
                 }""",
                 constraints="=r,=r,=r,=r,l,r", args=[base, ok.to(tl.int32)],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
     else:
         offs = tl.arange(0, 4)[None, None, :]
         v = tl.load(base[:, :, None] + offs, mask=(ok[:, :, None].to(tl.int32) + offs * 0) != 0, other=0)
