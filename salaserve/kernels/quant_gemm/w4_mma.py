@@ -237,22 +237,21 @@ def _w4_mma_gemv_kernel(
     x_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.where(g < M, g, 0)[None, :].to(tl.int64) * stride_xw
     x_lane = x_row + (16 * t)[None, :]  # [1, T]
     x_ok = (g < M)[None, :]
-    # the lane's (128 + z, s) of rows g, g + 8 in a group: [RT, T] addresses of 16 bytes
-    gz_lane = gz_ptr + ((pid_n * BLOCK_N) // 16 + tile) * 32 + (4 * g)[None, :]
+    # the lane's (128 + z, s) of rows g, g + 8 in a group: [RT, T, 4]
+    gz_lane = gz_ptr + ((pid_n * BLOCK_N) // 16 + tile)[:, :, None] * 32 + (4 * g)[None, :, None] + j4
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc0 = tl.zeros((RT, T), dtype=tl.float32)
     acc1 = tl.zeros((RT, T), dtype=tl.float32)
     acc2 = tl.zeros((RT, T), dtype=tl.float32)
     acc3 = tl.zeros((RT, T), dtype=tl.float32)
-    # x and the group words one step ahead in registers (loaded outside the pipeline, see _load4)
+    # x one step ahead in registers (loaded outside the pipeline, see _load4)
     xt = x_lane + 4 * kw_begin  # the tile's first x pair words (8 channels per W word)
     first = kw_begin < kw_end  # an empty split reads nothing
     x0, x1, x2, x3 = _load4(xt, x_ok & first, 1, T, False, ASM)  # words 16t + 4c + (0..3): W word c's pairs
     x4, x5, x6, x7 = _load4(xt + 4, x_ok & first, 1, T, False, ASM)
     x8, x9, x10, x11 = _load4(xt + 8, x_ok & first, 1, T, False, ASM)
     x12, x13, x14, x15 = _load4(xt + 12, x_ok & first, 1, T, False, ASM)
-    z_lo, sc_lo, z_hi, sc_hi = _load4(gz_lane + (kw_begin // GROUP_WORDS) * 2 * N, ok_lo & first, RT, T, True, ASM)
     for kw in tl.range(kw_begin, kw_end, 16, num_stages=STAGES):
         if EVEN_N:
             wa = tl.load(w_lo + kw)
@@ -266,7 +265,14 @@ def _w4_mma_gemv_kernel(
         y4, y5, y6, y7 = _load4(xn + 4, x_ok & more, 1, T, False, ASM)
         y8, y9, y10, y11 = _load4(xn + 8, x_ok & more, 1, T, False, ASM)
         y12, y13, y14, y15 = _load4(xn + 12, x_ok & more, 1, T, False, ASM)
-        n0, n1, n2, n3 = _load4(gz_lane + ((kw + 16) // GROUP_WORDS) * 2 * N, ok_lo & more, RT, T, True, ASM)
+        # the group words through the pipeline with W: an asm load of [RT, T] addresses gave wrong
+        # sums at RT >= 2 on the GPU (run 90; the [1, T] x loads are right)
+        gz = gz_lane + (kw // GROUP_WORDS) * 2 * N  # gz [G, N/16, 8, 4]: 2N floats per group
+        if EVEN_N:
+            zs = tl.load(gz)
+        else:
+            zs = tl.load(gz, mask=ok_lo[:, :, None], other=0.0)
+        z_lo, sc_lo, z_hi, sc_hi = _four(zs, RT, T)
         a0, a1, a2, a3 = _four(wa, RT, T)  # word c of row g: chunks 2c (pairs 0, 1) and 2c + 1 (pairs 2, 3)
         b0, b1, b2, b3 = _four(wb, RT, T)  # row g + 8
         p0 = tl.zeros((RT, T), dtype=tl.float32)
@@ -297,7 +303,6 @@ def _w4_mma_gemv_kernel(
         acc3 += sc_hi * (p3 - z_hi * s1)
         x0, x1, x2, x3, x4, x5, x6, x7 = y0, y1, y2, y3, y4, y5, y6, y7
         x8, x9, x10, x11, x12, x13, x14, x15 = y8, y9, y10, y11, y12, y13, y14, y15
-        z_lo, sc_lo, z_hi, sc_hi = n0, n1, n2, n3
 
     # lane (g, t) holds rows (row_lo, row_hi) x tokens (2t, 2t + 1): acc0 (lo, 2t), acc1 (lo, 2t + 1),
     # acc2 (hi, 2t), acc3 (hi, 2t + 1)
