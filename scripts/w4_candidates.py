@@ -5,7 +5,8 @@
 For each linear shape and M bucket: the fastest (config, split) of each kernel the calibration
 times (the FMA kernel, and on the repacked copy the mma and wgmma kernels; us per call in CUDA
 graphs over L2-busting weight copies, calibrate_w4's timing), and the weight bytes per second of
-each. Every mma config is first checked against dequantize-then-matmul at each M.
+each. Every mma config is first checked against dequantize-then-matmul at each M; the calibration
+times the mma kernel only with SALASERVE_W4_MMA=1 (opt-in).
 """
 
 from __future__ import annotations

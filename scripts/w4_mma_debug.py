@@ -1,3 +1,9 @@
+"""Every config of the int4 mma decode GEMV (quant_gemm/w4_mma.py) at qkvg's shape, 1 and 8 rows,
+splits 1 and 8, with PDL off and on, against dequantize-then-matmul: relative error and the first
+wrong outputs (GPU only). Written to find run 90's wrong sums at 2+ row tiles per warp.
+
+    python scripts/w4_mma_debug.py
+"""
 import torch
 from salaserve.kernels import quant_gemm as Q
 from salaserve.kernels import _triton_utils as U

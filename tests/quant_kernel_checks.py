@@ -194,6 +194,36 @@ def w4a16_wgmma_checks(gen):
     counters_rearmed()
 
 
+def w4a16_mma_checks(gen):
+    """The decode GEMV on mma.sync (opt-in), on its repacked copy: every config at 1, 3 and 8 rows
+    of bf16 x (rows past M read nothing and are never written), split-K 1..4 (empty splits
+    included), whole and ragged row tiles, groups of 128 and 256 channels, codes and zeros at the
+    extremes. Against the exact product (exact fp32 scales; the constant 128 + z taken off once per
+    group): within the bf16 output's rounding (the interpreter truncates: 2^-7)."""
+    for K, N, gs in ((256, 256, 128), (512, 80, 256)):
+        w = random_w4a16(K, N, gs, False, gen)
+        packed = qg.repack_w4_for_mma(w)
+        for M in (1, 3, 8):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            exact = linear_ref(x.float(), w)
+            for cfg in qg.W4_MMA_CONFIGS:
+                for split in ((1, 4) if M != 3 else (2,)):
+                    y = qg.w4a16_gemv_mma(x, w, packed, config=cfg, split_k=split)
+                    check(f"w4a16_gemv_mma K={K} N={N} gs={gs} M={M} cfg={cfg} split={split}", y, exact, 2 ** -7)
+    K, gs = 256, 128
+    w = extreme_w4a16(K, 64, gs, gen)
+    x = torch.randn(2, K, generator=gen).to(torch.bfloat16)
+    y = qg.w4a16_gemv_mma(x, w, qg.repack_w4_for_mma(w), config=qg.W4_MMA_CONFIGS[0], split_k=2)
+    check("w4a16_gemv_mma extreme codes", y, linear_ref(x.float(), w), 2 ** -7)
+    w = random_w4a16(K, 64, gs, False, gen)
+    refused("9 rows", qg.w4a16_gemv_mma, torch.randn(9, K).to(torch.bfloat16), w, qg.repack_w4_for_mma(w))
+    refused("fp32 x", qg.w4a16_gemv_mma, torch.randn(1, K), w, qg.repack_w4_for_mma(w))
+    refused("another weight's copy", qg.w4a16_gemv_mma, x, w, qg.repack_w4_for_mma(random_w4a16(512, 64, gs, False, gen)))
+    refused("groups of 64 channels", qg.w4a16_gemv_mma, x, random_w4a16(K, 64, 64, False, gen),
+            qg.repack_w4_for_mma(random_w4a16(K, 64, 64, False, gen)))
+    counters_rearmed()
+
+
 def w4a16_dense_checks(gen):
     """Prefill path: dequantize into the scratch W^T, then torch.mm. fp32 activations: the scratch
     is fp32, exact; fp16: weights rounded once to fp16."""
@@ -360,6 +390,6 @@ def dispatch_checks(gen):
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
      "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

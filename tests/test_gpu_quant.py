@@ -138,8 +138,8 @@ def test_fp8_prefill_down_quantizes_inside_silu_mul():
 
 def test_w4a16_calibration_picks_a_valid_config():
     """calibrate_w4 times the FMA and wgmma kernels' configs and splits at the real shape (the
-    wgmma kernel's on the copy TritonBackend.prepare_weights attaches); quant_linear then runs the
-    recorded choice and still equals the reference."""
+    wgmma kernel's on the copy TritonBackend.prepare_weights attaches; with SALASERVE_W4_MMA=1 the
+    mma kernel's too); quant_linear then runs the recorded choice and still equals the reference."""
     from salaserve.kernels import quant_gemm as Q
     from salaserve.kernels.triton_backend import TritonBackend
 
@@ -147,9 +147,13 @@ def test_w4a16_calibration_picks_a_valid_config():
     w = _weights("w4a16", N, K, 11)
     TritonBackend().prepare_weights({"lm_head": None, "layers": [{"qkvg": w, "o_proj": None, "gate_up": None,
                                                                   "down": None}]}, "cuda")
-    assert w.wgmma is not None and w.mma is not None
+    from salaserve.kernels.quant_gemm import w4_fma
+
+    assert w.wgmma is not None
     assert any(c[0] == "wgmma" for c in Q._w4_candidates(16, w, "cuda"))
-    assert any(c[0] == "mma" for c in Q._w4_candidates(1, w, "cuda"))
+    # the mma kernel's copy and candidates only when opted in (SALASERVE_W4_MMA=1)
+    assert (w.mma is not None) == w4_fma.W4_MMA
+    assert any(c[0] == "mma" for c in Q._w4_candidates(1, w, "cuda")) == w4_fma.W4_MMA
     res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
     assert set(res) == {(1, N, K), (2, N, K), (16, N, K)}
     for m in (1, 2, 16):

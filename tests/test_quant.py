@@ -296,7 +296,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_wgmma", "w4a16_dense",
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
                                                                        "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
@@ -401,6 +401,90 @@ def test_w4_wgmma_repacked_layout():
         qg.repack_w4_for_wgmma(rtn.quantize_fp8(torch.randn(8, 64)))
     with pytest.raises(ValueError):
         qg.repack_w4_for_wgmma(rtn.quantize_w4a16_rtn(torch.randn(8, 96), 32))
+
+
+@pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_MMA_CONFIGS])
+@pytest.mark.parametrize("split", [1, 4])
+def test_w4a16_mma_kernel_compiles_for_sm90(cfg, split):
+    """Every config of the (opt-in) mma decode GEMV compiles for the H200 without spills, with
+    what it was built for: per step 8 mma.sync per row tile plus 8 for the group's x sums, the
+    nibbles unpacked by lop3 into bf16x2, every load of the loop (W, x, the group words) through
+    Triton's cp.async pipeline, read back with no layout conversion (7 copies per step: run 86's
+    first layout had 22 and ran at half speed)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import compile_sm90_without_spills
+    from test_kernels_gemv import _loops, _ttgir_loop
+    from salaserve.kernels import quant_gemm as qg
+
+    rt, warps, stages = cfg
+    ptrs = dict(x_ptr="*bf16", qw_ptr="*i32", gz_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+    constexprs = dict(GROUP_WORDS=16, RT=rt, NUM_WARPS=warps, SPLIT_K=split, EVEN_N=True, STAGES=stages, ASM=True,
+                      PDL=True)
+    kernel = compile_sm90_without_spills(qg._w4_mma_gemv_kernel, ptrs, constexprs, warps, num_stages=stages,
+                                         fp_fusion=True, divisible=("K_WORDS", "SPLIT_WORDS", "N"))
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    main = [b for b in _loops(ptx) if "mma.sync" in b]
+    assert len(main) == 1, "no single mma main loop"
+    body = main[0]
+    assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * rt + 8
+    assert body.count("lop3.b32") >= 32 * rt and "cp.async" in body and "ld.global" not in body
+    loop = _ttgir_loop(kernel.asm["ttgir"])
+    assert loop.count("ttg.local_load") == 7 and "ttg.convert_layout" not in loop
+
+
+def test_w4_mma_repacked_layout():
+    """repack_w4_for_mma stores [N, K/8] words in channel order, word w's nibble at bits 4p + 16h
+    holding channel 8w + 2p + h, and per group and 16-row tile, for each g, (128 + z, s) of rows g
+    and g + 8 in fp32 (scales exact); refused for other formats and N not a multiple of 16."""
+    from salaserve.kernels import quant_gemm as qg
+    from salaserve.quant import formats, rtn
+
+    gen = torch.Generator().manual_seed(6)
+    w = rtn.quantize_w4a16_rtn(torch.randn(48, 256, generator=gen), 128, sym=False)
+    packed = qg.repack_w4_for_mma(w)
+    assert packed.qweight.shape == (48, 32) and packed.qweight.is_contiguous()
+    q = formats.unpack_int4(w.qweight).long()  # [K, N]
+    words = packed.qweight.t().long() & 0xFFFFFFFF  # [K/8, N]
+    for word in range(32):
+        for p in range(4):
+            for h in range(2):
+                assert torch.equal((words[word] >> (4 * p + 16 * h)) & 0xF, q[8 * word + 2 * p + h])
+    z = formats.unpack_zeros(w.qzeros, 48, formats.GPTQ_V2).float()  # [G, N]
+    assert packed.gz.shape == (2, 3, 8, 4) and packed.gz.dtype == torch.float32
+    for tile in range(3):
+        for g in range(8):
+            lo, hi = 16 * tile + g, 16 * tile + g + 8
+            assert torch.equal(packed.gz[:, tile, g], torch.stack([z[:, lo] + 128, w.scales[:, lo].float(),
+                                                                   z[:, hi] + 128, w.scales[:, hi].float()], dim=1))
+    with pytest.raises(ValueError):
+        qg.repack_w4_for_mma(rtn.quantize_fp8(torch.randn(16, 64)))
+    with pytest.raises(ValueError):
+        qg.repack_w4_for_mma(rtn.quantize_w4a16_rtn(torch.randn(40, 256), 128))
+
+
+def test_w4_mma_candidates_follow_the_switch(monkeypatch):
+    """The w4 calibration times the mma configs only with SALASERVE_W4_MMA=1 (off by default: slower
+    at every shape, runs 86-88), only up to 8 rows and only where the weights carry its copy."""
+    import subprocess
+
+    from salaserve.kernels.quant_gemm import w4_fma
+    from salaserve.quant import rtn
+
+    w = rtn.quantize_w4a16_rtn(torch.randn(64, 512), 128)
+    monkeypatch.setattr(w4_fma, "W4_MMA", True)
+    assert not any(c[0] == "mma" for c in w4_fma._w4_candidates(1, w, "cpu"))  # no copy attached
+    w.mma = w4_fma.repack_w4_for_mma(w)
+    mma = [c for c in w4_fma._w4_candidates(1, w, "cpu") if c[0] == "mma"]
+    assert {c[1] for c in mma} == set(w4_fma.W4_MMA_CONFIGS) and all(512 // 128 >= 2 * c[2] for c in mma)
+    assert any(c[0] == "mma" for c in w4_fma._w4_candidates(8, w, "cpu"))
+    assert not any(c[0] == "mma" for c in w4_fma._w4_candidates(16, w, "cpu"))
+    monkeypatch.setattr(w4_fma, "W4_MMA", False)
+    assert not any(c[0] == "mma" for c in w4_fma._w4_candidates(1, w, "cpu"))
+    env = {k: v for k, v in os.environ.items() if k != "SALASERVE_W4_MMA"}
+    code = "from salaserve.kernels.quant_gemm import w4_fma; print(w4_fma.W4_MMA)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO).stdout
+    assert out.strip() == "False"
 
 
 def test_w4_gemv_compiles_with_and_without_pdl():

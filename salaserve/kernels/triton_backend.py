@@ -73,19 +73,20 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def prepare_weights(self, params, device) -> None:
         """At load, before the cache plan measures free memory: on the GPU, every int4 linear the
         decode kernels on repacked weights take gets their copies (qweight's bytes again each, ~1/8
-        more for the zero/scale words): the mma kernel's (quant_gemm.w4_mma, 1-8 rows) and the
-        wgmma kernel's (quant_gemm.w4_wgmma, 4-16 rows), so that the calibration can offer them.
-        SALASERVE_W4_MMA=0 / SALASERVE_W4_WGMMA=0 skip one (memory for KV pages instead)."""
+        more for the zero/scale words), so that the calibration can offer them: the wgmma kernel's
+        (quant_gemm.w4_wgmma, 4-16 rows; SALASERVE_W4_WGMMA=0 skips it, memory for KV pages
+        instead) and, opt-in with SALASERVE_W4_MMA=1, the mma kernel's (quant_gemm.w4_mma, 1-8 rows)."""
         if torch.device(device).type != "cuda":
             return
         from salaserve.kernels import quant_gemm as Q
+        from salaserve.kernels.quant_gemm import w4_fma
 
         wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
         added = 0
         for w in _linear_weights(params):
             if not isinstance(w, QuantizedLinearWeights):
                 continue
-            if Q.W4_MMA and w.mma is None and Q.w4_mma_usable(w):
+            if w4_fma.W4_MMA and w.mma is None and Q.w4_mma_usable(w):
                 w.mma = Q.repack_w4_for_mma(w)
                 added += w.mma.qweight.nbytes + w.mma.gz.nbytes
             if wgmma and w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):
@@ -93,8 +94,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
                 added += w.wgmma.qweight.nbytes + w.wgmma.zs.nbytes
         if added:
             torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
-            log.info("int4 weights: repacked copies for the mma / wgmma decode GEMVs, %.2f GiB "
-                     "(SALASERVE_W4_MMA=0, SALASERVE_W4_WGMMA=0 skip them)", added / 2**30)
+            log.info("int4 weights: repacked copies for the decode GEMVs, %.2f GiB (SALASERVE_W4_WGMMA=0 "
+                     "skips the wgmma kernel's)", added / 2**30)
 
     def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch

@@ -3,8 +3,9 @@
 
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
       - M <= 16 (decode, verify), where `calibrate_w4` timed the shape at start-up: the fastest of
-        `w4a16_gemv_fma` (M <= 4), `w4a16_gemv_mma` (M <= 8) and `w4a16_gemv_wgmma` (M >= 4), the
-        last two on the weights' repacked copy (kernel, config and split-K per shape and M bucket).
+        `w4a16_gemv_fma` (M <= 4), `w4a16_gemv_wgmma` (M >= 4) and, opt-in (SALASERVE_W4_MMA=1),
+        `w4a16_gemv_mma` (M <= 8), the last two on repacked copies of the weights (kernel, config
+        and split-K per shape and M bucket).
       - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
@@ -35,7 +36,7 @@ kernels then gather x through perm and keep one scale row per K tile; the per-ch
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
 Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_mma.py (the int4
-decode GEMV on mma.sync behind a cp.async pipeline), w4_wgmma.py (the
+decode GEMV on mma.sync behind a cp.async pipeline, opt-in), w4_wgmma.py (the
 int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
 prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
 w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
@@ -65,7 +66,7 @@ from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quant
 from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
                                                  _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_MMA, W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M,
+from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M,
                                                  W4_MAGIC_HI, W4_MAGIC_LO, _w4_candidates, _w4_gemv_fma_kernel, _w4_key,
                                                  calibrate_w4, w4_decode_choice, w4_fma_layout, w4a16_decode,
                                                  w4a16_gemv_fma)

@@ -1,6 +1,6 @@
 """The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and the start-up
-calibration (`calibrate_w4`) that picks, per shape and M bucket, between it, the warp-level MMA
-kernel of w4_mma.py and the warpgroup-MMA kernel of w4_wgmma.py (both on the repacked copy)."""
+calibration (`calibrate_w4`) that picks, per shape and M bucket, between it, the warpgroup-MMA
+kernel of w4_wgmma.py and (opt-in) the warp-level MMA kernel of w4_mma.py, both on repacked copies."""
 
 from __future__ import annotations
 
@@ -345,8 +345,10 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     return out
 
 
-# the mma kernel (w4_mma.py) in the calibration's candidates; SALASERVE_W4_MMA=0 leaves it out
-W4_MMA = os.environ.get("SALASERVE_W4_MMA", "1") != "0"  # TritonBackend attaches the copy only then
+# the mma kernel (w4_mma.py) in the calibration's candidates, opt-in: SALASERVE_W4_MMA=1 (measured
+# slower than the FMA and wgmma kernels at every shape, runs 86-88). TritonBackend attaches its
+# repacked copy only then.
+W4_MMA = os.environ.get("SALASERVE_W4_MMA", "0") == "1"
 
 # (bucket, N, K, group size, device) -> (kernel "fma", "mma" or "wgmma", config, split), filled by calibrate_w4
 _W4_TABLE: dict[tuple, tuple] = {}
@@ -372,9 +374,9 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
 
 def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     """(kernel, config, split) candidates of the decode calibration at M bucket m: the FMA
-    kernel's configs (M <= W4_FMA_MAX_M) and, where w carries its repacked copy, the mma kernel's
-    (M <= 8; SALASERVE_W4_MMA=0 leaves them out) and the wgmma kernel's (W4_WGMMA_MIN_M <= M <= 16,
-    whole tiles), each with its split-K choices."""
+    kernel's configs (M <= W4_FMA_MAX_M) and, where w carries the repacked copies, the mma
+    kernel's (M <= 8; opt-in, SALASERVE_W4_MMA=1) and the wgmma kernel's (W4_WGMMA_MIN_M <= M <=
+    16, whole tiles), each with its split-K choices."""
     N, K = w.out_features, w.in_features
     out = []
     if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:

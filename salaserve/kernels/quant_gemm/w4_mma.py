@@ -1,11 +1,18 @@
 """The int4 decode GEMV on mma.sync tensor cores, behind Triton's cp.async pipeline
 (`w4a16_gemv_mma`, 1 <= M <= 8), on a repacked copy of the weights (`repack_w4_for_mma`).
 
-Why: the FMA kernel (w4_fma.py) executes 3.3-3.7 instructions per nibble and reads the weights at
-~40-50% of the floor at one row (BENCHMARKS runs 50, 84); its loads come from a register prefetch
-one or two tiles deep. The fp8 GEMV's stream form showed that Triton's software pipeliner (cp.async
-into shared memory, several steps ahead) reaches 90-98% of the floor on the large shapes, once the
-loop is cheap enough to keep up. Here the loop is ~1.5 instructions per nibble:
+Opt-in (SALASERVE_W4_MMA=1 attaches the copy and adds the configs to the w4 calibration): correct
+on the H200, but measured slower than the FMA kernel at one row and than the wgmma kernel at 8 rows
+at every shape (BENCHMARKS runs 86-88; gate_up at one row 48.3 vs 29.5 us). ncu (run 88): the
+pipeline's stages hold each lane's own copy of x and of the group words, 50-119 KB of shared
+memory per CTA, so 4-8 warps per SM issue; docs/perf-notes.md has the attempts and what is open.
+
+Why it was built: the FMA kernel (w4_fma.py) executes 3.3-3.7 instructions per nibble and reads
+the weights at ~40-55% of the floor at one row (BENCHMARKS runs 50, 84, 86); its loads come from a
+register prefetch one or two tiles deep. The fp8 GEMV's stream form showed that Triton's software
+pipeliner (cp.async into shared memory, several steps ahead) reaches 90-98% of the floor on the
+large shapes, once the loop is cheap enough to keep up. Here the loop is ~1.5-2.5 instructions per
+nibble:
 
 - a lop3 turns two nibbles into a bf16x2 of (128 + q) (a shift first for every second pair): 7
   instructions per 8-nibble word;
@@ -157,48 +164,6 @@ def _mma_ones(c0, c1, b0, b1, NW: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load4(base, ok, S0: tl.constexpr, S1: tl.constexpr, FLOAT: tl.constexpr, ASM: tl.constexpr):
-    """The 16 bytes at each of base's [S0, S1] addresses as four [S0, S1] tensors (int32, or fp32
-    with FLOAT), zeros where ok is false. GPU: one ld.global.v4 in inline asm, which Triton's
-    pipeliner leaves alone (so x and the group words stay out of the shared-memory stages: run 88's
-    ncu found 4-8 warps per SM, held back by each lane's own staged copy of x). Not pure: a pure
-    asm may be moved, and the first x load above the PDL wait (run 89: wrong results at 2 row
-    tiles per warp); plain ld.global, not .nc, like Triton's own loads after the wait."""
-    if ASM:
-        if FLOAT:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .pred p;
-                setp.ne.b32 p, $5, 0;
-                mov.f32 $0, 0f00000000;
-                mov.f32 $1, 0f00000000;
-                mov.f32 $2, 0f00000000;
-                mov.f32 $3, 0f00000000;
-                @p ld.global.v4.f32 {$0, $1, $2, $3}, [$4];
-                }""",
-                constraints="=f,=f,=f,=f,l,r", args=[base, ok.to(tl.int32)],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-        else:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .pred p;
-                setp.ne.b32 p, $5, 0;
-                mov.b32 $0, 0;
-                mov.b32 $1, 0;
-                mov.b32 $2, 0;
-                mov.b32 $3, 0;
-                @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
-                }""",
-                constraints="=r,=r,=r,=r,l,r", args=[base, ok.to(tl.int32)],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
-    else:
-        offs = tl.arange(0, 4)[None, None, :]
-        v = tl.load(base[:, :, None] + offs, mask=(ok[:, :, None].to(tl.int32) + offs * 0) != 0, other=0)
-        v0, v1, v2, v3 = _four(v, S0, S1)
-    return v0, v1, v2, v3
-
-
-@triton.jit
 def _w4_mma_gemv_kernel(
     x_ptr, qw_ptr, gz_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K_WORDS, SPLIT_WORDS, stride_xw, stride_om,
@@ -234,9 +199,9 @@ def _w4_mma_gemv_kernel(
     # token g's x pair words 16t .. 16t + 15 of a tile. Tokens past M read nothing (zeros; their
     # columns are dropped): run 87 had them read token 0, and at one row every lane of a quad
     # column asked for the same bytes, twice as slow as at eight rows
-    x_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.where(g < M, g, 0)[None, :].to(tl.int64) * stride_xw
-    x_lane = x_row + (16 * t)[None, :]  # [1, T]
-    x_ok = (g < M)[None, :]
+    x_row = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.where(g < M, g, 0)[None, :, None].to(tl.int64) * stride_xw
+    x_lane = x_row + (16 * t)[None, :, None] + j4  # [1, T, 4]
+    x_ok = (g < M)[None, :, None] & (j4 >= 0)
     # the lane's (128 + z, s) of rows g, g + 8 in a group: [RT, T, 4]
     gz_lane = gz_ptr + ((pid_n * BLOCK_N) // 16 + tile)[:, :, None] * 32 + (4 * g)[None, :, None] + j4
     if PDL:
@@ -245,13 +210,6 @@ def _w4_mma_gemv_kernel(
     acc1 = tl.zeros((RT, T), dtype=tl.float32)
     acc2 = tl.zeros((RT, T), dtype=tl.float32)
     acc3 = tl.zeros((RT, T), dtype=tl.float32)
-    # x one step ahead in registers (loaded outside the pipeline, see _load4)
-    xt = x_lane + 4 * kw_begin  # the tile's first x pair words (8 channels per W word)
-    first = kw_begin < kw_end  # an empty split reads nothing
-    x0, x1, x2, x3 = _load4(xt, x_ok & first, 1, T, False, ASM)  # words 16t + 4c + (0..3): W word c's pairs
-    x4, x5, x6, x7 = _load4(xt + 4, x_ok & first, 1, T, False, ASM)
-    x8, x9, x10, x11 = _load4(xt + 8, x_ok & first, 1, T, False, ASM)
-    x12, x13, x14, x15 = _load4(xt + 12, x_ok & first, 1, T, False, ASM)
     for kw in tl.range(kw_begin, kw_end, 16, num_stages=STAGES):
         if EVEN_N:
             wa = tl.load(w_lo + kw)
@@ -259,22 +217,23 @@ def _w4_mma_gemv_kernel(
         else:
             wa = tl.load(w_lo + kw, mask=ok_lo[:, :, None], other=0)
             wb = tl.load(w_hi + kw, mask=ok_hi[:, :, None], other=0)
-        more = kw + 16 < kw_end
-        xn = x_lane + 4 * (kw + 16)
-        y0, y1, y2, y3 = _load4(xn, x_ok & more, 1, T, False, ASM)
-        y4, y5, y6, y7 = _load4(xn + 4, x_ok & more, 1, T, False, ASM)
-        y8, y9, y10, y11 = _load4(xn + 8, x_ok & more, 1, T, False, ASM)
-        y12, y13, y14, y15 = _load4(xn + 12, x_ok & more, 1, T, False, ASM)
-        # the group words through the pipeline with W: an asm load of [RT, T] addresses gave wrong
-        # sums at RT >= 2 on the GPU (run 90; the [1, T] x loads are right)
+        xt = x_lane + 4 * kw  # the tile's first x pair words (8 channels per W word)
+        xa = tl.load(xt, mask=x_ok, other=0)  # words 16t + 4c + (0..3) for c = 0..3: W word c's four pairs
+        xb = tl.load(xt + 4, mask=x_ok, other=0)
+        xc = tl.load(xt + 8, mask=x_ok, other=0)
+        xd = tl.load(xt + 12, mask=x_ok, other=0)
         gz = gz_lane + (kw // GROUP_WORDS) * 2 * N  # gz [G, N/16, 8, 4]: 2N floats per group
         if EVEN_N:
             zs = tl.load(gz)
         else:
             zs = tl.load(gz, mask=ok_lo[:, :, None], other=0.0)
-        z_lo, sc_lo, z_hi, sc_hi = _four(zs, RT, T)
         a0, a1, a2, a3 = _four(wa, RT, T)  # word c of row g: chunks 2c (pairs 0, 1) and 2c + 1 (pairs 2, 3)
         b0, b1, b2, b3 = _four(wb, RT, T)  # row g + 8
+        x0, x1, x2, x3 = _four(xa, 1, T)
+        x4, x5, x6, x7 = _four(xb, 1, T)
+        x8, x9, x10, x11 = _four(xc, 1, T)
+        x12, x13, x14, x15 = _four(xd, 1, T)
+        z_lo, sc_lo, z_hi, sc_hi = _four(zs, RT, T)
         p0 = tl.zeros((RT, T), dtype=tl.float32)
         p1 = tl.zeros((RT, T), dtype=tl.float32)
         p2 = tl.zeros((RT, T), dtype=tl.float32)
@@ -301,8 +260,6 @@ def _w4_mma_gemv_kernel(
         acc1 += sc_lo * (p1 - z_lo * s1)
         acc2 += sc_hi * (p2 - z_hi * s0)
         acc3 += sc_hi * (p3 - z_hi * s1)
-        x0, x1, x2, x3, x4, x5, x6, x7 = y0, y1, y2, y3, y4, y5, y6, y7
-        x8, x9, x10, x11, x12, x13, x14, x15 = y8, y9, y10, y11, y12, y13, y14, y15
 
     # lane (g, t) holds rows (row_lo, row_hi) x tokens (2t, 2t + 1): acc0 (lo, 2t), acc1 (lo, 2t + 1),
     # acc2 (hi, 2t), acc3 (hi, 2t + 1)
@@ -348,9 +305,10 @@ def _store(c0, c1, c2, c3, row_lo, row_hi, tok0, tok1, m0, m1, n0, n1, out_ptr, 
 
 
 # (row tiles per warp, warps, pipeline stages): BLOCK_N = 16 * RT * warps rows per program. Each
-# compiles for sm_90 without spills (2 row tiles at 4 warps and 8 row tiles used stack). SASS loop
-# instructions per nibble: 2.84 at one row tile, ~2.0 at two, ~1.7 at four.
-W4_MMA_CONFIGS = ((1, 4, 4), (1, 8, 4), (2, 8, 4), (4, 4, 3), (4, 2, 4))
+# compiles for sm_90 without spills (2 row tiles at 4 warps or fewer used 32 bytes of stack) and
+# was checked on the H200 against dequantize-then-matmul at 1 and 8 rows (run 88). SASS loop
+# instructions per nibble: 2.48 at one row tile, 1.94 at two, 1.55-1.58 at four, 1.42 at eight.
+W4_MMA_CONFIGS = ((1, 4, 4), (2, 8, 4), (4, 4, 3), (4, 2, 4), (8, 4, 3))
 W4_MMA_SPLITS = (1, 2, 4, 8, 16)  # split-K candidates (each split at least two 128-channel tiles)
 
 
