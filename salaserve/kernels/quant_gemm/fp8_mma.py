@@ -38,6 +38,7 @@ import triton.language as tl
 
 from salaserve.kernels import gemv as G
 from salaserve.kernels._triton_utils import bf16_pair, round_to, silu_mul_rounded
+from salaserve.kernels.quant_gemm._common import _split_k_fragments
 
 MMA_TOKENS = 8  # the mma's N: one column per token
 CHUNK = 64  # K channels per loop step (16 per lane, 4 lanes per row)
@@ -280,28 +281,11 @@ def _fp8_mma_gemv_kernel(
     n0 = ok_hi & (tok0 < M)
     n1 = ok_hi & (tok1 < M)
     if SPLIT_K > 1:
-        # workspace [SPLIT_K, M, N] fp32; the last split of this row tile reduces (fixed order)
-        part = ws_ptr + pid_k * M * N
-        tl.store(part + tok0 * N + row_lo, c0, mask=m0)
-        tl.store(part + tok1 * N + row_lo, c1, mask=m1)
-        tl.store(part + tok0 * N + row_hi, c2, mask=n0)
-        tl.store(part + tok1 * N + row_hi, c3, mask=n1)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            c0 = tl.zeros((RT, T), dtype=tl.float32)
-            c1 = tl.zeros((RT, T), dtype=tl.float32)
-            c2 = tl.zeros((RT, T), dtype=tl.float32)
-            c3 = tl.zeros((RT, T), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                part = ws_ptr + s * M * N
-                c0 += tl.load(part + tok0 * N + row_lo, mask=m0, other=0.0, cache_modifier=".cg")
-                c1 += tl.load(part + tok1 * N + row_lo, mask=m1, other=0.0, cache_modifier=".cg")
-                c2 += tl.load(part + tok0 * N + row_hi, mask=n0, other=0.0, cache_modifier=".cg")
-                c3 += tl.load(part + tok1 * N + row_hi, mask=n1, other=0.0, cache_modifier=".cg")
+        last, c0, c1, c2, c3 = _split_k_fragments(c0, c1, c2, c3, row_lo, row_hi, tok0, tok1, m0, m1, n0, n1, ws_ptr,
+                                                  cnt_ptr, pid_n, M, N, SPLIT_K)
+        if last:
             _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, m0, m1, n0, n1, w_scale_ptr, out_ptr,
                       stride_om, SILU_OUT, Y_DT, OUT_DT)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch
     else:
         _epilogue(c0, c1, c2, c3, row_lo, row_hi, ok_lo, ok_hi, tok0, tok1, m0, m1, n0, n1, w_scale_ptr, out_ptr,
                   stride_om, SILU_OUT, Y_DT, OUT_DT)

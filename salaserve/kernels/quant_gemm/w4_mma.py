@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
-from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _workspace
+from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _split_k_fragments, _workspace
 from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _four
 from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, _to_int32, unpack_int4, unpack_zeros
 
@@ -270,27 +270,10 @@ def _w4_mma_gemv_kernel(
     n0 = ok_hi & (tok0 < M)
     n1 = ok_hi & (tok1 < M)
     if SPLIT_K > 1:
-        # workspace [SPLIT_K, M, N] fp32; the last split of this row tile reduces (fixed order)
-        part = ws_ptr + pid_k * M * N
-        tl.store(part + tok0 * N + row_lo, acc0, mask=m0)
-        tl.store(part + tok1 * N + row_lo, acc1, mask=m1)
-        tl.store(part + tok0 * N + row_hi, acc2, mask=n0)
-        tl.store(part + tok1 * N + row_hi, acc3, mask=n1)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            acc0 = tl.zeros((RT, T), dtype=tl.float32)
-            acc1 = tl.zeros((RT, T), dtype=tl.float32)
-            acc2 = tl.zeros((RT, T), dtype=tl.float32)
-            acc3 = tl.zeros((RT, T), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                part = ws_ptr + s * M * N
-                acc0 += tl.load(part + tok0 * N + row_lo, mask=m0, other=0.0, cache_modifier=".cg")
-                acc1 += tl.load(part + tok1 * N + row_lo, mask=m1, other=0.0, cache_modifier=".cg")
-                acc2 += tl.load(part + tok0 * N + row_hi, mask=n0, other=0.0, cache_modifier=".cg")
-                acc3 += tl.load(part + tok1 * N + row_hi, mask=n1, other=0.0, cache_modifier=".cg")
+        last, acc0, acc1, acc2, acc3 = _split_k_fragments(acc0, acc1, acc2, acc3, row_lo, row_hi, tok0, tok1, m0, m1,
+                                                          n0, n1, ws_ptr, cnt_ptr, pid_n, M, N, SPLIT_K)
+        if last:
             _store(acc0, acc1, acc2, acc3, row_lo, row_hi, tok0, tok1, m0, m1, n0, n1, out_ptr, stride_om)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-armed for the next launch
     else:
         _store(acc0, acc1, acc2, acc3, row_lo, row_hi, tok0, tok1, m0, m1, n0, n1, out_ptr, stride_om)
 
