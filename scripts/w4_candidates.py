@@ -20,6 +20,7 @@ import re
 import torch
 
 from salaserve.config import preset_config
+from salaserve.kernels import gemv as G
 from salaserve.kernels import quant_gemm as Q
 from salaserve.quant import rtn
 from salaserve.quant.matmul import linear_ref
@@ -30,9 +31,10 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    cfg = preset_config("full")
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"qkvg": (8704, H), "qkvz": (16384, H), "o_proj": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
+    shapes = {}  # the model's int4 linears (lm_head stays bf16), one entry per (N, K)
+    for name, N, K, _ in G.model_linear_shapes(preset_config("full")):
+        if name != "lm_head" and (N, K) not in shapes.values():
+            shapes[name] = (N, K)
     rows = []
     for name, (N, K) in shapes.items():
         w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)

@@ -18,6 +18,7 @@ import json
 import torch
 
 from salaserve.config import preset_config
+from salaserve.kernels import gemv as G
 from salaserve.kernels import quant_gemm as Q
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 from salaserve.quant import formats, rtn
@@ -37,9 +38,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    cfg = preset_config("full")
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"qkvg": (8704, H), "qkvz": (16384, H), "o_proj": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
+    shapes = {}  # the model's int4 linears (lm_head stays bf16), one entry per (N, K)
+    for name, N, K, _ in G.model_linear_shapes(preset_config("full")):
+        if name != "lm_head" and (N, K) not in shapes.values():
+            shapes[name] = (N, K)
     rows = []
     for name, (N, K) in shapes.items():
         w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)

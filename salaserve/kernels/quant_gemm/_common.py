@@ -156,6 +156,16 @@ def _check_x(x: torch.Tensor, K: int) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+def _check_decode_x(x: torch.Tensor, K: int, max_m: int, kernel: str) -> torch.Tensor:
+    """x for the bf16-only decode GEMVs on repacked int4 weights: [1..max_m, K], bf16."""
+    x = _check_x(x, K)
+    if not 1 <= x.shape[0] <= max_m:
+        raise ValueError(f"{kernel} takes 1 <= M <= {max_m}, got {x.shape[0]}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{kernel} takes bf16 x, got {x.dtype}")
+    return x
+
+
 def _act_order(g_idx: Optional[torch.Tensor], group_size: int, act_order: Optional[bool]) -> bool:
     if act_order is not None:
         return act_order

@@ -84,19 +84,24 @@ def _emu_cols(d, RT: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _emu_rows(wa, b0, b1, RT: tl.constexpr, NW: tl.constexpr):
-    """Interpreter: D[g, n] = sum_t sum_j code_j(lane g, t) * x_j(lane n, t) for one 16-row half."""
-    q0 = G._e4m3_to_f32_bits(wa, 0)
-    q1 = G._e4m3_to_f32_bits(wa, 1)
-    q2 = G._e4m3_to_f32_bits(wa, 2)
-    q3 = G._e4m3_to_f32_bits(wa, 3)
-    x0, x1 = _f16_halves(b0)
-    x2, x3 = _f16_halves(b1)
+def _emu_contract(q0, q1, q2, q3, x0, x1, x2, x3, RT: tl.constexpr, NW: tl.constexpr):
+    """Interpreter's mma for one 8-row half: D[g, n] = sum over t and j of A_j(lane g, t) * B_j(lane
+    n, t), with the lane's four A values q_j [RT, 32 NW] and B values x_j [1, 32 NW] (fp32) at the
+    same logical k. Returns [RT, NW, 8 rows, 8 columns] (shared with w4_mma.py's emulation)."""
     d = tl.reshape(q0, [RT, NW, 8, 1, 4]) * tl.reshape(x0, [1, NW, 1, 8, 4])
     d += tl.reshape(q1, [RT, NW, 8, 1, 4]) * tl.reshape(x1, [1, NW, 1, 8, 4])
     d += tl.reshape(q2, [RT, NW, 8, 1, 4]) * tl.reshape(x2, [1, NW, 1, 8, 4])
     d += tl.reshape(q3, [RT, NW, 8, 1, 4]) * tl.reshape(x3, [1, NW, 1, 8, 4])
     return tl.sum(d, axis=4)
+
+
+@triton.jit
+def _emu_rows(wa, b0, b1, RT: tl.constexpr, NW: tl.constexpr):
+    """Interpreter: D[g, n] = sum_t sum_j code_j(lane g, t) * x_j(lane n, t) for one 16-row half."""
+    x0, x1 = _f16_halves(b0)
+    x2, x3 = _f16_halves(b1)
+    return _emu_contract(G._e4m3_to_f32_bits(wa, 0), G._e4m3_to_f32_bits(wa, 1), G._e4m3_to_f32_bits(wa, 2),
+                         G._e4m3_to_f32_bits(wa, 3), x0, x1, x2, x3, RT, NW)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_BLOCK_R, W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
+from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
                                                    w4_wgmma_usable, w4a16_gemv_wgmma)
 from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, repack_w4_for_mma,
                                                  w4_mma_usable, w4a16_gemv_mma)

@@ -52,8 +52,9 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
-from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _split_k_fragments, _workspace
-from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _four
+from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _split_k_fragments,
+                                                  _workspace)
+from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _emu_contract, _four
 from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, _to_int32, unpack_int4, unpack_zeros
 
 W4_MMA_MAX_M = 8  # the mma's N: one column per token
@@ -105,11 +106,7 @@ def _emu_rows(a_e0, a_e1, b0, b1, RT: tl.constexpr, NW: tl.constexpr):
     q2, q3 = _emu_pairs(a_e1)
     x0, x1 = bf16_pair(b0)
     x2, x3 = bf16_pair(b1)
-    d = tl.reshape(q0, [RT, NW, 8, 1, 4]) * tl.reshape(x0, [1, NW, 1, 8, 4])
-    d += tl.reshape(q1, [RT, NW, 8, 1, 4]) * tl.reshape(x1, [1, NW, 1, 8, 4])
-    d += tl.reshape(q2, [RT, NW, 8, 1, 4]) * tl.reshape(x2, [1, NW, 1, 8, 4])
-    d += tl.reshape(q3, [RT, NW, 8, 1, 4]) * tl.reshape(x3, [1, NW, 1, 8, 4])
-    return tl.sum(d, axis=4)
+    return _emu_contract(q0, q1, q2, q3, x0, x1, x2, x3, RT, NW)
 
 
 @triton.jit
@@ -309,12 +306,8 @@ def w4a16_gemv_mma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4MmaWeig
     (repack_w4_for_mma(w)); w gives the shape and checks. config: (row tiles per warp, warps,
     stages)."""
     K, N = w.in_features, w.out_features
-    x = _check_x(x, K)
+    x = _check_decode_x(x, K, W4_MMA_MAX_M, "w4a16_gemv_mma")
     M = x.shape[0]
-    if not 1 <= M <= W4_MMA_MAX_M:
-        raise ValueError(f"w4a16_gemv_mma takes 1 <= M <= {W4_MMA_MAX_M}, got {M}")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"w4a16_gemv_mma takes bf16 x, got {x.dtype}")
     if not w4_mma_usable(w):
         raise ValueError(f"w4a16_gemv_mma: weights [{N}, {K}] group {w.group_size} (perm {w.perm is not None}) "
                          f"are not in whole 128-channel tiles")

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
-from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
+from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _store_output,
+                                                  _workspace)
 from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, _to_int32, dequantize_gptq, unpack_int4,
                                      unpack_zeros)
 
@@ -210,12 +211,8 @@ def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4Wgmma
     (repack_w4_for_wgmma(w)); w gives the shape and checks. config: (BLOCK_N, BLOCK_R, num_warps,
     num_stages)."""
     K, N = w.in_features, w.out_features
-    x = _check_x(x, K)
+    x = _check_decode_x(x, K, W4_WGMMA_MAX_M, "w4a16_gemv_wgmma")
     M = x.shape[0]
-    if not 1 <= M <= W4_WGMMA_MAX_M:
-        raise ValueError(f"w4a16_gemv_wgmma takes 1 <= M <= {W4_WGMMA_MAX_M}, got {M}")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"w4a16_gemv_wgmma takes bf16 x, got {x.dtype}")
     if not w4_wgmma_usable(w, config):
         raise ValueError(f"w4a16_gemv_wgmma: weights [{N}, {K}] group {w.group_size} (perm {w.perm is not None}) "
                          f"do not fit config {config}")
