@@ -38,10 +38,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    shapes = {}  # the model's int4 linears (lm_head stays bf16), one entry per (N, K)
-    for name, N, K, _ in G.model_linear_shapes(preset_config("full")):
-        if name != "lm_head" and (N, K) not in shapes.values():
-            shapes[name] = (N, K)
+    shapes = G.distinct_linear_shapes(preset_config("full"))  # the int4 linears (lm_head stays bf16)
     rows = []
     for name, (N, K) in shapes.items():
         w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)

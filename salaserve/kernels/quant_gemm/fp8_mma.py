@@ -76,6 +76,19 @@ def _four(v, SHAPE0: tl.constexpr, SHAPE1: tl.constexpr):
 
 
 @triton.jit
+def _mma_lanes(RT: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """The mma fragments' coordinates of each thread, one element per thread: g = lane / 4 and t =
+    lane % 4 ([32 * NUM_WARPS]), and tile [RT, 32 * NUM_WARPS], the program's 16-row tile that row
+    tile r of the thread's warp covers (shared with w4_mma.py)."""
+    lane_id = tl.arange(0, 32 * NUM_WARPS)
+    warp = lane_id // 32
+    g = (lane_id % 32) // 4
+    t = lane_id % 4
+    tile = (warp * RT)[None, :] + tl.arange(0, RT)[:, None]
+    return g, t, tile
+
+
+@triton.jit
 def _emu_cols(d, RT: tl.constexpr, NW: tl.constexpr):
     """Emulated mma output d [RT, NW, 8 rows, 8 tokens] -> the C fragment's (token 2t, token 2t + 1)
     values of lane (g, t), as [RT, 32 * NW] each."""
@@ -221,11 +234,7 @@ def _fp8_mma_gemv_kernel(
     pid_k = tl.program_id(1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    lane_id = tl.arange(0, T)
-    warp = lane_id // 32
-    g = (lane_id % 32) // 4
-    t = lane_id % 4
-    tile = (warp * RT)[None, :] + tl.arange(0, RT)[:, None]  # [RT, T]: the thread's row tiles
+    g, t, tile = _mma_lanes(RT, NUM_WARPS)  # tile [RT, T]: the thread's row tiles
     if SILU_OUT:
         F = N // 2
         col = pid_n * (BLOCK_N // 2) + tile * 8 + g[None, :]  # 8 outputs per tile

@@ -54,7 +54,7 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _split_k_fragments,
                                                   _workspace)
-from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _emu_contract, _four
+from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _emu_contract, _four, _mma_lanes
 from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, _to_int32, unpack_int4, unpack_zeros
 
 W4_MMA_MAX_M = 8  # the mma's N: one column per token
@@ -179,11 +179,7 @@ def _w4_mma_gemv_kernel(
     pid_k = tl.program_id(1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    lane_id = tl.arange(0, T)
-    warp = lane_id // 32
-    g = (lane_id % 32) // 4
-    t = lane_id % 4
-    tile = (warp * RT)[None, :] + tl.arange(0, RT)[:, None]  # [RT, T]: the thread's row tiles
+    g, t, tile = _mma_lanes(RT, NUM_WARPS)  # tile [RT, T]: the thread's row tiles
     row_lo = pid_n * BLOCK_N + tile * 16 + g[None, :]
     row_hi = row_lo + 8
     ok_lo = row_lo < N
