@@ -89,6 +89,16 @@ def _mma_lanes(RT: tl.constexpr, NUM_WARPS: tl.constexpr):
 
 
 @triton.jit
+def _fragment_masks(t, ok_lo, ok_hi, M, RT: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """The C fragment's columns and store masks: lane (g, t) holds rows (row_lo, row_hi) x tokens
+    (tok0, tok1) = (2t, 2t + 1) as c0 (lo, tok0), c1 (lo, tok1), c2 (hi, tok0), c3 (hi, tok1), whose
+    masks are m0, m1, n0, n1 (row in range, token < M). Shared with w4_mma.py."""
+    tok0 = (2 * t)[None, :] + tl.zeros((RT, 32 * NUM_WARPS), dtype=tl.int32)
+    tok1 = tok0 + 1
+    return tok0, tok1, ok_lo & (tok0 < M), ok_lo & (tok1 < M), ok_hi & (tok0 < M), ok_hi & (tok1 < M)
+
+
+@triton.jit
 def _emu_cols(d, RT: tl.constexpr, NW: tl.constexpr):
     """Emulated mma output d [RT, NW, 8 rows, 8 tokens] -> the C fragment's (token 2t, token 2t + 1)
     values of lane (g, t), as [RT, 32 * NW] each."""
@@ -286,14 +296,7 @@ def _fp8_mma_gemv_kernel(
         xc = xc_next
         xd = xd_next
 
-    # lane (g, t) holds rows (row_lo, row_hi) x tokens (2t, 2t + 1): c0 (lo, 2t), c1 (lo, 2t + 1),
-    # c2 (hi, 2t), c3 (hi, 2t + 1)
-    tok0 = (2 * t)[None, :] + tl.zeros((RT, T), dtype=tl.int32)
-    tok1 = tok0 + 1
-    m0 = ok_lo & (tok0 < M)
-    m1 = ok_lo & (tok1 < M)
-    n0 = ok_hi & (tok0 < M)
-    n1 = ok_hi & (tok1 < M)
+    tok0, tok1, m0, m1, n0, n1 = _fragment_masks(t, ok_lo, ok_hi, M, RT, NUM_WARPS)
     if SPLIT_K > 1:
         last, c0, c1, c2, c3 = _split_k_fragments(c0, c1, c2, c3, row_lo, row_hi, tok0, tok1, m0, m1, n0, n1, ws_ptr,
                                                   cnt_ptr, pid_n, M, N, SPLIT_K)

@@ -54,7 +54,7 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _split_k_fragments,
                                                   _workspace)
-from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _emu_contract, _four, _mma_lanes
+from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _emu_contract, _four, _fragment_masks, _mma_lanes
 from salaserve.quant.formats import GPTQ_V2, QuantizedLinearWeights, _to_int32, unpack_int4, unpack_zeros
 
 W4_MMA_MAX_M = 8  # the mma's N: one column per token
@@ -254,14 +254,8 @@ def _w4_mma_gemv_kernel(
         acc2 += sc_hi * (p2 - z_hi * s0)
         acc3 += sc_hi * (p3 - z_hi * s1)
 
-    # lane (g, t) holds rows (row_lo, row_hi) x tokens (2t, 2t + 1): acc0 (lo, 2t), acc1 (lo, 2t + 1),
-    # acc2 (hi, 2t), acc3 (hi, 2t + 1)
-    tok0 = (2 * t)[None, :] + tl.zeros((RT, T), dtype=tl.int32)
-    tok1 = tok0 + 1
-    m0 = ok_lo & (tok0 < M)
-    m1 = ok_lo & (tok1 < M)
-    n0 = ok_hi & (tok0 < M)
-    n1 = ok_hi & (tok1 < M)
+    # acc0 (row_lo, token 2t), acc1 (row_lo, 2t + 1), acc2 (row_hi, 2t), acc3 (row_hi, 2t + 1)
+    tok0, tok1, m0, m1, n0, n1 = _fragment_masks(t, ok_lo, ok_hi, M, RT, NUM_WARPS)
     if SPLIT_K > 1:
         last, acc0, acc1, acc2, acc3 = _split_k_fragments(acc0, acc1, acc2, acc3, row_lo, row_hi, tok0, tok1, m0, m1,
                                                           n0, n1, ws_ptr, cnt_ptr, pid_n, M, N, SPLIT_K)
