@@ -16,8 +16,8 @@ from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
                                                    w4_wgmma_usable, w4a16_gemv_wgmma)
-from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, repack_w4_for_mma,
-                                                 w4_mma_usable, w4a16_gemv_mma)
+from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
+                                                 repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm._common import _store_output, _workspace, _sm_count, _default_split_k, _check_x, _device_key, _to_calibrate
 
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
@@ -382,7 +382,8 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
         out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     if W4_MMA and w.mma is not None and m <= W4_MMA_MAX_M and w4_mma_usable(w):
-        out += [("mma", cfg, split) for cfg in W4_MMA_CONFIGS for split in W4_MMA_SPLITS if K // 128 >= 2 * split]
+        tiles = K // (8 * TILE_WORDS)  # its loop steps over 128-channel tiles: at least two per split
+        out += [("mma", cfg, split) for cfg in W4_MMA_CONFIGS for split in W4_MMA_SPLITS if tiles >= 2 * split]
     if w.wgmma is not None and W4_WGMMA_MIN_M <= m <= W4_WGMMA_MAX_M:
         out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
                 for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
@@ -412,7 +413,8 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> t
 
 def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
     """Time every (kernel, config, split) of the decode GEMVs (the FMA kernel and, for weights
-    with their repacked copy, the wgmma kernel) per (M bucket, shape) in CUDA graphs of
+    with their repacked copies, the wgmma kernel and the opt-in mma kernel: _w4_candidates) per
+    (M bucket, shape) in CUDA graphs of
     back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
     for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
     with an empty one the compiles of every candidate take minutes (the w4a16 engine's start-up:
