@@ -3,7 +3,7 @@
     python scripts/w4_candidates.py [--m 1 8] [--json FILE]
 
 For each linear shape and M bucket: the fastest (config, split) of each kernel the calibration
-times (the FMA kernel, and on the repacked copy the mma and wgmma kernels; us per call in CUDA
+times (the FMA and dp2a kernels, and on the repacked copy the mma and wgmma kernels; us per call in CUDA
 graphs over L2-busting weight copies, calibrate_w4's timing), and the weight bytes per second of
 each. Every mma config is first checked against dequantize-then-matmul at each M; the calibration
 times the mma kernel only with SALASERVE_W4_MMA=1 (opt-in).
@@ -48,12 +48,21 @@ def main():
                         rel = float((y - ref).norm() / ref.norm())
                         if not rel < 4e-3:
                             raise SystemExit(f"{name} M={m} mma {cfg} split {split}: rel err {rel:.2e}")
+            if m <= Q.W4_DP2A_MAX_M:
+                x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+                ref = linear_ref(x, w).float()
+                for cfg in Q.W4_DP2A_CONFIGS[m]:
+                    for split in (None, 1):
+                        y = Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split).float()
+                        rel = float((y - ref).norm() / ref.norm())
+                        if not rel < 4e-3:
+                            raise SystemExit(f"{name} M={m} dp2a {cfg} split {split}: rel err {rel:.2e}")
             log = io.StringIO()
             with contextlib.redirect_stdout(log):
                 Q.calibrate_w4([w], "cuda", m_values=(m,), verbose=True)
             best = {}
             for line in log.getvalue().splitlines():
-                hit = re.search(r" (fma|mma|wgmma) (\(.*\)) split (\d+): ([0-9.]+) us", line)
+                hit = re.search(r" (fma|dp2a|mma|wgmma) (\(.*\)) split (\d+): ([0-9.]+) us", line)
                 if hit and (hit[1] not in best or float(hit[4]) < best[hit[1]][2]):
                     best[hit[1]] = (hit[2], int(hit[3]), float(hit[4]))
             row = dict(name=name, N=N, K=K, M=m, **{k: v for k, v in best.items()})

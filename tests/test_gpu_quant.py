@@ -36,7 +36,7 @@ def _weights(fmt, N, K, seed):
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
 def test_decode_kernels(fmt, name, M):
     """quant_linear as the engine calls it at decode sizes, and the alternatives it chose between:
-    every w4a16 FMA config (M <= 4), every mma config (M <= 8) and wgmma config, every w8a8 candidate, w8a16 and its FMA path at M = 1."""
+    every w4a16 FMA config (M <= 4), every dp2a config (M <= 2), every mma config (M <= 8) and wgmma config, every w8a8 candidate, w8a16 and its FMA path at M = 1."""
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES[name]
@@ -48,6 +48,10 @@ def test_decode_kernels(fmt, name, M):
     if fmt == "w4a16" and M <= Q.W4_FMA_MAX_M:
         for cfg in Q.W4_FMA_CONFIGS[1 << (M - 1).bit_length()]:
             assert _rel(Q.w4a16_gemv_fma(x, w, config=cfg), ref) < TOL, cfg
+    if fmt == "w4a16" and M <= Q.W4_DP2A_MAX_M:  # x rounded to int16 per thread and tile
+        for cfg in Q.W4_DP2A_CONFIGS[M]:
+            for split in (None, 1):
+                assert _rel(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
     if fmt == "w4a16":  # the wgmma kernel on the repacked copy: every config, the heuristic split and none
         packed = Q.repack_w4_for_wgmma(w)
         for cfg in Q.W4_WGMMA_CONFIGS:

@@ -70,6 +70,8 @@ from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_F
                                                  W4_MAGIC_HI, W4_MAGIC_LO, _w4_candidates, _w4_gemv_fma_kernel, _w4_key,
                                                  calibrate_w4, w4_decode_choice, w4_fma_layout, w4a16_decode,
                                                  w4a16_gemv_fma)
+from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M,
+                                                  _w4_gemv_dp2a_kernel, w4_dp2a_layout, w4_dp2a_usable, w4a16_gemv_dp2a)
 from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, W4MmaWeights,
                                                  _w4_mma_gemv_kernel, repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,

@@ -18,6 +18,7 @@ from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MA
                                                    w4_wgmma_usable, w4a16_gemv_wgmma)
 from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
                                                  repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
+from salaserve.kernels.quant_gemm.w4_dp2a import W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M, w4a16_gemv_dp2a
 from salaserve.kernels.quant_gemm._common import _store_output, _workspace, _sm_count, _default_split_k, _check_x, _device_key, _to_calibrate
 
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
@@ -349,6 +350,9 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
 # slower than the FMA and wgmma kernels at every shape, runs 86-88). TritonBackend attaches its
 # repacked copy only then.
 W4_MMA = os.environ.get("SALASERVE_W4_MMA", "0") == "1"
+# the dp2a kernel (w4_dp2a.py: x rounded to int16, integer dot products) in the candidates;
+# SALASERVE_W4_DP2A=0 leaves it out
+W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
 
 # (bucket, N, K, group size, device) -> (kernel "fma", "mma" or "wgmma", config, split), filled by calibrate_w4
 _W4_TABLE: dict[tuple, tuple] = {}
@@ -381,6 +385,8 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     out = []
     if m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
         out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+    if W4_DP2A and m <= W4_DP2A_MAX_M and w.perm is None and w.group_size % W4_DP2A_GROUP_MULTIPLE == 0 and K % 8 == 0:
+        out += [("dp2a", cfg, split) for cfg in W4_DP2A_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     if W4_MMA and w.mma is not None and m <= W4_MMA_MAX_M and w4_mma_usable(w):
         tiles = K // (8 * TILE_WORDS)  # its loop steps over 128-channel tiles: at least two per split
         out += [("mma", cfg, split) for cfg in W4_MMA_CONFIGS for split in W4_MMA_SPLITS if tiles >= 2 * split]
@@ -396,7 +402,8 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
     default route)."""
     M = x.shape[0]
     hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_WGMMA_MAX_M else None
-    if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or getattr(w, hit[0]) is None):
+    if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or (hit[0] in ("wgmma", "mma")
+                                                                             and getattr(w, hit[0]) is None)):
         return None
     return hit
 
@@ -408,6 +415,8 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> t
         return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
     if kernel == "mma":
         return w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split)
+    if kernel == "dp2a":
+        return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
     return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
 
 

@@ -1,0 +1,333 @@
+"""The int4 decode GEMV on integer dot products (`w4a16_gemv_dp2a`, M <= W4_DP2A_MAX_M): x is
+rounded to int16 per thread and tile, and each packed word of 8 nibbles costs a shift, two lop3
+and four dp2a (a 16-bit x 8-bit two-way dot product into an int32), ~1 instruction per nibble
+against the FMA kernel's ~3.3-3.7 (w4_fma.py), which ncu shows issue-bound (0.68 issued per
+scheduler and cycle at one row).
+
+Exactness. A thread's x values of one tile (its SLABS packed rows, 8 * SLABS channels) share one
+scale: v = round(x * 32767 / max|x|), so each x is off by at most max|x| / 65534 (2^-16 of the
+largest, against bf16's own 2^-9 relative rounding of every weight in dequantize-then-matmul).
+The integer sum over the thread's rows, sum (q - z) v, is exact (|.| < 2^25); one int->float
+convert and one fma per column and tile scale it by s * max|x| / 32767.
+
+Layout: the GPTQ layout as stored (qweight [K/8, N]), no repacked copy, the same thread mapping
+as the FMA kernel (w4_fma_layout's [VECS, RS, NV/4, 4] slabs, x read as 16-byte int32 pairs in
+the weights' layout): a thread holds SLABS packed rows (1, 2 or 4, one load each) x VECS 16-byte
+column vectors, one quantization group per K tile. x must be bf16 without act-order perm (the
+engine's case); other inputs go to the FMA kernel.
+
+Per word w (nibble i = channel 8r + i): lo = w & 0x0F0F0F0F holds q0, q2, q4, q6 as bytes and
+hi = (w >> 4) & 0x0F0F0F0F holds q1, q3, q5, q7; dp2a.lo / .hi take bytes 0-1 / 2-3 of them, so
+x goes in as the int16 pairs (v0, v2), (v4, v6), (v1, v3), (v5, v7). The zero point comes off once
+per column and tile: the int32 accumulator starts at -z * sum v over the thread's rows.
+
+ASM=False (the Triton interpreter) computes the same integers with plain shifts and products.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
+from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
+from salaserve.quant.formats import QuantizedLinearWeights
+
+W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
+
+
+@triton.jit
+def _pack16(a_bits, b_bits, ASM: tl.constexpr):
+    """The low 16 bits of a, and those of b above them: one prmt."""
+    if ASM:
+        return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, $2, 0x5410;", constraints="=r,r,r",
+                                         args=[a_bits, b_bits], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (a_bits & 0xFFFF) | (b_bits << 16)
+
+
+@triton.jit
+def _emu_dp2a(pair, quad, HI: tl.constexpr):
+    """dp2a.lo / .hi s32.u32 without the accumulator: pair's signed int16 halves times quad's bytes 0, 1
+    (or 2, 3)."""
+    h0 = (pair << 16) >> 16
+    h1 = pair >> 16
+    if HI:
+        return h0 * ((quad >> 16) & 0xFF) + h1 * ((quad >> 24) & 0xFF)
+    else:
+        return h0 * (quad & 0xFF) + h1 * ((quad >> 8) & 0xFF)
+
+
+@triton.jit
+def _word_dot(w, xa, xb, xc, xd, acc, ASM: tl.constexpr):
+    """acc + sum over the 8 nibbles of w of q_i v_i, with x as the int16 pairs xa = (v0, v2), xb = (v4, v6),
+    xc = (v1, v3), xd = (v5, v7)."""
+    lo = w & 0x0F0F0F0F
+    hi = (w >> 4) & 0x0F0F0F0F
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .s32 t;
+            dp2a.lo.s32.u32 t, $1, $5, $7;
+            dp2a.hi.s32.u32 t, $2, $5, t;
+            dp2a.lo.s32.u32 t, $3, $6, t;
+            dp2a.hi.s32.u32 $0, $4, $6, t;
+            }""",
+            constraints="=r,r,r,r,r,r,r,r", args=[xa, xb, xc, xd, lo, hi, acc], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (acc + _emu_dp2a(xa, lo, False) + _emu_dp2a(xb, lo, True) + _emu_dp2a(xc, hi, False)
+                + _emu_dp2a(xd, hi, True))
+
+
+@triton.jit
+def _x_fp32(x_pairs, mask):
+    """One packed row's 8 bf16 x (a 16-byte load of 4 int32 pairs in the weights' layout) -> fp32
+    x0..x7, each [1, RS, NV/4, 1]."""
+    if mask is None:
+        u = tl.load(x_pairs)
+    else:
+        u = tl.load(x_pairs, mask=mask, other=0)
+    u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
+    u0, u2 = tl.split(u02)
+    u1, u3 = tl.split(u13)
+    x0, x1 = bf16_pair(u0[:, :, :, None])
+    x2, x3 = bf16_pair(u1[:, :, :, None])
+    x4, x5 = bf16_pair(u2[:, :, :, None])
+    x6, x7 = bf16_pair(u3[:, :, :, None])
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _absmax8(x0, x1, x2, x3, x4, x5, x6, x7):
+    a = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    b = tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7)))
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _x_int16(x0, x1, x2, x3, x4, x5, x6, x7, inv, ASM: tl.constexpr):
+    """A packed row's x as the int16 pairs of _word_dot, and the sum of its 8 integers."""
+    # 1.5 * 2^23 + x * inv rounds x * inv to an integer, whose two's complement fills the low 16 bits
+    magic: tl.constexpr = 12582912.0
+    b0 = (x0 * inv + magic).to(tl.int32, bitcast=True)
+    b1 = (x1 * inv + magic).to(tl.int32, bitcast=True)
+    b2 = (x2 * inv + magic).to(tl.int32, bitcast=True)
+    b3 = (x3 * inv + magic).to(tl.int32, bitcast=True)
+    b4 = (x4 * inv + magic).to(tl.int32, bitcast=True)
+    b5 = (x5 * inv + magic).to(tl.int32, bitcast=True)
+    b6 = (x6 * inv + magic).to(tl.int32, bitcast=True)
+    b7 = (x7 * inv + magic).to(tl.int32, bitcast=True)
+    # the sum of the 8 integers: the bits' sum less 8 magics (int32 arithmetic wraps; the result is small)
+    total = ((b0 + b1) + (b2 + b3)) + ((b4 + b5) + (b6 + b7)) - 0x5A000000  # 8 * 0x4B400000 mod 2^32
+    return (_pack16(b0, b2, ASM), _pack16(b4, b6, ASM), _pack16(b1, b3, ASM), _pack16(b5, b7, ASM)), total
+
+
+@triton.jit
+def _w4_dp2a_tile(w_ptr, r0, r_end, N, rr, cols, RS: tl.constexpr, SLABS: tl.constexpr, EVEN: tl.constexpr):
+    """The weight tile at packed row r0 as up to 4 slabs of RS rows (the unused ones alias slab 0).
+    EVEN: past r_end the split's last tile again (a prefetch never consumed); else masked."""
+    BLOCK_R: tl.constexpr = RS * SLABS
+    if EVEN:
+        base = w_ptr + tl.minimum(r0, r_end - BLOCK_R) * N
+        w0 = tl.load(base)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if SLABS >= 2:
+            w1 = tl.load(base + RS * N)
+        if SLABS >= 4:
+            w2 = tl.load(base + 2 * RS * N)
+            w3 = tl.load(base + 3 * RS * N)
+    else:
+        base = w_ptr + r0 * N
+        ok = cols < N
+        w0 = tl.load(base, mask=(r0 + rr < r_end) & ok, other=0)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if SLABS >= 2:
+            w1 = tl.load(base + RS * N, mask=(r0 + RS + rr < r_end) & ok, other=0)
+        if SLABS >= 4:
+            w2 = tl.load(base + 2 * RS * N, mask=(r0 + 2 * RS + rr < r_end) & ok, other=0)
+            w3 = tl.load(base + 3 * RS * N, mask=(r0 + 3 * RS + rr < r_end) & ok, other=0)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexpr, SLABS: tl.constexpr,
+                 EVEN: tl.constexpr, ASM: tl.constexpr):
+    """One x row's contribution of a tile to the float accumulator: sum (q - z) x * s per column,
+    [VECS, RS, NV/4, 4] (summed over the rows later). zq: the columns' zero points; sz: their scales."""
+    mask0 = None
+    mask1 = None
+    mask2 = None
+    mask3 = None
+    if not EVEN:
+        mask0 = r0 + rr < r_end
+        mask1 = r0 + RS + rr < r_end
+        mask2 = r0 + 2 * RS + rr < r_end
+        mask3 = r0 + 3 * RS + rr < r_end
+    p = x_pairs + r0 * 4
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_fp32(p, mask0)
+    m = _absmax8(a0, a1, a2, a3, a4, a5, a6, a7)
+    b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
+    c0, c1, c2, c3, c4, c5, c6, c7 = a0, a1, a2, a3, a4, a5, a6, a7
+    d0, d1, d2, d3, d4, d5, d6, d7 = a0, a1, a2, a3, a4, a5, a6, a7
+    if SLABS >= 2:
+        b0, b1, b2, b3, b4, b5, b6, b7 = _x_fp32(p + RS * 4, mask1)
+        m = tl.maximum(m, _absmax8(b0, b1, b2, b3, b4, b5, b6, b7))
+    if SLABS >= 4:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _x_fp32(p + 2 * RS * 4, mask2)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _x_fp32(p + 3 * RS * 4, mask3)
+        m = tl.maximum(m, tl.maximum(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7)))
+    m = tl.maximum(m, 1e-30)  # all-zero rows: inv stays finite, every v is 0
+    inv = 32767.0 / m  # x's int16 range
+    xa, total = _x_int16(a0, a1, a2, a3, a4, a5, a6, a7, inv, ASM)
+    xb = xa
+    xc = xa
+    xd = xa
+    if SLABS >= 2:
+        xb, tb = _x_int16(b0, b1, b2, b3, b4, b5, b6, b7, inv, ASM)
+        total += tb
+    if SLABS >= 4:
+        xc, tc = _x_int16(c0, c1, c2, c3, c4, c5, c6, c7, inv, ASM)
+        xd, td = _x_int16(d0, d1, d2, d3, d4, d5, d6, d7, inv, ASM)
+        total += tc + td
+    acc = _word_dot(w0, xa[0], xa[1], xa[2], xa[3], -zq * total, ASM)  # the zero point once per column
+    if SLABS >= 2:
+        acc = _word_dot(w1, xb[0], xb[1], xb[2], xb[3], acc, ASM)
+    if SLABS >= 4:
+        acc = _word_dot(w2, xc[0], xc[1], xc[2], xc[3], acc, ASM)
+        acc = _word_dot(w3, xd[0], xd[1], xd[2], xd[3], acc, ASM)
+    return acc.to(tl.float32) * (sz * (m * (1.0 / 32767.0)))
+
+
+@triton.jit
+def _w4_gemv_dp2a_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_om, stride_zg,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 1 or 2 rows of x
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,  # BLOCK_R packed rows (BLOCK_R * 8 channels) per tile
+    SPLIT_K: tl.constexpr,
+    SLABS: tl.constexpr, VECS: tl.constexpr,  # packed rows x 16-byte column vectors per thread
+    EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K of BLOCK_R * 8: no masks
+    ASM: tl.constexpr,  # inline PTX (prmt, dp2a); False: the same integers in plain Triton (interpreter)
+    PREFETCH: tl.constexpr = 1,  # weight tiles loaded ahead of the one being consumed: 1 or 2
+    PDL: tl.constexpr = False,
+):
+    RS: tl.constexpr = BLOCK_R // SLABS
+    NV: tl.constexpr = BLOCK_N // VECS
+    pid_n = tl.program_id(0)
+    K8 = K // 8
+    r_len = tl.cdiv(K8, SPLIT_K * BLOCK_R) * BLOCK_R  # whole tiles per split: groups stay aligned
+    r_begin = tl.program_id(1) * r_len
+    r_end = tl.minimum(r_begin + r_len, K8)
+    rr = tl.arange(0, RS)[None, :, None, None]
+    lane = tl.arange(0, NV // 4)[None, None, :, None]
+    k4 = tl.arange(0, 4)[None, None, None, :]
+    vec0 = pid_n * BLOCK_N + (tl.arange(0, VECS) * NV)[:, None, None, None] + lane * 4  # [V, 1, NV/4, 1]
+    cols = vec0 + k4
+    w_ptr = qweight_ptr + rr * N + cols
+    rows0 = rr * 0  # per-column loads broadcast over the rows keep the weights' layout (w4_fma.py)
+    s_cols = scales_ptr + cols + rows0
+    z_cols = qzeros_ptr + cols // 8 + rows0
+    z_shift = (cols % 8) * 4
+    x_quads = rr * 4 + lane * 0 + k4  # int32 pairs of a slab's rows: [1, RS, NV/4, 4]
+    x0_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
+    x1_pairs = (x_ptr + tl.minimum(1, M - 1) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    # the first tiles before the dependency wait: weights never depend on the previous kernel
+    w0, w1, w2, w3 = _w4_dp2a_tile(w_ptr, r_begin, r_end, N, rr, cols, RS, SLABS, EVEN)
+    p0, p1, p2, p3 = w0, w1, w2, w3  # PREFETCH 2: the tile after the next
+    if PREFETCH >= 2:
+        p0, p1, p2, p3 = _w4_dp2a_tile(w_ptr, r_begin + BLOCK_R, r_end, N, rr, cols, RS, SLABS, EVEN)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc0 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
+    acc1 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
+    for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
+        # the tile PREFETCH ahead is issued before this one is consumed
+        n0, n1, n2, n3 = _w4_dp2a_tile(w_ptr, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, RS, SLABS, EVEN)
+        g = (r0 * 8) // GROUP_SIZE
+        if EVEN:
+            s = tl.load(s_cols + g * N).to(tl.float32)
+            zq = (tl.load(z_cols + g * stride_zg) >> z_shift) & 0xF
+        else:
+            s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
+            zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
+        acc0 += _w4_dp2a_row(x0_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
+        if BLOCK_M >= 2:
+            acc1 += _w4_dp2a_row(x1_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
+        if PREFETCH >= 2:
+            w0, w1, w2, w3 = p0, p1, p2, p3
+            p0, p1, p2, p3 = n0, n1, n2, n3
+        else:
+            w0, w1, w2, w3 = n0, n1, n2, n3
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = tl.where(offs_m[:, None] == 0, tl.reshape(tl.sum(acc0, axis=1), (BLOCK_N,))[None, :], 0.0)
+    if BLOCK_M >= 2:
+        y = tl.where(offs_m[:, None] == 1, tl.reshape(tl.sum(acc1, axis=1), (BLOCK_N,))[None, :], y)
+    _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+
+
+# (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched) per M bucket: a thread holds SLABS packed rows x
+# VECS column vectors (w4_dp2a_layout), one quantization group per K tile
+W4_DP2A_CONFIGS = {
+    1: ((128, 8, 4, 2, 2), (128, 16, 4, 2, 1), (128, 16, 4, 4, 1), (128, 16, 4, 2, 2), (256, 16, 4, 4, 1),
+        (256, 16, 4, 2, 1), (256, 8, 4, 2, 2), (256, 16, 8, 4, 2), (64, 16, 2, 4, 2)),
+    2: ((128, 8, 4, 2, 2), (128, 16, 4, 4, 1), (64, 16, 2, 4, 1)),
+}
+W4_DP2A_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_DP2A_CONFIGS.values() for cfg in cfgs)
+
+
+def w4_dp2a_layout(block_n: int, block_r: int, warps: int, slabs: int) -> dict:
+    """SLABS, VECS of _w4_gemv_dp2a_kernel: the tile's 16-byte vectors per thread (block_n * block_r /
+    (128 warps)) as slabs packed rows x VECS column vectors; raises where the config cannot map so."""
+    per_thread = block_n * block_r // (128 * warps)
+    if per_thread < slabs or per_thread % slabs or block_r % slabs:
+        raise ValueError(f"config ({block_n}, {block_r}, {warps}, {slabs}) does not give whole slabs per thread")
+    return dict(SLABS=slabs, VECS=per_thread // slabs)
+
+
+def w4_dp2a_usable(x: torch.Tensor, w: QuantizedLinearWeights) -> bool:
+    """Whether the dp2a kernel takes x and w: bf16 x read as int32 pairs, no act-order perm, group
+    sizes that its K tiles divide."""
+    return (x.dtype == torch.bfloat16 and w.perm is None and w.g_idx_trivial and w.in_features % 8 == 0
+            and w.group_size % W4_DP2A_GROUP_MULTIPLE == 0)
+
+
+def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
+                    split_k: Optional[int] = None) -> torch.Tensor:
+    """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
+    bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched), default the bucket's first."""
+    K, N = w.in_features, w.out_features
+    x = _check_x(x, K)
+    M = x.shape[0]
+    if not 1 <= M <= W4_DP2A_MAX_M:
+        raise ValueError(f"w4a16_gemv_dp2a takes 1 <= M <= {W4_DP2A_MAX_M}, got {M}")
+    if not w4_dp2a_usable(x, w):
+        raise ValueError("w4a16_gemv_dp2a takes bf16 x and int4 weights without act-order, group size a "
+                         f"multiple of {W4_DP2A_GROUP_MULTIPLE}")
+    if w.qweight.numel() >= 2**31:
+        raise ValueError("qweight too large for the kernel's int32 offsets")
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.clone(memory_format=torch.contiguous_format)  # x's packed rows are read as int32 pairs
+    block_m = 1 if M == 1 else 2
+    block_n, block_r, warps, slabs, prefetch = config or W4_DP2A_CONFIGS[block_m][0]
+    tiles = triton.cdiv(N, block_n)
+    split = split_k or _default_split_k(tiles, K, x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    _w4_gemv_dp2a_kernel[(tiles, split)](
+        x, w.qweight, w.qzeros, w.scales, out, ws, cnt,
+        M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
+        GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
+        **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
+        ASM=not _INTERPRET, PREFETCH=prefetch, num_warps=warps, **pdl_launch_kwargs(x.device))
+    return out
