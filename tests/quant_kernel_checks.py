@@ -162,6 +162,37 @@ def w4a16_fma_checks(gen):
     counters_rearmed()
 
 
+def w4a16_dp2a_checks(gen):
+    """The dp2a decode kernel (x rounded to int16 per thread and tile, or once per CTA into the
+    scratch): every config of both M buckets, split-K 1..4 (empty splits included), ragged N and K
+    (masks), codes and zeros at 0 and 15, an outlier channel, all-zero x, and what it refuses."""
+    for K, N in ((256, 128), (320, 72), (512, 64)):
+        w = random_w4a16(K, N, 128, False, gen)
+        for M in (1, 2):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            x[:, 3] = 30.0  # one large channel: the others keep 2^-16 of it as their step
+            ref = linear_ref(x.float(), w)
+            for cfg in qg.W4_DP2A_CONFIGS[M]:
+                for split in ((1, 2, 4) if cfg == qg.W4_DP2A_CONFIGS[M][0] else (2,)):
+                    y = qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
+                    # within the bf16 output's rounding (the interpreter truncates where the GPU rounds)
+                    check(f"w4a16_gemv_dp2a K={K} N={N} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+    w = extreme_w4a16(256, 64, 128, gen)
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+    for cfg in (qg.W4_DP2A_CONFIGS[1][0], next(c for c in qg.W4_DP2A_CONFIGS[1] if c[5])):
+        check(f"w4a16_gemv_dp2a extreme codes {cfg}", qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=2),
+              linear_ref(x.float(), w), 2 ** -7)
+        y = qg.w4a16_gemv_dp2a(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=cfg)
+        if y.abs().max().item() != 0:
+            print(f"BAD w4a16_gemv_dp2a zero x {cfg}: {y.abs().max().item()}")
+            sys.exit(1)
+    refused("fp32 x", qg.w4a16_gemv_dp2a, torch.randn(1, 256), w)
+    refused("3 rows", qg.w4a16_gemv_dp2a, torch.randn(3, 256).to(torch.bfloat16), w)
+    refused("act-order weights", qg.w4a16_gemv_dp2a, torch.randn(1, 256).to(torch.bfloat16),
+            random_w4a16(256, 64, 128, True, gen))
+    counters_rearmed()
+
+
 def w4a16_wgmma_checks(gen):
     """The decode GEMV on warpgroup MMAs, on the repacked copy: every config at 1..16 rows of bf16 x
     (rows past M are clamped copies, never written), split-K 1..4 (empty splits included), one and
@@ -390,6 +421,6 @@ def dispatch_checks(gen):
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dp2a": w4a16_dp2a_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
      "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

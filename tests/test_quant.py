@@ -296,7 +296,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dp2a", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
                                                                        "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
@@ -334,6 +334,37 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
     kernel = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     assert "ld.global.v4.b32" in kernel.asm["ptx"]
+
+
+def _w4_dp2a_cases():
+    from salaserve.kernels import quant_gemm as qg
+
+    return [(bucket, cfg, even) for bucket, cfgs in qg.W4_DP2A_CONFIGS.items() for cfg in cfgs
+            for even in ((True, False) if cfg == cfgs[0] else (True,))]
+
+
+@pytest.mark.parametrize("bucket,cfg,even", _w4_dp2a_cases())
+def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even):
+    """Every dp2a decode config compiles for the H200 without register spills, reads qweight in
+    16-byte vectors, and its loop does the dot products on dp2a (4 per packed word) with no
+    int->float conversion per word: the x conversion of the in-loop configs, the scratch of X_PREP."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import compile_sm90_without_spills
+    from salaserve.kernels import quant_gemm as qg
+
+    block_n, block_r, warps, slabs, prefetch, prep = cfg
+    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
+                ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
+    constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
+                      **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=even, ASM=True, PREFETCH=prefetch,
+                      X_PREP=prep, PREP_TILES=8, PDL=True)
+    kernel = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
+                                         divisible=("N", "K"))
+    ptx = kernel.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "griddepcontrol.wait" in ptx
+    # a column's int32 sum becomes a float once per tile: 4 * SLABS dp2a per conversion
+    dp2a, cvt = ptx.count("dp2a.lo.s32.u32") + ptx.count("dp2a.hi.s32.u32"), ptx.count("cvt.rn.f32.s32")
+    assert dp2a >= 4 * slabs * cvt > 0, (dp2a, cvt)
 
 
 @pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_WGMMA_CONFIGS])

@@ -196,18 +196,110 @@ def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexp
         xc, tc = _x_int16(c0, c1, c2, c3, c4, c5, c6, c7, inv, ASM)
         xd, td = _x_int16(d0, d1, d2, d3, d4, d5, d6, d7, inv, ASM)
         total += tc + td
-    acc = _word_dot(w0, xa[0], xa[1], xa[2], xa[3], -zq * total, ASM)  # the zero point once per column
+    return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, m * (1.0 / 32767.0), zq, sz, SLABS, ASM)
+
+
+@triton.jit
+def _pair_sums(xa, ones, zero, ASM: tl.constexpr):
+    """The sum of the 8 integers of a packed row's int16 pairs xa (4 dp2a against bytes of ones)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .s32 t;
+            dp2a.lo.s32.u32 t, $1, $5, $6;
+            dp2a.lo.s32.u32 t, $2, $5, t;
+            dp2a.lo.s32.u32 t, $3, $5, t;
+            dp2a.lo.s32.u32 $0, $4, $5, t;
+            }""",
+            constraints="=r,r,r,r,r,r,r", args=[xa[0], xa[1], xa[2], xa[3], ones, zero], dtype=tl.int32,
+            is_pure=True, pack=1)
+    else:
+        return (((xa[0] << 16) >> 16) + (xa[0] >> 16) + ((xa[1] << 16) >> 16) + (xa[1] >> 16)
+                + ((xa[2] << 16) >> 16) + (xa[2] >> 16) + ((xa[3] << 16) >> 16) + (xa[3] >> 16))
+
+
+@triton.jit
+def _prepped_pairs(p, mask):
+    """One packed row's int16 pairs as _x_prep stored them (a 16-byte load in the weights' layout)."""
+    if mask is None:
+        u = tl.load(p)
+    else:
+        u = tl.load(p, mask=mask, other=0)
+    u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
+    u0, u2 = tl.split(u02)
+    u1, u3 = tl.split(u13)
+    return u0[:, :, :, None], u1[:, :, :, None], u2[:, :, :, None], u3[:, :, :, None]
+
+
+@triton.jit
+def _w4_dp2a_row_prepped(xq_pairs, xs_row, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexpr,
+                         SLABS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """_w4_dp2a_row with x already in int16 pairs and one scale per tile (_x_prep)."""
+    mask0 = None
+    mask1 = None
+    mask2 = None
+    mask3 = None
+    if not EVEN:
+        mask0 = r0 + rr < r_end
+        mask1 = r0 + RS + rr < r_end
+        mask2 = r0 + 2 * RS + rr < r_end
+        mask3 = r0 + 3 * RS + rr < r_end
+    p = xq_pairs + r0 * 4
+    ones = tl.full(rr.shape, 0x01010101, tl.int32)
+    zero = tl.full(rr.shape, 0, tl.int32)
+    xa = _prepped_pairs(p, mask0)
+    total = _pair_sums(xa, ones, zero, ASM)
+    xb = xa
+    xc = xa
+    xd = xa
+    if SLABS >= 2:
+        xb = _prepped_pairs(p + RS * 4, mask1)
+        total += _pair_sums(xb, ones, zero, ASM)
+    if SLABS >= 4:
+        xc = _prepped_pairs(p + 2 * RS * 4, mask2)
+        xd = _prepped_pairs(p + 3 * RS * 4, mask3)
+        total += _pair_sums(xc, ones, zero, ASM) + _pair_sums(xd, ones, zero, ASM)
+    sx = tl.load(xs_row + r0 // (RS * SLABS))
+    return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, sx, zq, sz, SLABS, ASM)
+
+
+@triton.jit
+def _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, sx, zq, sz, SLABS: tl.constexpr, ASM: tl.constexpr):
+    """sum over the thread's rows of (q - z) v per column, times s * sx: the slabs' words against their
+    rows' int16 pairs (xa.. for slabs 0..3), the zero point once per column through total = sum v."""
+    acc = _word_dot(w0, xa[0], xa[1], xa[2], xa[3], -zq * total, ASM)
     if SLABS >= 2:
         acc = _word_dot(w1, xb[0], xb[1], xb[2], xb[3], acc, ASM)
     if SLABS >= 4:
         acc = _word_dot(w2, xc[0], xc[1], xc[2], xc[3], acc, ASM)
         acc = _word_dot(w3, xd[0], xd[1], xd[2], xd[3], acc, ASM)
-    return acc.to(tl.float32) * (sz * (m * (1.0 / 32767.0)))
+    return acc.to(tl.float32) * (sz * sx)
+
+
+@triton.jit
+def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_TILES: tl.constexpr,
+            ASM: tl.constexpr):
+    """x's channels of packed rows [r_begin, r_end) as int16 pairs in _word_dot's order (4 int32 per
+    packed row, at xq_row) with one scale per K tile (max|x| / 32767, at xs_row), PREP_TILES tiles
+    at a time."""
+    TILE: tl.constexpr = BLOCK_R * 8
+    for t0 in range(r_begin // BLOCK_R, tl.cdiv(r_end, BLOCK_R), PREP_TILES):
+        tiles = t0 + tl.arange(0, PREP_TILES)
+        ch = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+        x = tl.load(x_row + ch, mask=ch < r_end * 8, other=0.0).to(tl.float32)
+        m = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
+        bits = (x * (32767.0 / m)[:, None] + 12582912.0).to(tl.int32, bitcast=True)  # as _x_int16
+        # channel 4a + 2b + c of a packed row goes to pair 2c + a, half b
+        v = tl.permute(tl.reshape(bits, (PREP_TILES * BLOCK_R, 2, 2, 2)), (0, 3, 1, 2))
+        lo, hi = tl.split(v)
+        words = t0 * BLOCK_R * 4 + tl.arange(0, PREP_TILES * BLOCK_R * 4)
+        tl.store(xq_row + words, tl.reshape(_pack16(lo, hi, ASM), (PREP_TILES * BLOCK_R * 4,)), mask=words < r_end * 4)
+        tl.store(xs_row + tiles, m * (1.0 / 32767.0), mask=tiles * BLOCK_R < r_end)
 
 
 @triton.jit
 def _w4_gemv_dp2a_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr, xq_ptr, xs_ptr,
     M, N, K, stride_xm, stride_om, stride_zg,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # 1 or 2 rows of x
@@ -217,6 +309,8 @@ def _w4_gemv_dp2a_kernel(
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K of BLOCK_R * 8: no masks
     ASM: tl.constexpr,  # inline PTX (prmt, dp2a); False: the same integers in plain Triton (interpreter)
     PREFETCH: tl.constexpr = 1,  # weight tiles loaded ahead of the one being consumed: 1 or 2
+    X_PREP: tl.constexpr = False,  # x rounded once per CTA into the xq/xs scratch (_x_prep), not per thread
+    PREP_TILES: tl.constexpr = 8,  # _x_prep's tiles per step
     PDL: tl.constexpr = False,
 ):
     RS: tl.constexpr = BLOCK_R // SLABS
@@ -248,6 +342,16 @@ def _w4_gemv_dp2a_kernel(
         p0, p1, p2, p3 = _w4_dp2a_tile(w_ptr, r_begin + BLOCK_R, r_end, N, rr, cols, RS, SLABS, EVEN)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    n_tiles = tl.cdiv(K8, BLOCK_R)
+    xq0_pairs = xq_ptr + x_quads
+    xq1_pairs = xq_ptr + K8 * 4 + x_quads
+    if X_PREP:
+        # every CTA of a split writes the same values to the scratch (of this split's channels), so a
+        # thread reads its own CTA's writes or identical ones; PDL's wait orders launches
+        _x_prep(x_ptr, xq_ptr, xs_ptr, r_begin, r_end, BLOCK_R, PREP_TILES, ASM)
+        if BLOCK_M >= 2:
+            _x_prep(x_ptr + stride_xm, xq_ptr + K8 * 4, xs_ptr + n_tiles, r_begin, r_end, BLOCK_R, PREP_TILES, ASM)
+        tl.debug_barrier()
     acc0 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
     acc1 = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
     for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
@@ -260,9 +364,15 @@ def _w4_gemv_dp2a_kernel(
         else:
             s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
             zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
-        acc0 += _w4_dp2a_row(x0_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
-        if BLOCK_M >= 2:
-            acc1 += _w4_dp2a_row(x1_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
+        if X_PREP:
+            acc0 += _w4_dp2a_row_prepped(xq0_pairs, xs_ptr, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
+            if BLOCK_M >= 2:
+                acc1 += _w4_dp2a_row_prepped(xq1_pairs, xs_ptr + n_tiles, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS,
+                                             SLABS, EVEN, ASM)
+        else:
+            acc0 += _w4_dp2a_row(x0_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
+            if BLOCK_M >= 2:
+                acc1 += _w4_dp2a_row(x1_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
         if PREFETCH >= 2:
             w0, w1, w2, w3 = p0, p1, p2, p3
             p0, p1, p2, p3 = n0, n1, n2, n3
@@ -276,14 +386,37 @@ def _w4_gemv_dp2a_kernel(
     _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
-# (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched) per M bucket: a thread holds SLABS packed rows x
-# VECS column vectors (w4_dp2a_layout), one quantization group per K tile
+# (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA) per M bucket: a thread
+# holds SLABS packed rows x VECS column vectors (w4_dp2a_layout), one quantization group per K tile.
+# Run 94 (in-loop x only): SLABS 4 won at every shape, (64, 16, 2, 4, *) at most.
 W4_DP2A_CONFIGS = {
-    1: ((128, 8, 4, 2, 2), (128, 16, 4, 2, 1), (128, 16, 4, 4, 1), (128, 16, 4, 2, 2), (256, 16, 4, 4, 1),
-        (256, 16, 4, 2, 1), (256, 8, 4, 2, 2), (256, 16, 8, 4, 2), (64, 16, 2, 4, 2)),
-    2: ((128, 8, 4, 2, 2), (128, 16, 4, 4, 1), (64, 16, 2, 4, 1)),
+    1: ((64, 16, 2, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False), (128, 16, 4, 2, 2, False),
+        (64, 16, 2, 4, 2, True), (128, 16, 4, 4, 1, True), (128, 16, 4, 4, 2, True), (256, 16, 4, 4, 1, True)),
+    2: ((64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, True), (128, 16, 4, 4, 1, True)),
 }
 W4_DP2A_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_DP2A_CONFIGS.values() for cfg in cfgs)
+
+
+_X_SCRATCH: dict = {}
+_X_SCRATCH_MIN = 1 << 16  # int32 words: x of 2 rows up to K = 65536
+
+
+def _x_scratch(device: torch.device, n_words: int, n_scales: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int16 pairs and tile scales of x (X_PREP), one pair of buffers per device (kernels on one
+    stream run in order). Sized for every launch the model makes at first use: a CUDA graph keeps
+    the pointers it captured, so growth during capture is refused (as _common._workspace)."""
+    key = str(device)
+    xq, xs = _X_SCRATCH.get(key, (None, None))
+    if xq is None or xq.numel() < n_words or xs.numel() < n_scales:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the dp2a GEMV's x scratch must grow during CUDA-graph capture: run the shape "
+                               "once before capturing")
+        n_words = max(n_words, _X_SCRATCH_MIN, 0 if xq is None else xq.numel())
+        n_scales = max(n_scales, _X_SCRATCH_MIN // 64, 0 if xs is None else xs.numel())
+        xq = torch.empty(n_words, dtype=torch.int32, device=device)
+        xs = torch.empty(n_scales, dtype=torch.float32, device=device)
+        _X_SCRATCH[key] = (xq, xs)
+    return xq, xs
 
 
 def w4_dp2a_layout(block_n: int, block_r: int, warps: int, slabs: int) -> dict:
@@ -305,7 +438,8 @@ def w4_dp2a_usable(x: torch.Tensor, w: QuantizedLinearWeights) -> bool:
 def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
                     split_k: Optional[int] = None) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
-    bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched), default the bucket's first."""
+    bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
+    default the bucket's first."""
     K, N = w.in_features, w.out_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -319,15 +453,16 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.clone(memory_format=torch.contiguous_format)  # x's packed rows are read as int32 pairs
     block_m = 1 if M == 1 else 2
-    block_n, block_r, warps, slabs, prefetch = config or W4_DP2A_CONFIGS[block_m][0]
+    block_n, block_r, warps, slabs, prefetch, prep = config or W4_DP2A_CONFIGS[block_m][0]
     tiles = triton.cdiv(N, block_n)
     split = split_k or _default_split_k(tiles, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, block_r))
     _w4_gemv_dp2a_kernel[(tiles, split)](
-        x, w.qweight, w.qzeros, w.scales, out, ws, cnt,
+        x, w.qweight, w.qzeros, w.scales, out, ws, cnt, xq, xs,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
-        ASM=not _INTERPRET, PREFETCH=prefetch, num_warps=warps, **pdl_launch_kwargs(x.device))
+        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out
