@@ -1,6 +1,6 @@
 """The w4 decode calibration's candidates at the model's shapes, best per kernel (GPU only).
 
-    python scripts/w4_candidates.py [--m 1 8] [--json FILE]
+    python scripts/w4_candidates.py [--m 1 8] [--json FILE] [--log FILE]
 
 For each linear shape and M bucket: the fastest (config, split) of each kernel the calibration
 times (the FMA and dp2a kernels, and on the repacked copy the mma and wgmma kernels; us per call in CUDA
@@ -30,6 +30,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--log", default=None, help="append every candidate's time (the calibration's verbose lines)")
     a = ap.parse_args()
     shapes = G.distinct_linear_shapes(preset_config("full"))  # the int4 linears (lm_head stays bf16)
     rows = []
@@ -60,6 +61,9 @@ def main():
             log = io.StringIO()
             with contextlib.redirect_stdout(log):
                 Q.calibrate_w4([w], "cuda", m_values=(m,), verbose=True)
+            if a.log:
+                with open(a.log, "a") as f:
+                    f.write(log.getvalue())
             best = {}
             for line in log.getvalue().splitlines():
                 hit = re.search(r" (fma|dp2a|mma|wgmma) (\(.*\)) split (\d+): ([0-9.]+) us", line)

@@ -383,12 +383,13 @@ def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
         assert torch.isfinite(graph).all() and rel < REL_ERR
 
 
-def test_w4a16_decode_batches_through_wgmma_equal_eager_without(full_dir):
+def test_w4a16_decode_batches_through_calibrated_kernels_equal_eager_without(full_dir):
     """int4 weights quantized on load: start-up attaches the wgmma kernel's repacked copy to every
-    linear and the calibration offers that kernel at 4-16 rows. Decode batches of 8 and 13 through
-    the graphs (with whatever the calibration picked) give the logits of an eager forward with the
-    copies detached (FMA / tl.dot kernels on the GPTQ layout): the same int4 weights, rounded to
-    bf16 in one and not the other, so the bf16 noise bound applies."""
+    linear and the calibration offers that kernel at 4-16 rows and the dp2a kernel at 1-2 rows.
+    Decode batches of 1, 2, 8 and 13 through the graphs (with whatever the calibration picked) give
+    the logits of an eager forward with the copies detached and the calibration's table emptied
+    (FMA / tl.dot kernels on the GPTQ layout): the same int4 weights, rounded to bf16 in one and
+    not the other, x rounded to int16 in the dp2a kernel, so the bf16 noise bound applies."""
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.kernels import quant_gemm as Q
@@ -401,17 +402,21 @@ def test_w4a16_decode_batches_through_wgmma_equal_eager_without(full_dir):
     picks = {k: v[0] for k, v in Q._W4_TABLE.items()}
     print("w4 calibration picks:", sorted(set((k[0], k[1], k[2], v) for k, v in picks.items())))
     assert any(v == "wgmma" for (m, *_), v in picks.items() if m >= 8), picks
+    assert any(v == "dp2a" for (m, *_), v in picks.items() if m <= 2), picks
 
     @contextlib.contextmanager
     def without_copies():
         copies = [w.wgmma for w in w4]
+        table = dict(Q._W4_TABLE)
         for w in w4:
             w.wgmma = None
+        Q._W4_TABLE.clear()
         yield
         for w, c in zip(w4, copies):
             w.wgmma = c
+        Q._W4_TABLE.update(table)
 
-    for B, ctx in [(8, 1000), (13, 700)]:
+    for B, ctx in [(1, 300), (2, 2000), (8, 1000), (13, 700)]:
         graph, rel = graph_vs_eager(runner, B, ctx, without_copies)
         print(f"w4a16 B={B} ctx={ctx}: graph (calibrated, wgmma copies) vs eager (without) rel err {rel:.2e}")
         assert torch.isfinite(graph).all() and rel < REL_ERR

@@ -31,12 +31,33 @@ def _weights(fmt, N, K, seed):
     return rtn.quantize_fp8(w) if fmt == "fp8" else rtn.quantize_w4a16_rtn(w, 128)
 
 
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("M", [1, 2])
+def test_w4a16_dp2a_every_config(name, M):
+    """The dp2a decode GEMV (x rounded to int16 per thread and tile, or once per CTA with X_PREP),
+    every config with the heuristic split, none, and the most the calibration offers, against
+    dequantize-then-matmul, on two x in turn (the X_PREP scratch rewritten), the second with one
+    channel 1000x the rest (the others then keep 2^-16 of it as their rounding step)."""
+    from salaserve.kernels import quant_gemm as Q
+
+    N, K = SHAPES[name]
+    w = _weights("w4a16", N, K, M)
+    plain = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    outlier = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    outlier[:, 7] *= 1000.0
+    for x in (plain, outlier):
+        ref = linear_ref(x, w)
+        for cfg in Q.W4_DP2A_CONFIGS[M]:
+            for split in (None, 1, max(Q._w4_splits(N, K, cfg[0], cfg[1], x.device))):
+                assert _rel(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
 def test_decode_kernels(fmt, name, M):
     """quant_linear as the engine calls it at decode sizes, and the alternatives it chose between:
-    every w4a16 FMA config (M <= 4), every dp2a config (M <= 2), every mma config (M <= 8) and wgmma config, every w8a8 candidate, w8a16 and its FMA path at M = 1."""
+    every w4a16 FMA config (M <= 4), every mma config (M <= 8) and wgmma config, every w8a8 candidate, w8a16 and its FMA path at M = 1."""
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES[name]
@@ -48,10 +69,6 @@ def test_decode_kernels(fmt, name, M):
     if fmt == "w4a16" and M <= Q.W4_FMA_MAX_M:
         for cfg in Q.W4_FMA_CONFIGS[1 << (M - 1).bit_length()]:
             assert _rel(Q.w4a16_gemv_fma(x, w, config=cfg), ref) < TOL, cfg
-    if fmt == "w4a16" and M <= Q.W4_DP2A_MAX_M:  # x rounded to int16 per thread and tile
-        for cfg in Q.W4_DP2A_CONFIGS[M]:
-            for split in (None, 1):
-                assert _rel(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
     if fmt == "w4a16":  # the wgmma kernel on the repacked copy: every config, the heuristic split and none
         packed = Q.repack_w4_for_wgmma(w)
         for cfg in Q.W4_WGMMA_CONFIGS:

@@ -391,6 +391,7 @@ def _w4_gemv_dp2a_kernel(
 # Run 94 (in-loop x only): SLABS 4 won at every shape, (64, 16, 2, 4, *) at most.
 W4_DP2A_CONFIGS = {
     1: ((64, 16, 2, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False), (128, 16, 4, 2, 2, False),
+        (32, 16, 1, 4, 2, False), (128, 16, 2, 4, 1, False), (128, 16, 2, 4, 2, False),
         (64, 16, 2, 4, 2, True), (128, 16, 4, 4, 1, True), (128, 16, 4, 4, 2, True), (256, 16, 4, 4, 1, True)),
     2: ((64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, True), (128, 16, 4, 4, 1, True)),
 }
