@@ -179,7 +179,7 @@ def w4a16_dp2a_checks(gen):
                     check(f"w4a16_gemv_dp2a K={K} N={N} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
     w = extreme_w4a16(256, 64, 128, gen)
     x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
-    for cfg in (qg.W4_DP2A_CONFIGS[1][0], next(c for c in qg.W4_DP2A_CONFIGS[1] if c[5])):
+    for cfg in (qg.W4_DP2A_CONFIGS[1][0], next(c for c in qg.W4_DP2A_CONFIGS[2] if c[5])):
         check(f"w4a16_gemv_dp2a extreme codes {cfg}", qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=2),
               linear_ref(x.float(), w), 2 ** -7)
         y = qg.w4a16_gemv_dp2a(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=cfg)

@@ -39,6 +39,7 @@ def test_w4a16_dp2a_every_config(name, M):
     dequantize-then-matmul, on two x in turn (the X_PREP scratch rewritten), the second with one
     channel 1000x the rest (the others then keep 2^-16 of it as their rounding step)."""
     from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm.w4_fma import _w4_splits
 
     N, K = SHAPES[name]
     w = _weights("w4a16", N, K, M)
@@ -48,7 +49,7 @@ def test_w4a16_dp2a_every_config(name, M):
     for x in (plain, outlier):
         ref = linear_ref(x, w)
         for cfg in Q.W4_DP2A_CONFIGS[M]:
-            for split in (None, 1, max(Q._w4_splits(N, K, cfg[0], cfg[1], x.device))):
+            for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
                 assert _rel(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
 
 

@@ -1,6 +1,7 @@
 """Quantization: GPTQ int4 packing, FP8, the weight container, RTN, GPTQ, reference matmuls, and
 the Triton kernels (under the interpreter, in a subprocess)."""
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -492,6 +493,25 @@ def test_w4_mma_repacked_layout():
         qg.repack_w4_for_mma(rtn.quantize_fp8(torch.randn(16, 64)))
     with pytest.raises(ValueError):
         qg.repack_w4_for_mma(rtn.quantize_w4a16_rtn(torch.randn(40, 256), 128))
+
+
+def test_w4_dp2a_candidates_replace_fma_at_one_and_two_rows(monkeypatch):
+    """The w4 calibration times the dp2a configs at 1-2 rows instead of the FMA kernel's (faster at
+    every shape, runs 94-97); the FMA configs come back with SALASERVE_W4_DP2A=0, for act-order
+    weights (x gathered through perm) and from 3 rows."""
+    from salaserve.kernels.quant_gemm import w4_fma
+    from salaserve.quant import formats, rtn
+
+    w = rtn.quantize_w4a16_rtn(torch.randn(256, 1024), 128)
+    for m in (1, 2):
+        kinds = {c[0] for c in w4_fma._w4_candidates(m, w, "cpu")}
+        assert kinds == {"dp2a"}, kinds
+        assert {c[1] for c in w4_fma._w4_candidates(m, w, "cpu")} == set(w4_fma.W4_DP2A_CONFIGS[m])
+    assert {c[0] for c in w4_fma._w4_candidates(4, w, "cpu")} == {"fma"}
+    reordered = dataclasses.replace(w, perm=torch.arange(1024))
+    assert {c[0] for c in w4_fma._w4_candidates(1, reordered, "cpu")} == {"fma"}
+    monkeypatch.setattr(w4_fma, "W4_DP2A", False)
+    assert {c[0] for c in w4_fma._w4_candidates(1, w, "cpu")} == {"fma"}
 
 
 def test_w4_mma_candidates_follow_the_switch(monkeypatch):

@@ -388,12 +388,12 @@ def _w4_gemv_dp2a_kernel(
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA) per M bucket: a thread
 # holds SLABS packed rows x VECS column vectors (w4_dp2a_layout), one quantization group per K tile.
-# Run 94 (in-loop x only): SLABS 4 won at every shape, (64, 16, 2, 4, *) at most.
+# Kept from the sweeps of runs 94-97 (every config per shape in docs/bench/run97-w4-dp2a-sweep): at one
+# row SLABS 4 with x converted in the loop won every shape (X_PREP lost by 4-15%); at two rows X_PREP
+# won 4 of 5 shapes.
 W4_DP2A_CONFIGS = {
-    1: ((64, 16, 2, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False), (128, 16, 4, 2, 2, False),
-        (32, 16, 1, 4, 2, False), (128, 16, 2, 4, 1, False), (128, 16, 2, 4, 2, False),
-        (64, 16, 2, 4, 2, True), (128, 16, 4, 4, 1, True), (128, 16, 4, 4, 2, True), (256, 16, 4, 4, 1, True)),
-    2: ((64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, True), (128, 16, 4, 4, 1, True)),
+    1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False)),
+    2: ((128, 16, 4, 4, 1, True), (64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False)),
 }
 W4_DP2A_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_DP2A_CONFIGS.values() for cfg in cfgs)
 
