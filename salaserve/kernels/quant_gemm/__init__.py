@@ -3,9 +3,10 @@
 
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
       - M <= 16 (decode, verify), where `calibrate_w4` timed the shape at start-up: the fastest of
-        `w4a16_gemv_fma` (M <= 4), `w4a16_gemv_wgmma` (M >= 4) and, opt-in (SALASERVE_W4_MMA=1),
-        `w4a16_gemv_mma` (M <= 8), the last two on repacked copies of the weights (kernel, config
-        and split-K per shape and M bucket).
+        `w4a16_gemv_dp2a` (M <= 2: x rounded to int16, integer dot products; where it cannot run,
+        `w4a16_gemv_fma` instead), `w4a16_gemv_fma` (3 <= M <= 4), `w4a16_gemv_wgmma` (M >= 4)
+        and, opt-in (SALASERVE_W4_MMA=1), `w4a16_gemv_mma` (M <= 8), the last two on repacked
+        copies of the weights (kernel, config and split-K per shape and M bucket).
       - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
@@ -35,7 +36,8 @@ at group 128). Act-order checkpoints should go through formats.reorder_act_order
 kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
-Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_mma.py (the int4
+Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_dp2a.py (the
+int4 decode GEMV on integer dot products), w4_mma.py (the int4
 decode GEMV on mma.sync behind a cp.async pipeline, opt-in), w4_wgmma.py (the
 int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
 prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,

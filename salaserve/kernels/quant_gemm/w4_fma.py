@@ -1,6 +1,7 @@
 """The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and the start-up
-calibration (`calibrate_w4`) that picks, per shape and M bucket, between it, the warpgroup-MMA
-kernel of w4_wgmma.py and (opt-in) the warp-level MMA kernel of w4_mma.py, both on repacked copies."""
+calibration (`calibrate_w4`) that picks, per shape and M bucket, between it (where the dp2a kernel
+cannot run at 1-2 rows), the dp2a kernel of w4_dp2a.py, the warpgroup-MMA kernel of w4_wgmma.py
+and (opt-in) the warp-level MMA kernel of w4_mma.py, the last two on repacked copies."""
 
 from __future__ import annotations
 
@@ -377,8 +378,9 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
 
 
 def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
-    """(kernel, config, split) candidates of the decode calibration at M bucket m: the FMA
-    kernel's configs (M <= W4_FMA_MAX_M) and, where w carries the repacked copies, the mma
+    """(kernel, config, split) candidates of the decode calibration at M bucket m: the dp2a
+    kernel's configs (M <= 2, no act-order perm; SALASERVE_W4_DP2A=0 leaves them out), else the FMA
+    kernel's (M <= W4_FMA_MAX_M) and, where w carries the repacked copies, the mma
     kernel's (M <= 8; opt-in, SALASERVE_W4_MMA=1) and the wgmma kernel's (W4_WGMMA_MIN_M <= M <=
     16, whole tiles), each with its split-K choices."""
     N, K = w.out_features, w.in_features
@@ -424,8 +426,8 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> t
 
 
 def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
-    """Time every (kernel, config, split) of the decode GEMVs (the FMA kernel and, for weights
-    with their repacked copies, the wgmma kernel and the opt-in mma kernel: _w4_candidates) per
+    """Time every (kernel, config, split) of the decode GEMVs (the dp2a or FMA kernel and, for
+    weights with their repacked copies, the wgmma kernel and the opt-in mma kernel: _w4_candidates) per
     (M bucket, shape) in CUDA graphs of
     back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
     for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
