@@ -1,14 +1,18 @@
 """The int4 decode GEMV on integer dot products (`w4a16_gemv_dp2a`, M <= W4_DP2A_MAX_M): x is
-rounded to int16 per thread and tile, and each packed word of 8 nibbles costs a shift, two lop3
-and four dp2a (a 16-bit x 8-bit two-way dot product into an int32), ~1 instruction per nibble
-against the FMA kernel's ~3.3-3.7 (w4_fma.py), which ncu shows issue-bound (0.68 issued per
-scheduler and cycle at one row).
+rounded to int16, and each packed word of 8 nibbles costs a shift, two lop3 and four dp2a (a
+16-bit x 8-bit two-way dot product into an int32) against the FMA kernel's ~28 instructions
+(w4_fma.py, which ncu shows issue-bound at one row: 0.68 issued per scheduler and cycle). With
+x's conversion the one-row loop runs 2.5-2.6 instructions per nibble on sm_90 (FMA: 3.3-3.7),
+12-25% faster per shape (BENCHMARKS runs 94-97).
 
-Exactness. A thread's x values of one tile (its SLABS packed rows, 8 * SLABS channels) share one
-scale: v = round(x * 32767 / max|x|), so each x is off by at most max|x| / 65534 (2^-16 of the
-largest, against bf16's own 2^-9 relative rounding of every weight in dequantize-then-matmul).
+Exactness. x is rounded per thread and K tile: the thread's 8 * SLABS channels of the tile share
+one scale, v = round(x * 32767 / max|x|), so each x is off by at most max|x| / 65534 (2^-16 of
+the largest, against bf16's own 2^-9 relative rounding of every weight in dequantize-then-matmul).
 The integer sum over the thread's rows, sum (q - z) v, is exact (|.| < 2^25); one int->float
-convert and one fma per column and tile scale it by s * max|x| / 32767.
+convert (fp32's 24 bits) and one fma per column and tile scale it by s * max|x| / 32767.
+X_PREP configs round x once per CTA instead, into a scratch, one scale per K tile (the loop then
+1.6-1.7 instructions per nibble, but the prologue costs more than it saves at one row; at two
+rows it won 4 of 5 shapes).
 
 Layout: the GPTQ layout as stored (qweight [K/8, N]), no repacked copy, the same thread mapping
 as the FMA kernel (w4_fma_layout's [VECS, RS, NV/4, 4] slabs, x read as 16-byte int32 pairs in
@@ -83,13 +87,13 @@ def _word_dot(w, xa, xb, xc, xd, acc, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_fp32(x_pairs, mask):
-    """One packed row's 8 bf16 x (a 16-byte load of 4 int32 pairs in the weights' layout) -> fp32
-    x0..x7, each [1, RS, NV/4, 1]."""
-    if mask is None:
+def _x_fp32(x_pairs, row, rr, r_end, EVEN: tl.constexpr):
+    """One packed row's 8 bf16 x (a 16-byte load of 4 int32 pairs in the weights' layout; the slab
+    starts at packed row `row`, masked at r_end unless EVEN) -> fp32 x0..x7, each [1, RS, NV/4, 1]."""
+    if EVEN:
         u = tl.load(x_pairs)
     else:
-        u = tl.load(x_pairs, mask=mask, other=0)
+        u = tl.load(x_pairs, mask=row + rr < r_end, other=0)
     u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
     u0, u2 = tl.split(u02)
     u1, u3 = tl.split(u13)
@@ -161,27 +165,18 @@ def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexp
                  EVEN: tl.constexpr, ASM: tl.constexpr):
     """One x row's contribution of a tile to the float accumulator: sum (q - z) x * s per column,
     [VECS, RS, NV/4, 4] (summed over the rows later). zq: the columns' zero points; sz: their scales."""
-    mask0 = None
-    mask1 = None
-    mask2 = None
-    mask3 = None
-    if not EVEN:
-        mask0 = r0 + rr < r_end
-        mask1 = r0 + RS + rr < r_end
-        mask2 = r0 + 2 * RS + rr < r_end
-        mask3 = r0 + 3 * RS + rr < r_end
     p = x_pairs + r0 * 4
-    a0, a1, a2, a3, a4, a5, a6, a7 = _x_fp32(p, mask0)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_fp32(p, r0, rr, r_end, EVEN)
     m = _absmax8(a0, a1, a2, a3, a4, a5, a6, a7)
     b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
     c0, c1, c2, c3, c4, c5, c6, c7 = a0, a1, a2, a3, a4, a5, a6, a7
     d0, d1, d2, d3, d4, d5, d6, d7 = a0, a1, a2, a3, a4, a5, a6, a7
     if SLABS >= 2:
-        b0, b1, b2, b3, b4, b5, b6, b7 = _x_fp32(p + RS * 4, mask1)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _x_fp32(p + RS * 4, r0 + RS, rr, r_end, EVEN)
         m = tl.maximum(m, _absmax8(b0, b1, b2, b3, b4, b5, b6, b7))
     if SLABS >= 4:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _x_fp32(p + 2 * RS * 4, mask2)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _x_fp32(p + 3 * RS * 4, mask3)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _x_fp32(p + 2 * RS * 4, r0 + 2 * RS, rr, r_end, EVEN)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _x_fp32(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
         m = tl.maximum(m, tl.maximum(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7)))
     m = tl.maximum(m, 1e-30)  # all-zero rows: inv stays finite, every v is 0
     inv = 32767.0 / m  # x's int16 range
@@ -219,12 +214,13 @@ def _pair_sums(xa, ones, zero, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prepped_pairs(p, mask):
-    """One packed row's int16 pairs as _x_prep stored them (a 16-byte load in the weights' layout)."""
-    if mask is None:
+def _prepped_pairs(p, row, rr, r_end, EVEN: tl.constexpr):
+    """One packed row's int16 pairs as _x_prep stored them (a 16-byte load in the weights' layout;
+    masks as _x_fp32's)."""
+    if EVEN:
         u = tl.load(p)
     else:
-        u = tl.load(p, mask=mask, other=0)
+        u = tl.load(p, mask=row + rr < r_end, other=0)
     u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
     u0, u2 = tl.split(u02)
     u1, u3 = tl.split(u13)
@@ -235,29 +231,20 @@ def _prepped_pairs(p, mask):
 def _w4_dp2a_row_prepped(xq_pairs, xs_row, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexpr,
                          SLABS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     """_w4_dp2a_row with x already in int16 pairs and one scale per tile (_x_prep)."""
-    mask0 = None
-    mask1 = None
-    mask2 = None
-    mask3 = None
-    if not EVEN:
-        mask0 = r0 + rr < r_end
-        mask1 = r0 + RS + rr < r_end
-        mask2 = r0 + 2 * RS + rr < r_end
-        mask3 = r0 + 3 * RS + rr < r_end
     p = xq_pairs + r0 * 4
     ones = tl.full(rr.shape, 0x01010101, tl.int32)
     zero = tl.full(rr.shape, 0, tl.int32)
-    xa = _prepped_pairs(p, mask0)
+    xa = _prepped_pairs(p, r0, rr, r_end, EVEN)
     total = _pair_sums(xa, ones, zero, ASM)
     xb = xa
     xc = xa
     xd = xa
     if SLABS >= 2:
-        xb = _prepped_pairs(p + RS * 4, mask1)
+        xb = _prepped_pairs(p + RS * 4, r0 + RS, rr, r_end, EVEN)
         total += _pair_sums(xb, ones, zero, ASM)
     if SLABS >= 4:
-        xc = _prepped_pairs(p + 2 * RS * 4, mask2)
-        xd = _prepped_pairs(p + 3 * RS * 4, mask3)
+        xc = _prepped_pairs(p + 2 * RS * 4, r0 + 2 * RS, rr, r_end, EVEN)
+        xd = _prepped_pairs(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
         total += _pair_sums(xc, ones, zero, ASM) + _pair_sums(xd, ones, zero, ASM)
     sx = tl.load(xs_row + r0 // (RS * SLABS))
     return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, sx, zq, sz, SLABS, ASM)
