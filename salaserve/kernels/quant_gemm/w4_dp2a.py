@@ -300,6 +300,8 @@ def _w4_gemv_dp2a_kernel(
     PREP_TILES: tl.constexpr = 8,  # _x_prep's tiles per step
     PDL: tl.constexpr = False,
 ):
+    # the FMA kernel's split and slab coordinates (w4_fma.py), written out again: a shared helper
+    # reorders the code and ptxas then schedules the measured loops differently
     RS: tl.constexpr = BLOCK_R // SLABS
     NV: tl.constexpr = BLOCK_N // VECS
     pid_n = tl.program_id(0)
