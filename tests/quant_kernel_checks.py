@@ -165,7 +165,8 @@ def w4a16_fma_checks(gen):
 def w4a16_dp2a_checks(gen):
     """The dp2a decode kernel (x rounded to int16 per thread and tile, or once per CTA into the
     scratch): every config of both M buckets, split-K 1..4 (empty splits included), ragged N and K
-    (masks), codes and zeros at 0 and 15, an outlier channel, all-zero x, and what it refuses."""
+    (masks), codes and zeros at 0 and 15, an outlier channel, all-zero x, a NaN in x, and what it
+    refuses."""
     for K, N in ((256, 128), (320, 72), (512, 64)):
         w = random_w4a16(K, N, 128, False, gen)
         for M in (1, 2):
@@ -186,6 +187,12 @@ def w4a16_dp2a_checks(gen):
         if y.abs().max().item() != 0:
             print(f"BAD w4a16_gemv_dp2a zero x {cfg}: {y.abs().max().item()}")
             sys.exit(1)
+        xn = x.clone()
+        xn[0, 5] = float("nan")  # as dequantize-then-matmul: a NaN in x makes every output NaN
+        if not qg.w4a16_gemv_dp2a(xn, w, config=cfg).isnan().all():
+            print(f"BAD w4a16_gemv_dp2a NaN x {cfg}: not propagated")
+            sys.exit(1)
+        print(f"ok  w4a16_gemv_dp2a zero and NaN x {cfg}")
     refused("fp32 x", qg.w4a16_gemv_dp2a, torch.randn(1, 256), w)
     refused("3 rows", qg.w4a16_gemv_dp2a, torch.randn(3, 256).to(torch.bfloat16), w)
     refused("act-order weights", qg.w4a16_gemv_dp2a, torch.randn(1, 256).to(torch.bfloat16),
