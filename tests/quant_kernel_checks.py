@@ -178,6 +178,13 @@ def w4a16_dp2a_checks(gen):
                     y = qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
                     # within the bf16 output's rounding (the interpreter truncates where the GPU rounds)
                     check(f"w4a16_gemv_dp2a K={K} N={N} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+    # channel scales spread over ~4 orders of magnitude (lognormal, as LLM activations' outlier
+    # channels): the small channels of a tile keep only 2^-16 of its largest as their step
+    w = random_w4a16(512, 128, 128, False, gen)
+    x = (torch.randn(2, 512, generator=gen) * torch.exp(2 * torch.randn(512, generator=gen))).to(torch.bfloat16)
+    for cfg in qg.W4_DP2A_CONFIGS[2]:
+        check(f"w4a16_gemv_dp2a lognormal channels {cfg}", qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=2),
+              linear_ref(x.float(), w), 2 ** -7)
     w = extreme_w4a16(256, 64, 128, gen)
     x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
     for cfg in (qg.W4_DP2A_CONFIGS[1][0], next(c for c in qg.W4_DP2A_CONFIGS[2] if c[5])):
