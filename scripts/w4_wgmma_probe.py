@@ -19,7 +19,7 @@ import torch
 from salaserve.config import preset_config
 from salaserve.kernels import quant_gemm as Q
 from salaserve.kernels.quant_gemm import w4_wgmma as WG
-from salaserve.kernels.quant_gemm.w4_fma import _w4_splits
+from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 from salaserve.quant import rtn
 

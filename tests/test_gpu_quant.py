@@ -39,7 +39,7 @@ def test_w4a16_dp2a_every_config(name, M):
     dequantize-then-matmul, on two x in turn (the X_PREP scratch rewritten), the second with one
     channel 1000x the rest (the others then keep 2^-16 of it as their rounding step)."""
     from salaserve.kernels import quant_gemm as Q
-    from salaserve.kernels.quant_gemm.w4_fma import _w4_splits
+    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
 
     N, K = SHAPES[name]
     w = _weights("w4a16", N, K, M)
@@ -169,13 +169,13 @@ def test_w4a16_calibration_picks_a_valid_config():
     w = _weights("w4a16", N, K, 11)
     TritonBackend().prepare_weights({"lm_head": None, "layers": [{"qkvg": w, "o_proj": None, "gate_up": None,
                                                                   "down": None}]}, "cuda")
-    from salaserve.kernels.quant_gemm import w4_fma
+    from salaserve.kernels.quant_gemm import w4_decode
 
     assert w.wgmma is not None
     assert any(c[0] == "wgmma" for c in Q._w4_candidates(16, w, "cuda"))
     # the mma kernel's copy and candidates only when opted in (SALASERVE_W4_MMA=1)
-    assert (w.mma is not None) == w4_fma.W4_MMA
-    assert any(c[0] == "mma" for c in Q._w4_candidates(1, w, "cuda")) == w4_fma.W4_MMA
+    assert (w.mma is not None) == w4_decode.W4_MMA
+    assert any(c[0] == "mma" for c in Q._w4_candidates(1, w, "cuda")) == w4_decode.W4_MMA
     res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
     assert set(res) == {(1, N, K), (2, N, K), (16, N, K)}
     for m in (1, 2, 16):

@@ -8,7 +8,7 @@ import pytest
 
 from salaserve.kernels import gemv as G
 from salaserve.kernels import plan_cache
-from salaserve.kernels.quant_gemm import fp8, w4_fma
+from salaserve.kernels.quant_gemm import fp8, w4_decode
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def tables(monkeypatch, tmp_path):
     monkeypatch.setattr(G, "_TABLE", fresh["gemv"])
     monkeypatch.setattr(fp8, "_FP8_GEMV_TABLE", fresh["fp8_gemv"])
     monkeypatch.setattr(fp8, "_W8A8_TABLE", fresh["w8a8"])
-    monkeypatch.setattr(w4_fma, "_W4_TABLE", fresh["w4"])
+    monkeypatch.setattr(w4_decode, "_W4_TABLE", fresh["w4"])
     return fresh
 
 

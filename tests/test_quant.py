@@ -502,19 +502,19 @@ def test_w4_dp2a_candidates_replace_fma_at_one_and_two_rows(monkeypatch):
     """The w4 calibration times the dp2a configs at 1-2 rows instead of the FMA kernel's (faster at
     every shape, runs 94-97); the FMA configs come back with SALASERVE_W4_DP2A=0, for act-order
     weights (x gathered through perm) and from 3 rows."""
-    from salaserve.kernels.quant_gemm import w4_fma
+    from salaserve.kernels.quant_gemm import w4_decode
     from salaserve.quant import formats, rtn
 
     w = rtn.quantize_w4a16_rtn(torch.randn(256, 1024), 128)
     for m in (1, 2):
-        kinds = {c[0] for c in w4_fma._w4_candidates(m, w, "cpu")}
+        kinds = {c[0] for c in w4_decode._w4_candidates(m, w, "cpu")}
         assert kinds == {"dp2a"}, kinds
-        assert {c[1] for c in w4_fma._w4_candidates(m, w, "cpu")} == set(w4_fma.W4_DP2A_CONFIGS[m])
-    assert {c[0] for c in w4_fma._w4_candidates(4, w, "cpu")} == {"fma"}
+        assert {c[1] for c in w4_decode._w4_candidates(m, w, "cpu")} == set(w4_decode.W4_DP2A_CONFIGS[m])
+    assert {c[0] for c in w4_decode._w4_candidates(4, w, "cpu")} == {"fma"}
     reordered = dataclasses.replace(w, perm=torch.arange(1024))
-    assert {c[0] for c in w4_fma._w4_candidates(1, reordered, "cpu")} == {"fma"}
-    monkeypatch.setattr(w4_fma, "W4_DP2A", False)
-    assert {c[0] for c in w4_fma._w4_candidates(1, w, "cpu")} == {"fma"}
+    assert {c[0] for c in w4_decode._w4_candidates(1, reordered, "cpu")} == {"fma"}
+    monkeypatch.setattr(w4_decode, "W4_DP2A", False)
+    assert {c[0] for c in w4_decode._w4_candidates(1, w, "cpu")} == {"fma"}
 
 
 def test_w4_mma_candidates_follow_the_switch(monkeypatch):
@@ -522,21 +522,21 @@ def test_w4_mma_candidates_follow_the_switch(monkeypatch):
     at every shape, runs 86-88), only up to 8 rows and only where the weights carry its copy."""
     import subprocess
 
-    from salaserve.kernels.quant_gemm import w4_fma
+    from salaserve.kernels.quant_gemm import w4_decode
     from salaserve.quant import rtn
 
     w = rtn.quantize_w4a16_rtn(torch.randn(64, 512), 128)
-    monkeypatch.setattr(w4_fma, "W4_MMA", True)
-    assert not any(c[0] == "mma" for c in w4_fma._w4_candidates(1, w, "cpu"))  # no copy attached
-    w.mma = w4_fma.repack_w4_for_mma(w)
-    mma = [c for c in w4_fma._w4_candidates(1, w, "cpu") if c[0] == "mma"]
-    assert {c[1] for c in mma} == set(w4_fma.W4_MMA_CONFIGS) and all(512 // 128 >= 2 * c[2] for c in mma)
-    assert any(c[0] == "mma" for c in w4_fma._w4_candidates(8, w, "cpu"))
-    assert not any(c[0] == "mma" for c in w4_fma._w4_candidates(16, w, "cpu"))
-    monkeypatch.setattr(w4_fma, "W4_MMA", False)
-    assert not any(c[0] == "mma" for c in w4_fma._w4_candidates(1, w, "cpu"))
+    monkeypatch.setattr(w4_decode, "W4_MMA", True)
+    assert not any(c[0] == "mma" for c in w4_decode._w4_candidates(1, w, "cpu"))  # no copy attached
+    w.mma = w4_decode.repack_w4_for_mma(w)
+    mma = [c for c in w4_decode._w4_candidates(1, w, "cpu") if c[0] == "mma"]
+    assert {c[1] for c in mma} == set(w4_decode.W4_MMA_CONFIGS) and all(512 // 128 >= 2 * c[2] for c in mma)
+    assert any(c[0] == "mma" for c in w4_decode._w4_candidates(8, w, "cpu"))
+    assert not any(c[0] == "mma" for c in w4_decode._w4_candidates(16, w, "cpu"))
+    monkeypatch.setattr(w4_decode, "W4_MMA", False)
+    assert not any(c[0] == "mma" for c in w4_decode._w4_candidates(1, w, "cpu"))
     env = {k: v for k, v in os.environ.items() if k != "SALASERVE_W4_MMA"}
-    code = "from salaserve.kernels.quant_gemm import w4_fma; print(w4_fma.W4_MMA)"
+    code = "from salaserve.kernels.quant_gemm import w4_decode; print(w4_decode.W4_MMA)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO).stdout
     assert out.strip() == "False"
 

@@ -55,7 +55,7 @@ def _gemv_config(d: Optional[dict]):
 
 def _tables() -> list[_Table]:
     from salaserve.kernels import gemv as G
-    from salaserve.kernels.quant_gemm import fp8, w4_fma
+    from salaserve.kernels.quant_gemm import fp8, w4_decode
 
     def choice_encode(c):
         return dict(gemv=dataclasses.asdict(c.gemv), gemv_us=c.gemv_us, cublas_us=c.cublas_us)
@@ -68,7 +68,7 @@ def _tables() -> list[_Table]:
         _Table("fp8_gemv", lambda: fp8._FP8_GEMV_TABLE, 3,
                lambda c: None if c is None else dataclasses.asdict(c), _gemv_config),
         _Table("w8a8", lambda: fp8._W8A8_TABLE, 3, list, tuple),
-        _Table("w4", lambda: w4_fma._W4_TABLE, 4, lambda v: [v[0], list(v[1]), v[2]],
+        _Table("w4", lambda: w4_decode._W4_TABLE, 4, lambda v: [v[0], list(v[1]), v[2]],
                lambda v: (str(v[0]), tuple(v[1]), int(v[2]))),
     ]
 

@@ -79,14 +79,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if torch.device(device).type != "cuda":
             return
         from salaserve.kernels import quant_gemm as Q
-        from salaserve.kernels.quant_gemm import w4_fma
+        from salaserve.kernels.quant_gemm import w4_decode
 
         wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
         added = 0
         for w in _linear_weights(params):
             if not isinstance(w, QuantizedLinearWeights):
                 continue
-            if w4_fma.W4_MMA and w.mma is None and Q.w4_mma_usable(w):
+            if w4_decode.W4_MMA and w.mma is None and Q.w4_mma_usable(w):
                 w.mma = Q.repack_w4_for_mma(w)
                 added += w.mma.qweight.nbytes + w.mma.gz.nbytes
             if wgmma and w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):

@@ -36,8 +36,8 @@ at group 128). Act-order checkpoints should go through formats.reorder_act_order
 kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
-Modules: w4_fma.py (the int4 decode GEMV on FMAs and the decode calibration), w4_dp2a.py (the
-int4 decode GEMV on integer dot products), w4_mma.py (the int4
+Modules: w4_decode.py (the int4 decode calibration and its dispatch), w4_fma.py (the int4 decode
+GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_mma.py (the int4
 decode GEMV on mma.sync behind a cp.async pipeline, opt-in), w4_wgmma.py (the
 int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
 prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
@@ -68,10 +68,10 @@ from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quant
 from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
                                                  _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_fma import (_W4_TABLE, W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M,
-                                                 W4_MAGIC_HI, W4_MAGIC_LO, _w4_candidates, _w4_gemv_fma_kernel, _w4_key,
-                                                 calibrate_w4, w4_decode_choice, w4_fma_layout, w4a16_decode,
-                                                 w4a16_gemv_fma)
+from salaserve.kernels.quant_gemm.w4_decode import (_W4_TABLE, W4_DP2A, W4_MMA, _w4_candidates, _w4_key, _w4_splits,
+                                                    calibrate_w4, w4_decode_choice, w4a16_decode)
+from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,
+                                                 W4_MAGIC_LO, _w4_gemv_fma_kernel, w4_fma_layout, w4a16_gemv_fma)
 from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M,
                                                   _w4_gemv_dp2a_kernel, w4_dp2a_layout, w4_dp2a_usable, w4a16_gemv_dp2a)
 from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, W4MmaWeights,

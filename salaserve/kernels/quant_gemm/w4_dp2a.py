@@ -111,12 +111,11 @@ def _max_nan(a, b):
 
 @triton.jit
 def _absmax8(x0, x1, x2, x3, x4, x5, x6, x7):
-    nan: tl.constexpr = tl.PropagateNan.ALL  # a NaN in x makes the tile's scale NaN, so the output NaN
-    a = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), propagate_nan=nan), tl.maximum(tl.abs(x2), tl.abs(x3), propagate_nan=nan),
-                   propagate_nan=nan)
-    b = tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5), propagate_nan=nan), tl.maximum(tl.abs(x6), tl.abs(x7), propagate_nan=nan),
-                   propagate_nan=nan)
-    return tl.maximum(a, b, propagate_nan=nan)
+    """max |x_i| over a packed row's 8 values; a NaN among them gives NaN (the tile's scale, then the
+    output, NaN as in dequantize-then-matmul; the GPU's plain max would drop it)."""
+    a = _max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3)))
+    b = _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7)))
+    return _max_nan(a, b)
 
 
 @triton.jit
@@ -181,13 +180,12 @@ def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexp
     d0, d1, d2, d3, d4, d5, d6, d7 = a0, a1, a2, a3, a4, a5, a6, a7
     if SLABS >= 2:
         b0, b1, b2, b3, b4, b5, b6, b7 = _x_fp32(p + RS * 4, r0 + RS, rr, r_end, EVEN)
-        m = tl.maximum(m, _absmax8(b0, b1, b2, b3, b4, b5, b6, b7), propagate_nan=tl.PropagateNan.ALL)
+        m = _max_nan(m, _absmax8(b0, b1, b2, b3, b4, b5, b6, b7))
     if SLABS >= 4:
         c0, c1, c2, c3, c4, c5, c6, c7 = _x_fp32(p + 2 * RS * 4, r0 + 2 * RS, rr, r_end, EVEN)
         d0, d1, d2, d3, d4, d5, d6, d7 = _x_fp32(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
-        m = tl.maximum(m, tl.maximum(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7),
-                                     propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL)
-    m = tl.maximum(m, 1e-30, propagate_nan=tl.PropagateNan.ALL)  # all-zero rows: inv stays finite, every v is 0
+        m = _max_nan(m, _max_nan(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7)))
+    m = _max_nan(m, 1e-30)  # all-zero rows: inv stays finite, every v is 0
     inv = 32767.0 / m  # x's int16 range
     xa, total = _x_int16(a0, a1, a2, a3, a4, a5, a6, a7, inv, ASM)
     xb = xa
@@ -283,7 +281,7 @@ def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_T
         tiles = t0 + tl.arange(0, PREP_TILES)
         ch = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
         x = tl.load(x_row + ch, mask=ch < r_end * 8, other=0.0).to(tl.float32)
-        m = tl.maximum(tl.reduce(tl.abs(x), 1, _max_nan), 1e-30, propagate_nan=tl.PropagateNan.ALL)
+        m = _max_nan(tl.reduce(tl.abs(x), 1, _max_nan), 1e-30)
         bits = (x * (32767.0 / m)[:, None] + 12582912.0).to(tl.int32, bitcast=True)  # as _x_int16
         # channel 4a + 2b + c of a packed row goes to pair 2c + a, half b
         v = tl.permute(tl.reshape(bits, (PREP_TILES * BLOCK_R, 2, 2, 2)), (0, 3, 1, 2))

@@ -1,12 +1,9 @@
-"""The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M) and the start-up
-calibration (`calibrate_w4`) that picks, per shape and M bucket, between it (where the dp2a kernel
-cannot run at 1-2 rows), the dp2a kernel of w4_dp2a.py, the warpgroup-MMA kernel of w4_wgmma.py
-and (opt-in) the warp-level MMA kernel of w4_mma.py, the last two on repacked copies."""
+"""The int4 decode GEMV on FMAs (`w4a16_gemv_fma`, M <= W4_FMA_MAX_M): at 1-2 rows where the dp2a
+kernel cannot run (act-order weights, x not bf16), at 3-4 rows where the calibration (w4_decode.py)
+picks it, and quant_linear's uncalibrated route."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -15,12 +12,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
-                                                   w4_wgmma_usable, w4a16_gemv_wgmma)
-from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
-                                                 repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
-from salaserve.kernels.quant_gemm.w4_dp2a import W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M, w4a16_gemv_dp2a
-from salaserve.kernels.quant_gemm._common import _store_output, _workspace, _sm_count, _default_split_k, _check_x, _device_key, _to_calibrate
+from salaserve.kernels.quant_gemm._common import _check_x, _default_split_k, _store_output, _workspace
 
 # ---------------------------------------------------------------- w4a16 decode GEMV (FMA)
 #
@@ -325,9 +317,7 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     if w.qweight.numel() >= 2**31:
         raise ValueError("qweight too large for the kernel's int32 offsets")
     block_m = triton.next_power_of_2(M)  # 1, 2 or 4
-    if config is None:
-        hit = _W4_TABLE.get(_w4_key(block_m, w, x.device))
-        config, split_k = hit[1:] if hit is not None and hit[0] == "fma" else (W4_FMA_CONFIGS[block_m][0], split_k)
+    config = config or W4_FMA_CONFIGS[block_m][0]  # the calibrated picks come through w4_decode.w4a16_decode
     block_n, block_r, warps, *more = config
     prefetch = more[0] if more else 1
     if w.group_size % (block_r * 8) or K % 8:
@@ -345,131 +335,3 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
         EVEN=N % block_n == 0 and K % (8 * block_r) == 0, PREFETCH=prefetch, num_warps=warps,
         **pdl_launch_kwargs(x.device))
     return out
-
-
-# the mma kernel (w4_mma.py) in the calibration's candidates, opt-in: SALASERVE_W4_MMA=1 (measured
-# slower than the FMA and wgmma kernels at every shape, runs 86-88). TritonBackend attaches its
-# repacked copy only then.
-W4_MMA = os.environ.get("SALASERVE_W4_MMA", "0") == "1"
-# the dp2a kernel (w4_dp2a.py: x rounded to int16, integer dot products) in the candidates;
-# SALASERVE_W4_DP2A=0 leaves it out
-W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
-
-# (bucket, N, K, group size, device) -> (kernel "fma", "mma" or "wgmma", config, split), filled by calibrate_w4
-_W4_TABLE: dict[tuple, tuple] = {}
-
-
-def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
-    return (bucket, w.out_features, w.in_features, w.group_size, _device_key(device))
-
-
-def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
-    """Split-K candidates: ~4, 8 and 16 CTAs per SM, each split at least two K tiles long."""
-    tiles = triton.cdiv(N, block_n)
-    out = []
-    for per_sm in (4, 8, 16):
-        want = max(1, per_sm * _sm_count(torch.device(device)) // tiles)
-        split = 1 << (want.bit_length() - 1)
-        while split > 1 and K // 8 < split * 2 * block_r:
-            split //= 2
-        if split not in out:
-            out.append(split)
-    return out
-
-
-def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
-    """(kernel, config, split) candidates of the decode calibration at M bucket m: the dp2a
-    kernel's configs (M <= 2, no act-order perm; SALASERVE_W4_DP2A=0 leaves them out), else the FMA
-    kernel's (M <= W4_FMA_MAX_M) and, where w carries the repacked copies, the mma
-    kernel's (M <= 8; opt-in, SALASERVE_W4_MMA=1) and the wgmma kernel's (W4_WGMMA_MIN_M <= M <=
-    16, whole tiles), each with its split-K choices."""
-    N, K = w.out_features, w.in_features
-    out = []
-    dp2a = W4_DP2A and m <= W4_DP2A_MAX_M and w.perm is None and w.group_size % W4_DP2A_GROUP_MULTIPLE == 0 and K % 8 == 0
-    if dp2a:
-        out += [("dp2a", cfg, split) for cfg in W4_DP2A_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
-    elif m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
-        # at 1-2 rows the dp2a kernel was 12-25% faster at every shape (runs 94-97): the FMA
-        # kernel's configs are timed only where it cannot run (compiles saved at start-up)
-        out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
-    if W4_MMA and w.mma is not None and m <= W4_MMA_MAX_M and w4_mma_usable(w):
-        tiles = K // (8 * TILE_WORDS)  # its loop steps over 128-channel tiles: at least two per split
-        out += [("mma", cfg, split) for cfg in W4_MMA_CONFIGS for split in W4_MMA_SPLITS if tiles >= 2 * split]
-    if w.wgmma is not None and W4_WGMMA_MIN_M <= m <= W4_WGMMA_MAX_M:
-        out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
-                for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
-    return out
-
-
-def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
-    """The calibrated (kernel, config, split) for x [M, K] at w's shape, or None (not calibrated,
-    or the wgmma kernel's pick with x not bf16 or w without its repacked copy: quant_linear's
-    default route)."""
-    M = x.shape[0]
-    hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_WGMMA_MAX_M else None
-    if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or (hit[0] in ("wgmma", "mma")
-                                                                             and getattr(w, hit[0]) is None)):
-        return None
-    return hit
-
-
-def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> torch.Tensor:
-    """x @ int4 weights through a (kernel, config, split) of calibrate_w4."""
-    kernel, cfg, split = choice
-    if kernel == "wgmma":
-        return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
-    if kernel == "mma":
-        return w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split)
-    if kernel == "dp2a":
-        return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
-    return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
-
-
-def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
-    """Time every (kernel, config, split) of the decode GEMVs (the dp2a or FMA kernel and, for
-    weights with their repacked copies, the wgmma kernel and the opt-in mma kernel: _w4_candidates) per
-    (M bucket, shape) in CUDA graphs of
-    back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
-    for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
-    with an empty one the compiles of every candidate take minutes (the w4a16 engine's start-up:
-    243.6 s, BENCHMARKS run 77). Returns {(m, N, K): (kernel, config, split, us)}."""
-    from salaserve.kernels.timing import graph_time_us, l2_busting_count
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return {}
-    result = {}
-
-    def usable(w):
-        return w.format == "w4a16" and w.g_idx_trivial and any(_w4_candidates(m, w, device) for m in m_values)
-
-    for w, todo in _to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE):
-        N, K = w.out_features, w.in_features
-        n_copies = l2_busting_count(w.qweight.nbytes)
-        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None, mma=None)
-                  for _ in range(n_copies)]
-        if w.wgmma is not None:
-            copies = [dataclasses.replace(c, wgmma=repack_w4_for_wgmma(c)) for c in copies]
-        if w.mma is not None:
-            copies = [dataclasses.replace(c, mma=repack_w4_for_mma(c)) for c in copies]
-        for m in todo:
-            candidates = _w4_candidates(m, w, device)
-            if not candidates:
-                continue
-            x = torch.randn(m, K, device=device).to(torch.bfloat16)
-            best = None
-            for choice in candidates:
-                t = graph_time_us(lambda i: w4a16_decode(x, copies[i % n_copies], choice), calls=max(8, n_copies))
-                if verbose:
-                    print(f"  w4 M={m} N={N} K={K} {choice[0]} {choice[1]} split {choice[2]}: {t:.1f} us")
-                if best is None or t < best[3]:
-                    best = (*choice, t)
-            _W4_TABLE[_w4_key(m, w, device)] = best[:3]
-            result[(m, N, K)] = best
-        del copies
-    for w in weights:  # shapes calibrated before (or skipped above) report their recorded choice
-        for m in m_values:
-            hit = _W4_TABLE.get(_w4_key(m, w, device))
-            if hit is not None:
-                result.setdefault((m, w.out_features, w.in_features), (*hit, float("nan")))
-    return result
