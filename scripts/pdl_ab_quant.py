@@ -33,12 +33,13 @@ def main() -> None:
         n4 = l2_busting_count(q4.qweight.nbytes)
         q4s = [dataclasses.replace(q4, qweight=torch.randint_like(q4.qweight, -2**31, 2**31 - 1)) for _ in range(n4)]
         Q.calibrate_w4([q4], dev, m_values=(1,))
+        pick = Q._W4_TABLE[Q._w4_key(1, q4, dev)]  # the calibrated one-row kernel, config and split
         t4 = []
         for p in (False, True):
             U.set_pdl(p)
-            t4.append(graph_time_us(lambda i: Q.w4a16_gemv_fma(x, q4s[i % n4]), calls=max(8, n4)))
+            t4.append(graph_time_us(lambda i: Q.w4a16_decode(x, q4s[i % n4], pick), calls=max(8, n4)))
         U.set_pdl(True)
-        print(f"{name:8} {'w4':6} {t4[0]:10.1f} {t4[1]:10.1f}   config {Q._W4_TABLE[Q._w4_key(1, q4, dev)]}")
+        print(f"{name:8} {'w4':6} {t4[0]:10.1f} {t4[1]:10.1f}   pick {pick}")
         del w8s, q4s
     sys.stdout.flush()
 
