@@ -102,6 +102,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn,
                                              silu_mul_rounded, tl_dtype)
+from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
@@ -714,7 +715,6 @@ def _split_useful(cfg: GemvConfig, N: int, device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 _WORKSPACE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown workspaces (see _workspace)
 # 8 MB: M 16 x N 4096 x split 16 (small M), M 128 x N 4096 x split 4 (the largest calibrated
 # large-M case: `_split_useful`); anything larger grows it (outside graph capture)
 _WS_MIN_FLOATS = 1 << 21
@@ -723,21 +723,10 @@ _WS_MIN_COUNTERS = 1 << 14
 
 def _workspace(device: torch.device, n_floats: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K partials and per-tile counters (zeroed once, re-armed by the kernels), one pair per
-    device, grown outside graph capture only."""
-    key = str(device)
-    ws, cnt = _WORKSPACE.get(key, (None, None))
-    if ws is None or ws.numel() < n_floats or cnt.numel() < n_counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemv workspace must grow during CUDA-graph capture: run this shape once "
-                               "(or calibrate) before capturing")
-        n_floats = max(n_floats, _WS_MIN_FLOATS, 0 if ws is None else ws.numel())
-        n_counters = max(n_counters, _WS_MIN_COUNTERS, 0 if cnt is None else cnt.numel())
-        if ws is not None:  # graphs captured earlier still point at the old pair: keep it alive
-            _RETIRED.append((ws, cnt))
-        ws = torch.empty(n_floats, dtype=torch.float32, device=device)
-        cnt = torch.zeros(n_counters, dtype=torch.int32, device=device)
-        _WORKSPACE[key] = (ws, cnt)
-    return ws, cnt
+    device, grown outside graph capture only (device_buffers)."""
+    return persistent_buffers(_WORKSPACE, device, (Want(n_floats, _WS_MIN_FLOATS, torch.float32),
+                                                   Want(n_counters, _WS_MIN_COUNTERS, torch.int32, zeroed=True)),
+                              "gemv workspace")
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.quant.formats import is_trivial_g_idx
 
 GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
@@ -113,24 +114,12 @@ _WS_MIN_TILES = 1 << 14
 
 
 def _workspace(device: torch.device, n_floats: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials and tile counters, one pair per device (kernels on one stream run in
-    order, so sharing is safe). On a GPU they start large enough for every launch the model makes:
-    a CUDA graph keeps the pointers it captured, so a later growth would leave it reading freed
-    memory; growth during capture is refused."""
-    key = str(device)
-    ws, cnt = _WORKSPACE.get(key, (None, None))
-    if ws is None or ws.numel() < n_floats or cnt.numel() < n_tiles:
-        if device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("quantized GEMV workspace must grow during CUDA-graph capture: run the "
-                                   "shape once before capturing")
-            n_floats, n_tiles = max(n_floats, _WS_MIN_FLOATS), max(n_tiles, _WS_MIN_TILES)
-        n_floats = max(n_floats, 0 if ws is None else ws.numel())
-        n_tiles = max(n_tiles, 0 if cnt is None else cnt.numel())
-        ws = torch.empty(max(n_floats, 1), dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=device)  # counters start at 0
-        _WORKSPACE[key] = (ws, cnt)
-    return ws, cnt
+    """Split-K partials and tile counters, one pair per device (device_buffers). On a GPU they start
+    large enough for every launch the model makes (growth during capture is refused)."""
+    cuda = device.type == "cuda"
+    partials = Want(n_floats, _WS_MIN_FLOATS if cuda else 0, torch.float32)
+    counters = Want(n_tiles, _WS_MIN_TILES if cuda else 0, torch.int32, zeroed=True)
+    return persistent_buffers(_WORKSPACE, device, (partials, counters), "quantized GEMV workspace")
 
 
 def _sm_count(device: torch.device) -> int:

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
+from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
 from salaserve.quant.formats import QuantizedLinearWeights
 
@@ -399,21 +400,11 @@ _X_SCRATCH_MIN = 1 << 16  # int32 words: x of 2 rows up to K = 65536
 
 
 def _x_scratch(device: torch.device, n_words: int, n_scales: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int16 pairs and tile scales of x (X_PREP), one pair of buffers per device (kernels on one
-    stream run in order). Sized for every launch the model makes at first use: a CUDA graph keeps
-    the pointers it captured, so growth during capture is refused (as _common._workspace)."""
-    key = str(device)
-    xq, xs = _X_SCRATCH.get(key, (None, None))
-    if xq is None or xq.numel() < n_words or xs.numel() < n_scales:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the dp2a GEMV's x scratch must grow during CUDA-graph capture: run the shape "
-                               "once before capturing")
-        n_words = max(n_words, _X_SCRATCH_MIN, 0 if xq is None else xq.numel())
-        n_scales = max(n_scales, _X_SCRATCH_MIN // 64, 0 if xs is None else xs.numel())
-        xq = torch.empty(n_words, dtype=torch.int32, device=device)
-        xs = torch.empty(n_scales, dtype=torch.float32, device=device)
-        _X_SCRATCH[key] = (xq, xs)
-    return xq, xs
+    """The int16 pairs and tile scales of x (X_PREP), one pair of buffers per device (device_buffers:
+    sized for every launch the model makes at first use, grown outside graph capture only)."""
+    return persistent_buffers(_X_SCRATCH, device, (Want(n_words, _X_SCRATCH_MIN, torch.int32),
+                                                   Want(n_scales, _X_SCRATCH_MIN // 64, torch.float32)),
+                              "the dp2a GEMV's x scratch")
 
 
 def w4_dp2a_layout(block_n: int, block_r: int, warps: int, slabs: int) -> dict:
