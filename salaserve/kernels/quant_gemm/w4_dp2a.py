@@ -88,20 +88,28 @@ def _word_dot(w, xa, xb, xc, xd, acc, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_fp32(x_pairs, row, rr, r_end, EVEN: tl.constexpr):
-    """One packed row's 8 bf16 x (a 16-byte load of 4 int32 pairs in the weights' layout; the slab
-    starts at packed row `row`, masked at r_end unless EVEN) -> fp32 x0..x7, each [1, RS, NV/4, 1]."""
+def _row_words(p, row, rr, r_end, EVEN: tl.constexpr):
+    """One packed row's 4 int32 words of x (a 16-byte load in the weights' layout; the slab starts at
+    packed row `row`, masked at r_end unless EVEN), each [1, RS, NV/4, 1]: bf16 pairs, or the int16
+    pairs _x_prep stored."""
     if EVEN:
-        u = tl.load(x_pairs)
+        u = tl.load(p)
     else:
-        u = tl.load(x_pairs, mask=row + rr < r_end, other=0)
+        u = tl.load(p, mask=row + rr < r_end, other=0)
     u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
     u0, u2 = tl.split(u02)
     u1, u3 = tl.split(u13)
-    x0, x1 = bf16_pair(u0[:, :, :, None])
-    x2, x3 = bf16_pair(u1[:, :, :, None])
-    x4, x5 = bf16_pair(u2[:, :, :, None])
-    x6, x7 = bf16_pair(u3[:, :, :, None])
+    return u0[:, :, :, None], u1[:, :, :, None], u2[:, :, :, None], u3[:, :, :, None]
+
+
+@triton.jit
+def _x_fp32(x_pairs, row, rr, r_end, EVEN: tl.constexpr):
+    """One packed row's 8 bf16 x (_row_words) -> fp32 x0..x7."""
+    u0, u1, u2, u3 = _row_words(x_pairs, row, rr, r_end, EVEN)
+    x0, x1 = bf16_pair(u0)
+    x2, x3 = bf16_pair(u1)
+    x4, x5 = bf16_pair(u2)
+    x6, x7 = bf16_pair(u3)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -222,37 +230,23 @@ def _pair_sums(xa, ones, zero, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prepped_pairs(p, row, rr, r_end, EVEN: tl.constexpr):
-    """One packed row's int16 pairs as _x_prep stored them (a 16-byte load in the weights' layout;
-    masks as _x_fp32's)."""
-    if EVEN:
-        u = tl.load(p)
-    else:
-        u = tl.load(p, mask=row + rr < r_end, other=0)
-    u02, u13 = tl.split(tl.reshape(u, u.shape[:-1] + (2, 2)))
-    u0, u2 = tl.split(u02)
-    u1, u3 = tl.split(u13)
-    return u0[:, :, :, None], u1[:, :, :, None], u2[:, :, :, None], u3[:, :, :, None]
-
-
-@triton.jit
 def _w4_dp2a_row_prepped(xq_pairs, xs_row, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexpr,
                          SLABS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     """_w4_dp2a_row with x already in int16 pairs and one scale per tile (_x_prep)."""
     p = xq_pairs + r0 * 4
     ones = tl.full(rr.shape, 0x01010101, tl.int32)
     zero = tl.full(rr.shape, 0, tl.int32)
-    xa = _prepped_pairs(p, r0, rr, r_end, EVEN)
+    xa = _row_words(p, r0, rr, r_end, EVEN)
     total = _pair_sums(xa, ones, zero, ASM)
     xb = xa
     xc = xa
     xd = xa
     if SLABS >= 2:
-        xb = _prepped_pairs(p + RS * 4, r0 + RS, rr, r_end, EVEN)
+        xb = _row_words(p + RS * 4, r0 + RS, rr, r_end, EVEN)
         total += _pair_sums(xb, ones, zero, ASM)
     if SLABS >= 4:
-        xc = _prepped_pairs(p + 2 * RS * 4, r0 + 2 * RS, rr, r_end, EVEN)
-        xd = _prepped_pairs(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
+        xc = _row_words(p + 2 * RS * 4, r0 + 2 * RS, rr, r_end, EVEN)
+        xd = _row_words(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
         total += _pair_sums(xc, ones, zero, ASM) + _pair_sums(xd, ones, zero, ASM)
     sx = tl.load(xs_row + r0 // (RS * SLABS))
     return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, sx, zq, sz, SLABS, ASM)
