@@ -42,6 +42,7 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_
 from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
+X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
 
 
 @triton.jit
@@ -128,18 +129,23 @@ def _absmax8(x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
+def _round_bits(x, inv):
+    """x * inv rounded to an integer, as the fp32 bits of 1.5 * 2^23 plus it: its two's complement
+    fills the low 16 bits."""
+    return (x * inv + 12582912.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _x_int16(x0, x1, x2, x3, x4, x5, x6, x7, inv, ASM: tl.constexpr):
     """A packed row's x as the int16 pairs of _word_dot, and the sum of its 8 integers."""
-    # 1.5 * 2^23 + x * inv rounds x * inv to an integer, whose two's complement fills the low 16 bits
-    magic: tl.constexpr = 12582912.0
-    b0 = (x0 * inv + magic).to(tl.int32, bitcast=True)
-    b1 = (x1 * inv + magic).to(tl.int32, bitcast=True)
-    b2 = (x2 * inv + magic).to(tl.int32, bitcast=True)
-    b3 = (x3 * inv + magic).to(tl.int32, bitcast=True)
-    b4 = (x4 * inv + magic).to(tl.int32, bitcast=True)
-    b5 = (x5 * inv + magic).to(tl.int32, bitcast=True)
-    b6 = (x6 * inv + magic).to(tl.int32, bitcast=True)
-    b7 = (x7 * inv + magic).to(tl.int32, bitcast=True)
+    b0 = _round_bits(x0, inv)
+    b1 = _round_bits(x1, inv)
+    b2 = _round_bits(x2, inv)
+    b3 = _round_bits(x3, inv)
+    b4 = _round_bits(x4, inv)
+    b5 = _round_bits(x5, inv)
+    b6 = _round_bits(x6, inv)
+    b7 = _round_bits(x7, inv)
     # the sum of the 8 integers: the bits' sum less 8 magics (int32 arithmetic wraps; the result is small)
     total = ((b0 + b1) + (b2 + b3)) + ((b4 + b5) + (b6 + b7)) - 0x5A000000  # 8 * 0x4B400000 mod 2^32
     return (_pack16(b0, b2, ASM), _pack16(b4, b6, ASM), _pack16(b1, b3, ASM), _pack16(b5, b7, ASM)), total
@@ -195,7 +201,7 @@ def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexp
         d0, d1, d2, d3, d4, d5, d6, d7 = _x_fp32(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
         m = _max_nan(m, _max_nan(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7)))
     m = _max_nan(m, 1e-30)  # all-zero rows: inv stays finite, every v is 0
-    inv = 32767.0 / m  # x's int16 range
+    inv = X_MAX / m
     xa, total = _x_int16(a0, a1, a2, a3, a4, a5, a6, a7, inv, ASM)
     xb = xa
     xc = xa
@@ -207,7 +213,7 @@ def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexp
         xc, tc = _x_int16(c0, c1, c2, c3, c4, c5, c6, c7, inv, ASM)
         xd, td = _x_int16(d0, d1, d2, d3, d4, d5, d6, d7, inv, ASM)
         total += tc + td
-    return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, m * (1.0 / 32767.0), zq, sz, SLABS, ASM)
+    return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, m * (1.0 / X_MAX), zq, sz, SLABS, ASM)
 
 
 @triton.jit
@@ -277,13 +283,13 @@ def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_T
         ch = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
         x = tl.load(x_row + ch, mask=ch < r_end * 8, other=0.0).to(tl.float32)
         m = _max_nan(tl.reduce(tl.abs(x), 1, _max_nan), 1e-30)
-        bits = (x * (32767.0 / m)[:, None] + 12582912.0).to(tl.int32, bitcast=True)  # as _x_int16
+        bits = _round_bits(x, (X_MAX / m)[:, None])
         # channel 4a + 2b + c of a packed row goes to pair 2c + a, half b
         v = tl.permute(tl.reshape(bits, (PREP_TILES * BLOCK_R, 2, 2, 2)), (0, 3, 1, 2))
         lo, hi = tl.split(v)
         words = t0 * BLOCK_R * 4 + tl.arange(0, PREP_TILES * BLOCK_R * 4)
         tl.store(xq_row + words, tl.reshape(_pack16(lo, hi, ASM), (PREP_TILES * BLOCK_R * 4,)), mask=words < r_end * 4)
-        tl.store(xs_row + tiles, m * (1.0 / 32767.0), mask=tiles * BLOCK_R < r_end)
+        tl.store(xs_row + tiles, m * (1.0 / X_MAX), mask=tiles * BLOCK_R < r_end)
 
 
 @triton.jit
