@@ -283,7 +283,7 @@ def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_T
         ch = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
         x = tl.load(x_row + ch, mask=ch < r_end * 8, other=0.0).to(tl.float32)
         m = _max_nan(tl.reduce(tl.abs(x), 1, _max_nan), 1e-30)
-        bits = _round_bits(x, (X_MAX / m)[:, None])
+        bits = _round_bits(x, X_MAX / m[:, None])
         # channel 4a + 2b + c of a packed row goes to pair 2c + a, half b
         v = tl.permute(tl.reshape(bits, (PREP_TILES * BLOCK_R, 2, 2, 2)), (0, 3, 1, 2))
         lo, hi = tl.split(v)
