@@ -15,7 +15,7 @@ import torch
 import triton
 
 from salaserve.kernels.quant_gemm._common import _device_key, _sm_count, _to_calibrate
-from salaserve.kernels.quant_gemm.w4_dp2a import W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M, w4a16_gemv_dp2a
+from salaserve.kernels.quant_gemm.w4_dp2a import W4_DP2A_CONFIGS, W4_DP2A_MAX_M, w4_dp2a_usable, w4a16_gemv_dp2a
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
 from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
                                                  repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
@@ -62,8 +62,7 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     16, whole tiles), each with its split-K choices."""
     N, K = w.out_features, w.in_features
     out = []
-    dp2a = W4_DP2A and m <= W4_DP2A_MAX_M and w.perm is None and w.group_size % W4_DP2A_GROUP_MULTIPLE == 0 and K % 8 == 0
-    if dp2a:
+    if W4_DP2A and m <= W4_DP2A_MAX_M and w4_dp2a_usable(w):
         out += [("dp2a", cfg, split) for cfg in W4_DP2A_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     elif m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
         # at 1-2 rows the dp2a kernel was 12-25% faster at every shape (runs 94-97): the FMA

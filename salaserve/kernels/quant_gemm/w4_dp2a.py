@@ -416,10 +416,10 @@ def w4_dp2a_layout(block_n: int, block_r: int, warps: int, slabs: int) -> dict:
     return dict(SLABS=slabs, VECS=per_thread // slabs)
 
 
-def w4_dp2a_usable(x: torch.Tensor, w: QuantizedLinearWeights) -> bool:
-    """Whether the dp2a kernel takes x and w: bf16 x read as int32 pairs, no act-order perm, group
-    sizes that its K tiles divide."""
-    return (x.dtype == torch.bfloat16 and w.perm is None and w.g_idx_trivial and w.in_features % 8 == 0
+def w4_dp2a_usable(w: QuantizedLinearWeights) -> bool:
+    """Whether the dp2a kernel takes these weights (its x must be bf16, read as int32 pairs): no
+    act-order perm or g_idx, group sizes that its K tiles divide."""
+    return (w.perm is None and w.g_idx_trivial and w.in_features % 8 == 0
             and w.group_size % W4_DP2A_GROUP_MULTIPLE == 0)
 
 
@@ -433,7 +433,7 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
     M = x.shape[0]
     if not 1 <= M <= W4_DP2A_MAX_M:
         raise ValueError(f"w4a16_gemv_dp2a takes 1 <= M <= {W4_DP2A_MAX_M}, got {M}")
-    if not w4_dp2a_usable(x, w):
+    if x.dtype != torch.bfloat16 or not w4_dp2a_usable(w):
         raise ValueError("w4a16_gemv_dp2a takes bf16 x and int4 weights without act-order, group size a "
                          f"multiple of {W4_DP2A_GROUP_MULTIPLE}")
     if w.qweight.numel() >= 2**31:
