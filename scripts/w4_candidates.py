@@ -26,6 +26,18 @@ from salaserve.quant import rtn
 from salaserve.quant.matmul import linear_ref
 
 
+def check(name, m, w, kind, configs, run):
+    """Every config (heuristic split and none) against dequantize-then-matmul on a fresh x; exits on a
+    mismatch."""
+    x = torch.randn(m, w.in_features, device="cuda").to(torch.bfloat16)
+    ref = linear_ref(x, w).float()
+    for cfg in configs:
+        for split in (None, 1):
+            rel = float((run(x, cfg, split).float() - ref).norm() / ref.norm())
+            if not rel < 4e-3:
+                raise SystemExit(f"{name} M={m} {kind} {cfg} split {split}: rel err {rel:.2e}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8])
@@ -41,23 +53,11 @@ def main():
         nbytes = N * K / 2 + N * K / 128 * 2.5
         for m in a.m:
             if m <= Q.W4_MMA_MAX_M:
-                x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-                ref = linear_ref(x, w).float()
-                for cfg in Q.W4_MMA_CONFIGS:
-                    for split in (None, 1):
-                        y = Q.w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split).float()
-                        rel = float((y - ref).norm() / ref.norm())
-                        if not rel < 4e-3:
-                            raise SystemExit(f"{name} M={m} mma {cfg} split {split}: rel err {rel:.2e}")
+                check(name, m, w, "mma", Q.W4_MMA_CONFIGS,
+                      lambda x, cfg, split: Q.w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split))
             if m <= Q.W4_DP2A_MAX_M:
-                x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-                ref = linear_ref(x, w).float()
-                for cfg in Q.W4_DP2A_CONFIGS[m]:
-                    for split in (None, 1):
-                        y = Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split).float()
-                        rel = float((y - ref).norm() / ref.norm())
-                        if not rel < 4e-3:
-                            raise SystemExit(f"{name} M={m} dp2a {cfg} split {split}: rel err {rel:.2e}")
+                check(name, m, w, "dp2a", Q.W4_DP2A_CONFIGS[m],
+                      lambda x, cfg, split: Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split))
             log = io.StringIO()
             with contextlib.redirect_stdout(log):
                 Q.calibrate_w4([w], "cuda", m_values=(m,), verbose=True)
