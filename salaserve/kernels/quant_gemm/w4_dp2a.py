@@ -217,43 +217,25 @@ def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexp
 
 
 @triton.jit
-def _pair_sums(xa, ones, zero, ASM: tl.constexpr):
-    """The sum of the 8 integers of a packed row's int16 pairs xa (4 dp2a against bytes of ones)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .s32 t;
-            dp2a.lo.s32.u32 t, $1, $5, $6;
-            dp2a.lo.s32.u32 t, $2, $5, t;
-            dp2a.lo.s32.u32 t, $3, $5, t;
-            dp2a.lo.s32.u32 $0, $4, $5, t;
-            }""",
-            constraints="=r,r,r,r,r,r,r", args=[xa[0], xa[1], xa[2], xa[3], ones, zero], dtype=tl.int32,
-            is_pure=True, pack=1)
-    else:
-        return (((xa[0] << 16) >> 16) + (xa[0] >> 16) + ((xa[1] << 16) >> 16) + (xa[1] >> 16)
-                + ((xa[2] << 16) >> 16) + (xa[2] >> 16) + ((xa[3] << 16) >> 16) + (xa[3] >> 16))
-
-
-@triton.jit
 def _w4_dp2a_row_prepped(xq_pairs, xs_row, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexpr,
                          SLABS: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     """_w4_dp2a_row with x already in int16 pairs and one scale per tile (_x_prep)."""
     p = xq_pairs + r0 * 4
-    ones = tl.full(rr.shape, 0x01010101, tl.int32)
+    ones = tl.full(rr.shape, 0x11111111, tl.int32)  # a word of 8 codes 1: _word_dot then sums the 8 integers
     zero = tl.full(rr.shape, 0, tl.int32)
     xa = _row_words(p, r0, rr, r_end, EVEN)
-    total = _pair_sums(xa, ones, zero, ASM)
+    total = _word_dot(ones, xa[0], xa[1], xa[2], xa[3], zero, ASM)
     xb = xa
     xc = xa
     xd = xa
     if SLABS >= 2:
         xb = _row_words(p + RS * 4, r0 + RS, rr, r_end, EVEN)
-        total += _pair_sums(xb, ones, zero, ASM)
+        total = _word_dot(ones, xb[0], xb[1], xb[2], xb[3], total, ASM)
     if SLABS >= 4:
         xc = _row_words(p + 2 * RS * 4, r0 + 2 * RS, rr, r_end, EVEN)
         xd = _row_words(p + 3 * RS * 4, r0 + 3 * RS, rr, r_end, EVEN)
-        total += _pair_sums(xc, ones, zero, ASM) + _pair_sums(xd, ones, zero, ASM)
+        total = _word_dot(ones, xc[0], xc[1], xc[2], xc[3], total, ASM)
+        total = _word_dot(ones, xd[0], xd[1], xd[2], xd[3], total, ASM)
     sx = tl.load(xs_row + r0 // (RS * SLABS))
     return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, sx, zq, sz, SLABS, ASM)
 
