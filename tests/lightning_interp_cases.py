@@ -207,6 +207,33 @@ def test_rms_norm_and_add_rms_norm(dtype, cols):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_norm_and_silu_mul_write_the_dp2a_gemvs_rounded_x():
+    """int16_out (an int4 linear on the dp2a GEMV next): add_rms_norm's normed rows and silu_mul's
+    activation come out as quant_gemm.round_x_int16 of their bf16 values, bit for bit (codes and
+    tile scales; one tile with an outlier, silu_mul over several column blocks); widths that are
+    not whole tiles are refused."""
+    from salaserve.kernels.quant_gemm import round_x_int16
+
+    gen = torch.Generator().manual_seed(6)
+    for n_rows, cols in ((1, 384), (2, 256)):
+        x = torch.randn(n_rows, cols, generator=gen).to(torch.bfloat16)
+        upd = (4 * torch.randn(n_rows, cols, generator=gen)).to(torch.bfloat16)
+        upd[:, 130] = 300.0
+        w = _norm_weight(cols, torch.bfloat16, gen)
+        h, n = fused.add_rms_norm(x, upd, 0.25, w, EPS)
+        h16, (xq, xs) = fused.add_rms_norm(x, upd, 0.25, w, EPS, int16_out=True)
+        q_ref, s_ref = round_x_int16(n)
+        assert torch.equal(h16, h) and torch.equal(xq, q_ref) and torch.equal(xs, s_ref)
+        gate_up = (3 * torch.randn(n_rows, 2 * cols, generator=gen)).to(torch.bfloat16)
+        xq, xs = fused.silu_mul(gate_up, block=128, int16_out=True)
+        q_ref, s_ref = round_x_int16(fused.silu_mul(gate_up, block=128))
+        assert torch.equal(xq, q_ref) and torch.equal(xs, s_ref)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused.add_rms_norm(x[:, :200], upd[:, :200], 0.25, w[:200], EPS, int16_out=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused.silu_mul(gate_up[:, :400], int16_out=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_and_sigmoid_mul(dtype):
     gen = torch.Generator().manual_seed(5)

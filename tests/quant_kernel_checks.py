@@ -201,10 +201,43 @@ def w4a16_dp2a_checks(gen):
             sys.exit(1)
         print(f"ok  w4a16_gemv_dp2a zero and NaN x {cfg}")
     refused("fp32 x", qg.w4a16_gemv_dp2a, torch.randn(1, 256), w)
+    w4a16_dp2a_rounded_checks(gen)
     refused("3 rows", qg.w4a16_gemv_dp2a, torch.randn(3, 256).to(torch.bfloat16), w)
     refused("act-order weights", qg.w4a16_gemv_dp2a, torch.randn(1, 256).to(torch.bfloat16),
             random_w4a16(256, 64, 128, True, gen))
     counters_rearmed()
+
+
+def w4a16_dp2a_rounded_checks(gen):
+    """The dp2a kernel on x rounded by its producer (round_x_int16's layout): round_x_int16 equals what
+    the X_PREP prologue writes to its scratch (the consumer's layout), and the rounded path equals
+    dequantize-then-matmul at 1 and 2 rows, split-K 1 and 3, ragged N, an outlier channel and
+    lognormal channel scales."""
+    prep_cfg = next(c for c in qg.W4_DP2A_CONFIGS[2] if c[5])
+    for M in (1, 2):
+        x = torch.randn(M, 384, generator=gen).to(torch.bfloat16)
+        x[:, 7] = -40.0
+        w = random_w4a16(384, 72, 128, False, gen)
+        qg.w4a16_gemv_dp2a(x, w, config=prep_cfg, split_k=1)
+        xq, xs = qg.round_x_int16(x)
+        scratch_q, scratch_s = sys.modules["salaserve.kernels.quant_gemm.w4_dp2a"]._X_SCRATCH["cpu"]
+        if not (torch.equal(scratch_q[:xq.numel()], xq.flatten()) and torch.equal(scratch_s[:xs.numel()], xs.flatten())):
+            print(f"BAD round_x_int16 M={M}: differs from the X_PREP prologue's scratch")
+            sys.exit(1)
+        print(f"ok  round_x_int16 M={M} equals the X_PREP scratch")
+        ref = linear_ref(x.float(), w)
+        for cfg in qg.W4_DP2A_ROUNDED_CONFIGS[M]:
+            for split in (1, 3):
+                check(f"w4a16_gemv_dp2a_rounded M={M} cfg={cfg} split={split}",
+                      qg.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split), ref, 2 ** -7)
+    w = random_w4a16(512, 128, 128, False, gen)
+    x = (torch.randn(2, 512, generator=gen) * torch.exp(2 * torch.randn(512, generator=gen))).to(torch.bfloat16)
+    check("w4a16_gemv_dp2a_rounded lognormal channels",
+          qg.w4a16_gemv_dp2a_rounded(*qg.round_x_int16(x), w, split_k=2), linear_ref(x.float(), w), 2 ** -7)
+    xq, xs = qg.round_x_int16(x)
+    refused("rounded x of the wrong width", qg.w4a16_gemv_dp2a_rounded, xq[:, :128], xs[:, :2], w)
+    refused("rounded x as int16", qg.w4a16_gemv_dp2a_rounded, xq.to(torch.int16), xs, w)
+    refused("rounded x, 3 rows", qg.w4a16_gemv_dp2a_rounded, *qg.round_x_int16(torch.randn(3, 512)), w)
 
 
 def w4a16_wgmma_checks(gen):

@@ -389,7 +389,9 @@ def test_w4a16_decode_batches_through_calibrated_kernels_equal_eager_without(ful
     Decode batches of 1, 2, 8 and 13 through the graphs (with whatever the calibration picked) give
     the logits of an eager forward with the copies detached and the calibration's table emptied
     (FMA / tl.dot kernels on the GPTQ layout): the same int4 weights, rounded to bf16 in one and
-    not the other, x rounded to int16 in the dp2a kernel, so the bf16 noise bound applies."""
+    not the other, x rounded to int16 in the dp2a kernel or by its producer (the add + RMSNorm and
+    silu_mul kernels, where the calibration picked the rounded-x kernel), so the bf16 noise bound
+    applies."""
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.kernels import quant_gemm as Q
@@ -404,17 +406,21 @@ def test_w4a16_decode_batches_through_calibrated_kernels_equal_eager_without(ful
     assert any(v == "wgmma" for (m, *_), v in picks.items() if m >= 8), picks
     assert any(v == "dp2a" for (m, *_), v in picks.items() if m <= 2), picks
 
+    print("w4 rounded-x picks:", sorted(Q._W4_ROUNDED_TABLE.items()))
+
     @contextlib.contextmanager
     def without_copies():
         copies = [w.wgmma for w in w4]
-        table = dict(Q._W4_TABLE)
+        table, rounded = dict(Q._W4_TABLE), dict(Q._W4_ROUNDED_TABLE)
         for w in w4:
             w.wgmma = None
         Q._W4_TABLE.clear()
+        Q._W4_ROUNDED_TABLE.clear()  # x's producers write bf16 x
         yield
         for w, c in zip(w4, copies):
             w.wgmma = c
         Q._W4_TABLE.update(table)
+        Q._W4_ROUNDED_TABLE.update(rounded)
 
     for B, ctx in [(1, 300), (2, 2000), (8, 1000), (13, 700)]:
         graph, rel = graph_vs_eager(runner, B, ctx, without_copies)

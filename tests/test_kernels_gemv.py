@@ -656,6 +656,29 @@ def test_row_kernels_compile_with_and_without_pdl(name):
         assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
 
 
+@pytest.mark.parametrize("name", ["_add_rms_norm_kernel", "_silu_mul_kernel"])
+def test_row_kernels_compile_with_int16_out(name):
+    """The producers of the int4 dp2a GEMV's rounded x (INT16_OUT) compile for sm_90 without spills,
+    with NaN-propagating tile maxima (the GPU's plain max drops a NaN) and the int16 pairs packed by
+    prmt."""
+    import triton.language as tl
+    from kernel_checks import compile_sm90_without_spills
+
+    from salaserve.kernels import fused
+
+    fn = getattr(fused, name)
+    consts = {"_add_rms_norm_kernel": dict(BLOCK=4096, U_DT=tl.bfloat16, H_DT=tl.bfloat16, OUT_DT=tl.bfloat16,
+                                           FP8_OUT=False),
+              "_silu_mul_kernel": dict(BLOCK=1024, DT=tl.bfloat16)}[name]
+    ptrs = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+    ptrs.update(out_ptr="*i32", s_ptr="*fp32")
+    consts.update(INTERPRET=False)
+    warps = 8 if name == "_add_rms_norm_kernel" else 4
+    ptx = compile_sm90_without_spills(fn, ptrs, dict(consts, PDL=True, INT16_OUT=True), warps).asm["ptx"]
+    assert "max.NaN.f32" in ptx and "max.f32" not in ptx
+    assert "prmt.b32" in ptx
+
+
 @gpu
 @needs_cuda
 def test_calibrate_and_linear():

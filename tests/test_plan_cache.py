@@ -15,11 +15,12 @@ from salaserve.kernels.quant_gemm import fp8, w4_decode
 def tables(monkeypatch, tmp_path):
     """Empty calibration tables and a plan directory of the test's own."""
     monkeypatch.setenv("SALASERVE_PLAN_CACHE", str(tmp_path / "plans"))
-    fresh = dict(gemv={}, fp8_gemv={}, w8a8={}, w4={})
+    fresh = dict(gemv={}, fp8_gemv={}, w8a8={}, w4={}, w4_rounded={})
     monkeypatch.setattr(G, "_TABLE", fresh["gemv"])
     monkeypatch.setattr(fp8, "_FP8_GEMV_TABLE", fresh["fp8_gemv"])
     monkeypatch.setattr(fp8, "_W8A8_TABLE", fresh["w8a8"])
     monkeypatch.setattr(w4_decode, "_W4_TABLE", fresh["w4"])
+    monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", fresh["w4_rounded"])
     return fresh
 
 
@@ -31,6 +32,7 @@ def _fill(t, dev="cpu"):
     t["fp8_gemv"][(8, 32768, 4096, dev)] = None
     t["w8a8"][(1, 4096, 4096, dev)] = (64, 4, 4, 3)
     t["w4"][(1, 16384, 4096, 128, dev)] = ("fma", (64, 16, 4, 1), 8)
+    t["w4_rounded"][(1, 16384, 4096, 128, dev)] = ((64, 16, 2, 4, 2, False), 8)
 
 
 def _snapshot(t):
@@ -45,7 +47,7 @@ def test_picks_round_trip_and_drive_the_dispatch(tables):
     assert path is not None and path.exists()
     for table in tables.values():
         table.clear()
-    assert plan_cache.load("cpu") == 6
+    assert plan_cache.load("cpu") == 7
     assert _snapshot(tables) == want
     # the restored picks are what the kernels' dispatch reads
     assert G.choose_config(1, 4096, 4096, "cpu") == G.GemvConfig(4, 1024, 4)
@@ -53,6 +55,9 @@ def test_picks_round_trip_and_drive_the_dispatch(tables):
     w = type("W", (), dict(out_features=32768, in_features=4096))()
     assert fp8.fp8_gemv_choice(1, w, "cpu") == G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True)
     assert fp8.fp8_gemv_choice(8, w, "cpu") is None
+    w4 = type("W4", (), dict(format="w4a16", out_features=16384, in_features=4096, group_size=128))()
+    assert w4_decode.w4_rounded_choice(1, w4, "cpu") == ((64, 16, 2, 4, 2, False), 8)
+    assert w4_decode.w4_rounded_choice(2, w4, "cpu") is None
 
 
 def test_picks_in_the_tables_win_and_saves_merge(tables):
@@ -63,7 +68,7 @@ def test_picks_in_the_tables_win_and_saves_merge(tables):
         table.clear()
     tables["gemv"][("cpu", 1, 4096, 4096)] = newer  # calibrated in this process: kept
     tables["gemv"][("cpu", 2, 8704, 4096)] = G.Choice(G.GemvConfig(2, 1024, 4), 11.0, 15.0)  # new shape
-    assert plan_cache.load("cpu") == 5
+    assert plan_cache.load("cpu") == 6
     assert tables["gemv"][("cpu", 1, 4096, 4096)] == newer
     plan_cache.save("cpu")
     data = json.loads(plan_cache.plan_path("cpu").read_text())

@@ -340,17 +340,18 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
 def _w4_dp2a_cases():
     from salaserve.kernels import quant_gemm as qg
 
-    return [(bucket, cfg, even) for bucket, cfgs in qg.W4_DP2A_CONFIGS.items() for cfg in cfgs
-            for even in ((True, False) if cfg == cfgs[0] else (True,))]
+    return ([(bucket, cfg, even, False) for bucket, cfgs in qg.W4_DP2A_CONFIGS.items() for cfg in cfgs
+             for even in ((True, False) if cfg == cfgs[0] else (True,))]
+            + [(bucket, cfg, True, True) for bucket, cfgs in qg.W4_DP2A_ROUNDED_CONFIGS.items() for cfg in cfgs])
 
 
-@pytest.mark.parametrize("bucket,cfg,even", _w4_dp2a_cases())
-def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even):
-    """Every dp2a decode config compiles for the H200 without register spills, reads qweight in
-    16-byte vectors, and its loop does the dot products on dp2a (4 per packed word) with no
-    int->float conversion per word: the x conversion of the in-loop configs, the scratch of X_PREP.
-    The maxima behind x's scales propagate NaN (the GPU's plain max drops it; the interpreter's
-    does not, so the interpreter check cannot see this)."""
+@pytest.mark.parametrize("bucket,cfg,even,given", _w4_dp2a_cases())
+def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
+    """Every dp2a decode config (bf16 x, or x rounded by its producer: given) compiles for the H200
+    without register spills, reads qweight in 16-byte vectors, and its loop does the dot products on
+    dp2a (4 per packed word) with no int->float conversion per word: the x conversion of the
+    in-loop configs, the scratch of X_PREP. The maxima behind x's scales propagate NaN (the GPU's
+    plain max drops it; the interpreter's does not, so the interpreter check cannot see this)."""
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
@@ -360,12 +361,13 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even):
                 ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
                       **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=even, ASM=True, PREFETCH=prefetch,
-                      X_PREP=prep, PREP_TILES=8, PDL=True)
+                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True)
     kernel = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     ptx = kernel.asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "griddepcontrol.wait" in ptx
-    assert "max.NaN.f32" in ptx and "max.f32" not in ptx  # x's scales carry a NaN in x to the output
+    assert "max.f32" not in ptx  # x's scales carry a NaN in x to the output (given: its producer's max)
+    assert ("max.NaN.f32" in ptx) != given
     # a column's int32 sum becomes a float once per tile: 4 * SLABS dp2a per conversion
     dp2a, cvt = ptx.count("dp2a.lo.s32.u32") + ptx.count("dp2a.hi.s32.u32"), ptx.count("cvt.rn.f32.s32")
     assert dp2a >= 4 * slabs * cvt > 0, (dp2a, cvt)
@@ -515,6 +517,29 @@ def test_w4_dp2a_candidates_replace_fma_at_one_and_two_rows(monkeypatch):
     assert {c[0] for c in w4_decode._w4_candidates(1, reordered, "cpu")} == {"fma"}
     monkeypatch.setattr(w4_decode, "W4_DP2A", False)
     assert {c[0] for c in w4_decode._w4_candidates(1, w, "cpu")} == {"fma"}
+
+
+def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
+    """The rounded-x dp2a kernel (x rounded by its producer) is timed for the weights the dp2a kernel
+    takes, not for act-order ones, not with SALASERVE_W4_ROUNDED_X=0 or SALASERVE_W4_DP2A=0; its
+    picks are read at 1-2 rows only, by shape, and only from what the calibration recorded."""
+    from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.quant import rtn
+
+    w = rtn.quantize_w4a16_rtn(torch.randn(256, 1024), 128)
+    assert w4_decode.w4_rounded_usable(w)
+    assert not w4_decode.w4_rounded_usable(dataclasses.replace(w, perm=torch.arange(1024)))
+    monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", {})
+    assert w4_decode.w4_rounded_choice(1, w, "cpu") is None
+    w4_decode._W4_ROUNDED_TABLE[w4_decode._w4_key(2, w, "cpu")] = ((64, 16, 2, 4, 1, False), 4)
+    assert w4_decode.w4_rounded_choice(2, w, "cpu") == ((64, 16, 2, 4, 1, False), 4)
+    assert w4_decode.w4_rounded_choice(1, w, "cpu") is None and w4_decode.w4_rounded_choice(3, w, "cpu") is None
+    assert all(cfg[1] * 8 == w4_decode.X_TILE for cfgs in w4_decode.W4_DP2A_ROUNDED_CONFIGS.values() for cfg in cfgs)
+    monkeypatch.setattr(w4_decode, "W4_ROUNDED_X", False)
+    assert not w4_decode.w4_rounded_usable(w)
+    monkeypatch.setattr(w4_decode, "W4_ROUNDED_X", True)
+    monkeypatch.setattr(w4_decode, "W4_DP2A", False)
+    assert not w4_decode.w4_rounded_usable(w)
 
 
 def test_w4_mma_candidates_follow_the_switch(monkeypatch):

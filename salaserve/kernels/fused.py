@@ -23,10 +23,35 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_wait_first, promote,
                                              round_to, rsqrt_rn, silu_mul_rounded, tl_dtype)
+from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, x_int16_tiles
 from salaserve.quant.formats import FP8_MAX
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _FP8_MAX = tl.constexpr(FP8_MAX)  # a global the kernels may read
+_X_TILE = tl.constexpr(X_TILE)
+
+
+@triton.jit
+def _store_int16_x(y, col0, n_cols, xq_row, xs_row, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """A row's fp32 values y of channels [col0, col0 + BLOCK) (col0 and BLOCK multiples of X_TILE,
+    zeros past n_cols) as the dp2a GEMV's rounded x: X_TILE channels per scale (xs_row, one fp32
+    each), int16 pairs (xq_row, int32 words); quant_gemm.round_x_int16's layout and values."""
+    if INTERPRET:  # plain Triton for the interpreter, inline PTX on the GPU
+        words, scales = x_int16_tiles(tl.reshape(y, (BLOCK // _X_TILE, _X_TILE)), BLOCK // _X_TILE, _X_TILE, False)
+    else:
+        words, scales = x_int16_tiles(tl.reshape(y, (BLOCK // _X_TILE, _X_TILE)), BLOCK // _X_TILE, _X_TILE, True)
+    w = col0 // 2 + tl.arange(0, BLOCK // 2)
+    tl.store(xq_row + w, words, mask=w < n_cols // 2)
+    t = col0 // _X_TILE + tl.arange(0, BLOCK // _X_TILE)
+    tl.store(xs_row + t, scales, mask=t < n_cols // _X_TILE)
+
+
+def _int16_x_buffers(n_rows: int, n_cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, xs) for rows of n_cols channels in round_x_int16's layout; n_cols a multiple of X_TILE."""
+    if n_cols % X_TILE:
+        raise ValueError(f"int16 x needs a width that is a multiple of {X_TILE}, got {n_cols}")
+    return (torch.empty(n_rows, n_cols // 2, dtype=torch.int32, device=device),
+            torch.empty(n_rows, n_cols // X_TILE, dtype=torch.float32, device=device))
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -87,9 +112,12 @@ def rms_norm(x, w, eps, *, num_warps: int | None = None):
 def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, s_ptr, stride_r, stride_u, stride_h, stride_out,
                          n_cols, scale, eps,
                          BLOCK: tl.constexpr, U_DT: tl.constexpr, H_DT: tl.constexpr, OUT_DT: tl.constexpr,
-                         PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+                         PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False, INT16_OUT: tl.constexpr = False,
+                         INTERPRET: tl.constexpr = False):
     """FP8_OUT: the normed row (its OUT_DT values) goes out as per-token fp8 codes and a scale
-    (s_ptr), exactly quant_gemm.quantize_rows_fp8 of the OUT_DT output, for a w8a8 linear."""
+    (s_ptr), exactly quant_gemm.quantize_rows_fp8 of the OUT_DT output, for a w8a8 linear.
+    INT16_OUT: as the dp2a GEMV's rounded x (out_ptr int32 words, s_ptr X_TILE scales per row,
+    round_x_int16 of the OUT_DT output), for an int4 linear."""
     pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
@@ -104,17 +132,24 @@ def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, s_ptr, stride_r, s
         sx, inv = fp8_row_scale(tl.max(tl.abs(y), axis=0), _FP8_MAX)
         tl.store(out_ptr + row * stride_out + cols, fp8_codes(y, inv, out_ptr, _FP8_MAX, INTERPRET), mask=mask)
         tl.store(s_ptr + row, sx)
+    elif INT16_OUT:
+        _store_int16_x(y, 0, n_cols, out_ptr + row * stride_out, s_ptr + row * (n_cols // _X_TILE), BLOCK, INTERPRET)
     else:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = None, fp8_out: bool = False):
+def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = None, fp8_out: bool = False,
+                 int16_out: bool = False):
     """(residual + update*scale, its RMSNorm) in one pass, as TorchBackend.add_rms_norm:
     round(update*scale) in update.dtype, then round(residual + that) in promote(residual, update);
     the norm as rms_norm. residual, update [..., D] same shape (unit last-dim stride); scale: float;
     w [D]. Returns (new_residual, normed), new contiguous tensors; the inputs are not modified.
     fp8_out: normed comes back as (e4m3 codes [rows, D], fp32 scales [rows, 1]), the per-token
-    quantization of the normed rows (quant_gemm.quantize_rows_fp8's values) for a w8a8 linear."""
+    quantization of the normed rows (quant_gemm.quantize_rows_fp8's values) for a w8a8 linear.
+    int16_out: normed comes back as (xq, xs), quant_gemm.round_x_int16 of the normed rows, for the
+    int4 dp2a GEMV (quant_gemm.w4a16_gemv_dp2a_rounded); D a multiple of X_TILE."""
+    if fp8_out and int16_out:
+        raise ValueError("add_rms_norm: fp8_out or int16_out, not both")
     r2, u2 = _rows(residual, "residual"), _rows(update, "update")
     if r2.shape != u2.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and update {tuple(update.shape)} differ")
@@ -122,17 +157,20 @@ def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = Non
     h_dt = promote(residual.dtype, update.dtype)
     out_dt = promote(h_dt, w.dtype)
     h = torch.empty(n_rows, n_cols, dtype=h_dt, device=residual.device)
-    out = torch.empty(n_rows, n_cols, dtype=torch.float8_e4m3fn if fp8_out else out_dt, device=residual.device)
-    sx = torch.empty(n_rows if fp8_out else 0, 1, dtype=torch.float32, device=residual.device)
+    if int16_out:
+        out, sx = _int16_x_buffers(n_rows, n_cols, residual.device)
+    else:
+        out = torch.empty(n_rows, n_cols, dtype=torch.float8_e4m3fn if fp8_out else out_dt, device=residual.device)
+        sx = torch.empty(n_rows if fp8_out else 0, 1, dtype=torch.float32, device=residual.device)
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         _add_rms_norm_kernel[(n_rows,)](
             r2, u2, w, h, out, sx, r2.stride(0), u2.stride(0), h.stride(0), out.stride(0), n_cols,
             float(scale), float(eps), BLOCK=block, U_DT=tl_dtype(update.dtype), H_DT=tl_dtype(h_dt),
-            OUT_DT=tl_dtype(out_dt), FP8_OUT=fp8_out, INTERPRET=_INTERPRET, num_warps=num_warps or _norm_warps(block),
-            **NO_FMA, **pdl_launch_kwargs(r2.device))
+            OUT_DT=tl_dtype(out_dt), FP8_OUT=fp8_out, INT16_OUT=int16_out, INTERPRET=_INTERPRET,
+            num_warps=num_warps or _norm_warps(block), **NO_FMA, **pdl_launch_kwargs(r2.device))
     shape = (*residual.shape[:-1], n_cols)
-    if fp8_out:
+    if fp8_out or int16_out:
         return h.view(shape), (out, sx)
     return h.view(shape), out.view(shape)
 
@@ -143,8 +181,11 @@ def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = Non
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols,
-                     BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_mul_kernel(x_ptr, out_ptr, s_ptr, stride_x, stride_out, n_cols,
+                     BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False,
+                     INT16_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    """INT16_OUT: the DT-rounded activation goes out as the dp2a GEMV's rounded x (out_ptr int32
+    words, s_ptr X_TILE scales per row; BLOCK a multiple of X_TILE)."""
     pdl_wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -152,24 +193,35 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols,
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     out = silu_mul_rounded(gate, up, DT, DT)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if INT16_OUT:
+        _store_int16_x(out, tl.program_id(1) * BLOCK, n_cols, out_ptr + row * stride_out,
+                       s_ptr + row * (n_cols // _X_TILE), BLOCK, INTERPRET)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up, *, block: int = 1024, num_warps: int = 4):
+def silu_mul(gate_up, *, block: int = 1024, num_warps: int = 4, int16_out: bool = False):
     """gate_up [N, 2F] (gate = first F columns, up = last F; unit last-dim stride) ->
     silu(gate) * up [N, F] in gate_up.dtype, rounding after silu and after the product, as
-    TorchBackend.silu_mul. Grid (N, F / block)."""
+    TorchBackend.silu_mul. Grid (N, F / block). int16_out: (xq, xs), quant_gemm.round_x_int16 of
+    that activation ([N, F] rows only), for the int4 dp2a GEMV; F a multiple of X_TILE."""
     x2 = _rows(gate_up, "gate_up")
     n_rows, two_f = x2.shape
     if two_f % 2:
         raise ValueError(f"gate_up's last dim must be even, got {two_f}")
     f = two_f // 2
-    out = torch.empty(n_rows, f, dtype=gate_up.dtype, device=gate_up.device)
+    if int16_out:
+        out, sx = _int16_x_buffers(n_rows, f, gate_up.device)
+        block = max(block, X_TILE)
+    else:
+        out, sx = torch.empty(n_rows, f, dtype=gate_up.dtype, device=gate_up.device), None
     if n_rows:
         block = min(block, triton.next_power_of_2(f))
         _silu_mul_kernel[(n_rows, triton.cdiv(f, block))](
-            x2, out, x2.stride(0), out.stride(0), f, BLOCK=block, DT=tl_dtype(gate_up.dtype),
-            num_warps=num_warps, **NO_FMA, **pdl_launch_kwargs(x2.device))
+            x2, out, out if sx is None else sx, x2.stride(0), out.stride(0), f, BLOCK=block, DT=tl_dtype(gate_up.dtype),
+            INT16_OUT=int16_out, INTERPRET=_INTERPRET, num_warps=num_warps, **NO_FMA, **pdl_launch_kwargs(x2.device))
+    if int16_out:
+        return out, sx
     return out.view(*gate_up.shape[:-1], f)
 
 

@@ -25,7 +25,7 @@ from salaserve.kernels._triton_utils import promote
 from salaserve.kernels import attention as attn
 from salaserve.kernels import gemv as gemv_ops
 from salaserve.kernels import sparse as sparse_ops
-from salaserve.kernels.fused import TritonFusedOps, add_rms_norm
+from salaserve.kernels.fused import TritonFusedOps, add_rms_norm, silu_mul
 from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.torch_ops import TorchBackend
@@ -68,6 +68,9 @@ def _split_verify_step(batch) -> tuple[list[int], list[int]]:
 
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
+    # int4 MLPs whose down linear may take x rounded by the silu_mul kernel: silu_mul stays before
+    # down at one row too (set by prepare_weights; no int4 GEMV has a silu_mul epilogue to lose)
+    _silu_before_down = False
 
     # ---- linear layers -----------------------------------------------------------------------
     def prepare_weights(self, params, device) -> None:
@@ -80,6 +83,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             return
         from salaserve.kernels import quant_gemm as Q
         from salaserve.kernels.quant_gemm import w4_decode
+
+        self._silu_before_down = any(Q.w4_rounded_usable(layer["down"]) for layer in params["layers"]
+                                     if isinstance(layer["down"], QuantizedLinearWeights))
 
         wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
         added = 0
@@ -161,7 +167,18 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.norm_linear(self, x, norm_w, eps, w)
 
     def silu_after_gate_up(self, rows: int) -> bool:
-        return SILU_EPILOGUE and rows == 1
+        return SILU_EPILOGUE and rows == 1 and not self._silu_before_down
+
+    @staticmethod
+    def _w4_rounded(rows, w):
+        """The calibrated (config, split) of the dp2a GEMV on x rounded by its producer, for bf16 rows
+        [M, K] on the GPU meeting int4 weights w, or None (the producer writes bf16 x)."""
+        if not (isinstance(w, QuantizedLinearWeights) and rows.dim() == 2 and rows.dtype == torch.bfloat16
+                and rows.is_cuda):
+            return None
+        from salaserve.kernels import quant_gemm
+
+        return quant_gemm.w4_rounded_choice(rows.shape[0], w, rows.device)
 
     def _silu_epilogue(self, x, w) -> bool:
         """Whether gemv_silu_out can take this gate_up linear: what _gemv_fuses asks, from one row,
@@ -204,8 +221,16 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     def silu_mul_linear(self, gate_up, w):
         """fp8 weights at prefill sizes (w8a8 on cuBLAS): silu_mul and the per-token quantization
-        of down's input in one kernel, never written in bf16; else silu_mul, then the linear."""
+        of down's input in one kernel, never written in bf16; int4 weights at 1-2 rows where the
+        calibration picked it: the silu_mul kernel writes down's x rounded to int16 (the dp2a GEMV's
+        input); else silu_mul, then the linear."""
         rows = gate_up.reshape(-1, gate_up.shape[-1])
+        if (choice := self._w4_rounded(rows, w)) is not None:
+            from salaserve.kernels import quant_gemm
+
+            xq, xs = silu_mul(rows, int16_out=True)
+            y = quant_gemm.w4a16_gemv_dp2a_rounded(xq, xs, w, config=choice[0], split_k=choice[1], out_dtype=rows.dtype)
+            return y.view(*gate_up.shape[:-1], w.out_features)
         if self._w8a8_prefill(rows, w):
             from salaserve.kernels import quant_gemm
 
@@ -215,13 +240,20 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     def add_rms_norm_linear(self, h, u, scale, norm_w, eps, w):
         """fp8 weights at prefill sizes (w8a8 on cuBLAS): the add + RMSNorm kernel writes the
-        normed rows as their per-token fp8 codes and scales, never in bf16; else the norm, then
+        normed rows as their per-token fp8 codes and scales, never in bf16; int4 weights at 1-2 rows
+        where the calibration picked it: as the dp2a GEMV's x rounded to int16; else the norm, then
         the linear."""
         if h.dim() == 2 and self._w8a8_prefill(h, w):
             from salaserve.kernels import quant_gemm
 
             h, (x8, sx) = add_rms_norm(h, u, scale, norm_w, eps, fp8_out=True)
             return h, quant_gemm.fp8_scaled_mm_quantized(x8, sx, w.weight, w.scale, promote(h.dtype, norm_w.dtype))
+        if (h.dim() == 2 and promote(promote(h.dtype, u.dtype), norm_w.dtype) == torch.bfloat16
+                and (choice := self._w4_rounded(h, w)) is not None):
+            from salaserve.kernels import quant_gemm
+
+            h, (xq, xs) = add_rms_norm(h, u, scale, norm_w, eps, int16_out=True)
+            return h, quant_gemm.w4a16_gemv_dp2a_rounded(xq, xs, w, config=choice[0], split_k=choice[1])
         return TorchBackend.add_rms_norm_linear(self, h, u, scale, norm_w, eps, w)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,

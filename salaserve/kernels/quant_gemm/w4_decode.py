@@ -15,7 +15,9 @@ import torch
 import triton
 
 from salaserve.kernels.quant_gemm._common import _device_key, _sm_count, _to_calibrate
-from salaserve.kernels.quant_gemm.w4_dp2a import W4_DP2A_CONFIGS, W4_DP2A_MAX_M, w4_dp2a_usable, w4a16_gemv_dp2a
+from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_MAX_M, W4_DP2A_ROUNDED_CONFIGS, X_TILE,
+                                                  round_x_int16, w4_dp2a_usable, w4a16_gemv_dp2a,
+                                                  w4a16_gemv_dp2a_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
 from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
                                                  repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
@@ -31,9 +33,16 @@ W4_MMA = os.environ.get("SALASERVE_W4_MMA", "0") == "1"
 # SALASERVE_W4_DP2A=0 leaves it out
 W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
 
+# the dp2a kernel on x rounded to int16 by x's producer (the add + RMSNorm and silu_mul kernels
+# write it instead of bf16: w4a16_gemv_dp2a_rounded) where the calibration times it faster than the
+# pick on bf16 x; SALASERVE_W4_ROUNDED_X=0 leaves it out
+W4_ROUNDED_X = os.environ.get("SALASERVE_W4_ROUNDED_X", "1") == "1"
+
 # (bucket, N, K, group size, device) -> (kernel "dp2a", "fma", "mma" or "wgmma", config, split), filled by
-# calibrate_w4
+# calibrate_w4: the pick for bf16 x
 _W4_TABLE: dict[tuple, tuple] = {}
+# the same keys -> (config, split) of w4a16_gemv_dp2a_rounded, where it beat _W4_TABLE's pick (1-2 rows)
+_W4_ROUNDED_TABLE: dict[tuple, tuple] = {}
 
 
 def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
@@ -75,6 +84,19 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
         out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
                 for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     return out
+
+
+def w4_rounded_usable(w: QuantizedLinearWeights) -> bool:
+    """Whether the calibration times the rounded-x dp2a kernel for w (switches on, weights it takes)."""
+    return W4_ROUNDED_X and W4_DP2A and w.format == "w4a16" and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
+
+
+def w4_rounded_choice(rows: int, w: QuantizedLinearWeights, device) -> Optional[tuple]:
+    """(config, split) of w4a16_gemv_dp2a_rounded where the calibration found it faster at this many
+    rows and w's shape than the pick on bf16 x; else None (the producer writes bf16 x)."""
+    if not 1 <= rows <= W4_DP2A_MAX_M or getattr(w, "format", None) != "w4a16":
+        return None
+    return _W4_ROUNDED_TABLE.get(_w4_key(triton.next_power_of_2(rows), w, device))
 
 
 def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
@@ -142,6 +164,8 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
                     best = (*choice, t)
             _W4_TABLE[_w4_key(m, w, device)] = best[:3]
             result[(m, N, K)] = best
+            if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
+                _calibrate_rounded(m, w, copies, x, best[3], device, verbose)
         del copies
     for w in weights:  # shapes calibrated before (or skipped above) report their recorded choice
         for m in m_values:
@@ -149,3 +173,25 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
             if hit is not None:
                 result.setdefault((m, w.out_features, w.in_features), (*hit, float("nan")))
     return result
+
+
+def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch.Tensor, best_us: float, device,
+                       verbose: bool) -> None:
+    """Time w4a16_gemv_dp2a_rounded's configs and splits on x rounded beforehand (its producer does the
+    rounding in the step, at no extra kernel) and record the fastest in _W4_ROUNDED_TABLE if it beats
+    best_us, the pick on bf16 x."""
+    from salaserve.kernels.timing import graph_time_us
+
+    N, K = w.out_features, w.in_features
+    xq, xs = round_x_int16(x)
+    best = None
+    for cfg in W4_DP2A_ROUNDED_CONFIGS[m]:
+        for split in _w4_splits(N, K, cfg[0], cfg[1], device):
+            t = graph_time_us(lambda i: w4a16_gemv_dp2a_rounded(xq, xs, copies[i % len(copies)], config=cfg,
+                                                                split_k=split), calls=max(8, len(copies)))
+            if verbose:
+                print(f"  w4 M={m} N={N} K={K} dp2a_rounded {cfg} split {split}: {t:.1f} us")
+            if best is None or t < best[2]:
+                best = (cfg, split, t)
+    if best is not None and best[2] < best_us:
+        _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[:2]

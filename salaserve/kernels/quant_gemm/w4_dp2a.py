@@ -43,6 +43,7 @@ from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
 X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
+X_TILE = 128  # channels per x scale of w4a16_gemv_dp2a_rounded's input (BLOCK_R * 8 of its configs)
 
 
 @triton.jit
@@ -254,6 +255,20 @@ def _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, sx, zq, sz, SLABS: tl.const
 
 
 @triton.jit
+def x_int16_tiles(x, TILES: tl.constexpr, TILE: tl.constexpr, ASM: tl.constexpr):
+    """x [TILES, TILE] fp32 (TILE channels a multiple of 8, whole packed rows) -> (the int16 pairs of
+    _word_dot, [TILES * TILE / 2] int32 in channel order, and one scale per tile, max|x| / 32767):
+    round_x_int16's values. The X_PREP prologue and x's producers (add + RMSNorm, silu_mul) both
+    round through this."""
+    m = _max_nan(tl.reduce(tl.abs(x), 1, _max_nan), 1e-30)
+    bits = _round_bits(x, X_MAX / m[:, None])
+    # channel 4a + 2b + c of a packed row goes to pair 2c + a, half b
+    v = tl.permute(tl.reshape(bits, (TILES * TILE // 8, 2, 2, 2)), (0, 3, 1, 2))
+    lo, hi = tl.split(v)
+    return tl.reshape(_pack16(lo, hi, ASM), (TILES * TILE // 2,)), m * (1.0 / X_MAX)
+
+
+@triton.jit
 def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_TILES: tl.constexpr,
             ASM: tl.constexpr):
     """x's channels of packed rows [r_begin, r_end) as int16 pairs in _word_dot's order (4 int32 per
@@ -264,14 +279,10 @@ def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_T
         tiles = t0 + tl.arange(0, PREP_TILES)
         ch = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
         x = tl.load(x_row + ch, mask=ch < r_end * 8, other=0.0).to(tl.float32)
-        m = _max_nan(tl.reduce(tl.abs(x), 1, _max_nan), 1e-30)
-        bits = _round_bits(x, X_MAX / m[:, None])
-        # channel 4a + 2b + c of a packed row goes to pair 2c + a, half b
-        v = tl.permute(tl.reshape(bits, (PREP_TILES * BLOCK_R, 2, 2, 2)), (0, 3, 1, 2))
-        lo, hi = tl.split(v)
+        words_v, scales = x_int16_tiles(x, PREP_TILES, TILE, ASM)
         words = t0 * BLOCK_R * 4 + tl.arange(0, PREP_TILES * BLOCK_R * 4)
-        tl.store(xq_row + words, tl.reshape(_pack16(lo, hi, ASM), (PREP_TILES * BLOCK_R * 4,)), mask=words < r_end * 4)
-        tl.store(xs_row + tiles, m * (1.0 / X_MAX), mask=tiles * BLOCK_R < r_end)
+        tl.store(xq_row + words, words_v, mask=words < r_end * 4)
+        tl.store(xs_row + tiles, scales, mask=tiles * BLOCK_R < r_end)
 
 
 @triton.jit
@@ -288,6 +299,7 @@ def _w4_gemv_dp2a_kernel(
     PREFETCH: tl.constexpr = 1,  # weight tiles loaded ahead of the one being consumed: 1 or 2
     X_PREP: tl.constexpr = False,  # x rounded once per CTA into the xq/xs scratch (_x_prep), not per thread
     PREP_TILES: tl.constexpr = 8,  # _x_prep's tiles per step
+    X_GIVEN: tl.constexpr = False,  # xq/xs already hold x in _x_prep's layout (written by x's producer)
     PDL: tl.constexpr = False,
 ):
     # the FMA kernel's split and slab coordinates (w4_fma.py), written out again: a shared helper
@@ -324,7 +336,7 @@ def _w4_gemv_dp2a_kernel(
     n_tiles = tl.cdiv(K8, BLOCK_R)
     xq0_pairs = xq_ptr + x_quads
     xq1_pairs = xq_ptr + K8 * 4 + x_quads
-    if X_PREP:
+    if X_PREP and not X_GIVEN:
         # every CTA of a split writes the same values to the scratch (of this split's channels), so a
         # thread reads its own CTA's writes or identical ones; PDL's wait orders launches
         _x_prep(x_ptr, xq_ptr, xs_ptr, r_begin, r_end, BLOCK_R, PREP_TILES, ASM)
@@ -343,7 +355,7 @@ def _w4_gemv_dp2a_kernel(
         else:
             s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
             zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
-        if X_PREP:
+        if X_PREP or X_GIVEN:
             acc0 += _w4_dp2a_row_prepped(xq0_pairs, xs_ptr, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
             if BLOCK_M >= 2:
                 acc1 += _w4_dp2a_row_prepped(xq1_pairs, xs_ptr + n_tiles, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS,
@@ -373,6 +385,11 @@ def _w4_gemv_dp2a_kernel(
 W4_DP2A_CONFIGS = {
     1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False)),
     2: ((128, 16, 4, 4, 1, True), (64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False)),
+}
+# w4a16_gemv_dp2a_rounded's configs (x rounded by its producer; the X_PREP field unused); BLOCK_R * 8 = X_TILE
+W4_DP2A_ROUNDED_CONFIGS = {
+    1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 2, 2, False)),
+    2: ((128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False), (64, 16, 2, 4, 2, False)),
 }
 W4_DP2A_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_DP2A_CONFIGS.values() for cfg in cfgs)
 
@@ -410,29 +427,79 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
     default the bucket's first."""
-    K, N = w.in_features, w.out_features
+    K = w.in_features
     x = _check_x(x, K)
     M = x.shape[0]
-    if not 1 <= M <= W4_DP2A_MAX_M:
-        raise ValueError(f"w4a16_gemv_dp2a takes 1 <= M <= {W4_DP2A_MAX_M}, got {M}")
-    if x.dtype != torch.bfloat16 or not w4_dp2a_usable(w):
-        raise ValueError("w4a16_gemv_dp2a takes bf16 x and int4 weights without act-order, group size a "
-                         f"multiple of {W4_DP2A_GROUP_MULTIPLE}")
-    if w.qweight.numel() >= 2**31:
-        raise ValueError("qweight too large for the kernel's int32 offsets")
+    _check_dp2a(M, w)
+    if x.dtype != torch.bfloat16:
+        raise ValueError("w4a16_gemv_dp2a takes bf16 x")
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.clone(memory_format=torch.contiguous_format)  # x's packed rows are read as int32 pairs
     block_m = 1 if M == 1 else 2
-    block_n, block_r, warps, slabs, prefetch, prep = config or W4_DP2A_CONFIGS[block_m][0]
+    cfg = config or W4_DP2A_CONFIGS[block_m][0]
+    xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, cfg[1]))
+    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype)
+
+
+def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
+                            config: Optional[tuple] = None, split_k: Optional[int] = None,
+                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dp2a GEMV on x already rounded by its producer (round_x_int16's layout: xq int32 [M, K / 2],
+    xs fp32 [M, K / X_TILE], contiguous): the loop of the X_PREP configs without their prologue.
+    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE)."""
+    K = w.in_features
+    M = xq.shape[0] if xq.dim() == 2 else 0
+    if xq.shape != (M, K // 2) or xq.dtype != torch.int32 or xs.shape != (M, K // X_TILE) or xs.dtype != torch.float32:
+        raise ValueError(f"w4a16_gemv_dp2a_rounded takes xq int32 [M, {K // 2}] and xs fp32 [M, {K // X_TILE}], "
+                         f"got {tuple(xq.shape)} {xq.dtype} and {tuple(xs.shape)} {xs.dtype}")
+    if not (xq.is_contiguous() and xs.is_contiguous()) or xq.device != w.qweight.device or xs.device != xq.device:
+        raise ValueError("w4a16_gemv_dp2a_rounded takes contiguous xq and xs on the weights' device")
+    _check_dp2a(M, w)
+    cfg = config or W4_DP2A_ROUNDED_CONFIGS[1 if M == 1 else 2][0]
+    if cfg[1] * 8 != X_TILE:
+        raise ValueError(f"config {cfg}: its K tile must be X_TILE = {X_TILE} channels")
+    return _launch(xq, xq, xs, M, w, cfg, split_k, x_given=True, out_dtype=out_dtype)
+
+
+def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
+    if not 1 <= M <= W4_DP2A_MAX_M:
+        raise ValueError(f"the dp2a GEMV takes 1 <= M <= {W4_DP2A_MAX_M} rows, got {M}")
+    if not w4_dp2a_usable(w):
+        raise ValueError("the dp2a GEMV takes int4 weights without act-order, group size a multiple of "
+                         f"{W4_DP2A_GROUP_MULTIPLE}")
+    if w.qweight.numel() >= 2**31:
+        raise ValueError("qweight too large for the kernel's int32 offsets")
+
+
+def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype) -> torch.Tensor:
+    K, N = w.in_features, w.out_features
+    block_m = 1 if M == 1 else 2
+    block_n, block_r, warps, slabs, prefetch, prep = cfg
     tiles = triton.cdiv(N, block_n)
     split = split_k or _default_split_k(tiles, K, x.device)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
-    xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, block_r))
     _w4_gemv_dp2a_kernel[(tiles, split)](
         x, w.qweight, w.qzeros, w.scales, out, ws, cnt, xq, xs,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
-        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep, num_warps=warps, **pdl_launch_kwargs(x.device))
+        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given, num_warps=warps,
+        **pdl_launch_kwargs(x.device))
     return out
+
+
+def round_x_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of X_TILE) -> (xq, xs) for w4a16_gemv_dp2a_rounded: per X_TILE channels one
+    scale xs = m / 32767 (m = their max |x|; NaN if one is NaN), codes v = round(x * 32767 / m) stored as
+    _word_dot's int16 pairs (channel 4a + 2b + c of a packed row in pair 2c + a, half b). The torch
+    twin of the producer kernels' int16 epilogue."""
+    M, K = x.shape
+    if K % X_TILE:
+        raise ValueError(f"round_x_int16 takes K a multiple of {X_TILE}, got {K}")
+    t = x.float().reshape(M, K // X_TILE, X_TILE)
+    m = t.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    v = torch.round(t * (X_MAX.value / m)).to(torch.int32).reshape(M, K // 8, 2, 2, 2)  # (a, b, c)
+    v = v.permute(0, 1, 4, 2, 3).reshape(M, K // 8, 4, 2)  # (pair 2c + a, half b)
+    xq = (v[..., 0] & 0xFFFF) | (v[..., 1] << 16)
+    return xq.reshape(M, K // 2).contiguous(), (m.reshape(M, K // X_TILE) * (1.0 / X_MAX.value)).contiguous()

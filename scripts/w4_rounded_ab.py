@@ -1,0 +1,77 @@
+"""The dp2a GEMV on x rounded by its producer (w4a16_gemv_dp2a_rounded) against the calibrated dp2a
+GEMV on bf16 x, at the model's int4 shapes (GPU only).
+
+    python scripts/w4_rounded_ab.py [--m 1 2] [--json FILE]
+
+Per shape and M: every exploration config below (split-K as the calibration's choices) is first
+checked against dequantize-then-matmul (rel err < 4e-3), then timed as calibrate_w4 times (CUDA
+graphs of back-to-back calls over L2-busting weight copies); the bf16-x side is calibrate_w4's own
+best dp2a pick. The rounding's cost is not in the rounded side: it moves into x's producer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from salaserve.config import preset_config
+from salaserve.kernels import gemv as G
+from salaserve.kernels import quant_gemm as Q
+from salaserve.kernels.timing import graph_time_us, l2_busting_count
+from salaserve.quant import rtn
+from salaserve.quant.matmul import linear_ref
+
+# (BLOCK_N, BLOCK_R, warps, SLABS, PREFETCH, -): the bf16-x winners, and column-vector pairs per
+# thread (VECS 2), cheaper in registers once x arrives as integers
+EXPLORE = {
+    1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False),
+        (128, 16, 4, 2, 2, False), (64, 16, 2, 2, 2, False), (256, 16, 4, 4, 1, False), (32, 16, 1, 4, 1, False)),
+    2: ((128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False), (64, 16, 2, 4, 2, False), (128, 16, 4, 2, 2, False)),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    for name, (N, K) in G.distinct_linear_shapes(preset_config("full")).items():
+        w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)
+        n = l2_busting_count(w.qweight.nbytes)
+        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1)) for _ in range(n)]
+        for m in a.m:
+            x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+            xq, xs = Q.round_x_int16(x)
+            ref = linear_ref(x, w).float()
+            Q._W4_TABLE.clear()
+            base = Q.calibrate_w4([w], "cuda", m_values=(m,))[(m, N, K)]
+            best = None
+            for cfg in EXPLORE[m]:
+                for split in Q._w4_splits(N, K, cfg[0], cfg[1], "cuda"):
+                    y = Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split).float()
+                    rel = float((y - ref).norm() / ref.norm())
+                    if not rel < 4e-3:
+                        raise SystemExit(f"{name} M={m} rounded {cfg} split {split}: rel err {rel:.2e}")
+                    t = graph_time_us(lambda i: Q.w4a16_gemv_dp2a_rounded(xq, xs, copies[i % n], config=cfg,
+                                                                          split_k=split), calls=max(8, n))
+                    print(f"  {name} M={m} rounded {cfg} split {split}: {t:.1f} us", flush=True)
+                    if best is None or t < best[2]:
+                        best = (cfg, split, t)
+            nbytes = N * K / 2 + N * K / 128 * 2.5
+            rows.append(dict(name=name, N=N, K=K, M=m, dp2a=[str(base[1]), base[2], base[3]],
+                             rounded=[str(best[0]), best[1], best[2]]))
+            print(f"{name:8s} M={m} dp2a {base[1]} split {base[2]}: {base[3]:6.1f} us | rounded {best[0]} split "
+                  f"{best[1]}: {best[2]:6.1f} us ({nbytes / best[2] / 1e3:5.0f} GB/s) | {base[3] / best[2]:.2f}x",
+                  flush=True)
+        del w, copies
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
