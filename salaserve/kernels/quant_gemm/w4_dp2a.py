@@ -12,7 +12,9 @@ The integer sum over the thread's rows, sum (q - z) v, is exact (|.| < 2^25); on
 convert (fp32's 24 bits) and one fma per column and tile scale it by s * max|x| / 32767.
 X_PREP configs round x once per CTA instead, into a scratch, one scale per K tile (the loop then
 1.6-1.7 instructions per nibble, but the prologue costs more than it saves at one row; at two
-rows it won 4 of 5 shapes).
+rows it won 4 of 5 shapes). `w4a16_gemv_dp2a_rounded` runs that loop on x rounded by its producer
+(the add + RMSNorm and silu_mul kernels write round_x_int16's layout through x_int16_tiles): at two
+rows 1.08-1.19x the bf16-x pick at every shape, at one row level with it (run 102).
 
 Layout: the GPTQ layout as stored (qweight [K/8, N]), no repacked copy, the same thread mapping
 as the FMA kernel (w4_fma_layout's [VECS, RS, NV/4, 4] slabs, x read as 16-byte int32 pairs in
@@ -386,9 +388,12 @@ W4_DP2A_CONFIGS = {
     1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False)),
     2: ((128, 16, 4, 4, 1, True), (64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False)),
 }
-# w4a16_gemv_dp2a_rounded's configs (x rounded by its producer; the X_PREP field unused); BLOCK_R * 8 = X_TILE
+# w4a16_gemv_dp2a_rounded's configs (x rounded by its producer; the X_PREP field unused); BLOCK_R * 8 = X_TILE.
+# Kept from run 102 (scripts/w4_rounded_ab.py, 12 configs): at two rows the rounded loop is 1.08-1.19x the
+# bf16-x pick at every shape; at one row 0.98-1.04x (the one-row kernel is not issue-bound), so one config
+# is left there (qkvg's 1.04x).
 W4_DP2A_ROUNDED_CONFIGS = {
-    1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 2, 2, False)),
+    1: ((128, 16, 4, 4, 1, False),),
     2: ((128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False), (64, 16, 2, 4, 2, False)),
 }
 W4_DP2A_GROUP_MULTIPLE = 8 * max(cfg[1] for cfgs in W4_DP2A_CONFIGS.values() for cfg in cfgs)
