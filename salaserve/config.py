@@ -442,6 +442,7 @@ class EngineArgs:
     state_dtype: str = "float32"  # Lightning state slots
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8_e4m3": fp8 K/V, scale per page and head
     quantization: str | None = None  # "fp8" | "w4a16" | "gptq"; None: as the checkpoint says
+    quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
     stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
@@ -481,6 +482,10 @@ class EngineArgs:
                              f"{self.speculative_num_draft_tokens}")
         if self.quantization not in (None, "fp8", "w4a16", "gptq"):
             raise ValueError(f"quantization must be fp8, w4a16 or gptq (or unset), got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization not in ("fp8", "w4a16"):
+            raise ValueError("quantize_lm_head quantizes lm_head on load: it needs quantization fp8 or w4a16 "
+                             f"(got {self.quantization!r}); a prepared checkpoint says itself whether its lm_head "
+                             "is quantized (prepare-model --quantize-lm-head)")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.state_dtype not in ("float32", "bfloat16"):

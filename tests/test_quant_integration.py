@@ -330,6 +330,26 @@ def test_quantize_on_load_end_to_end(tiny_model_dir, tmp_path, held_out, bf16_lo
     assert torch.allclose(prompt_logits(make_runner(out_dir), ids), prompt_logits(on_load, ids), atol=1e-5)
 
 
+def test_quantize_on_load_takes_lm_head_when_asked(tiny_model_dir, tmp_path, held_out):
+    """quantize_lm_head: w4a16 on load quantizes lm_head too, with the logits of prepare-model's
+    `--quantize-lm-head` checkpoint; refused without quantization, and for a checkpoint already
+    quantized with its lm_head in bf16 (whose scheme the checkpoint fixes)."""
+    on_load = make_runner(tiny_model_dir, quantization="w4a16", quantize_lm_head=True)
+    lm_head = on_load.model.p["lm_head"]
+    assert isinstance(lm_head, QuantizedLinearWeights) and lm_head.format == "w4a16"
+    out_dir = str(tmp_path / "rtn-lm-head")
+    prepare_model(tiny_model_dir, out_dir, PrepareOptions(quant="w4a16-rtn", quantize_lm_head=True, device="cpu"),
+                  progress=False)
+    ids = held_out[0][:64]
+    assert torch.allclose(prompt_logits(make_runner(out_dir), ids), prompt_logits(on_load, ids), atol=1e-5)
+    with pytest.raises(ValueError, match="needs quantization fp8 or w4a16"):
+        make_runner(tiny_model_dir, quantize_lm_head=True)
+    plain_dir = str(tmp_path / "rtn")
+    prepare_model(tiny_model_dir, plain_dir, PrepareOptions(quant="w4a16-rtn", device="cpu"), progress=False)
+    with pytest.raises(WeightLoadError, match="lm_head in bf16"):
+        make_runner(plain_dir, quantization="w4a16", quantize_lm_head=True)
+
+
 def test_gptq_request_needs_a_gptq_checkpoint(tiny_model_dir):
     with pytest.raises(ValueError, match="needs a GPTQ checkpoint"):
         make_runner(tiny_model_dir, quantization="gptq")

@@ -46,10 +46,13 @@ def test_flags_map_to_engine_and_server_args():
     assert engine.prefix_cache_slots == 4 and engine.prefix_cache_min_tokens == 256  # the defaults
     engine, _, _ = parse_args(["--prefix-cache-slots", "2", "--prefix-cache-min-tokens", "64"])
     assert engine.prefix_cache_slots == 2 and engine.prefix_cache_min_tokens == 64
+    assert not engine.quantize_lm_head
+    engine, _, _ = parse_args(["--quantization", "w4a16", "--quantize-lm-head"])
+    assert engine.quantization == "w4a16" and engine.quantize_lm_head
 
 
 @pytest.mark.parametrize("argv", [["--tp-size", "2"], ["--max-running-requests", "0"], ["--backend", "cuda"],
-                                  ["--port", "http"]])
+                                  ["--port", "http"], ["--quantize-lm-head"]])
 def test_unservable_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)

@@ -183,6 +183,7 @@ def main(argv=None) -> int:
                     help="timed prompts per prefill length after an uncounted first one (median reported)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"], help="quantize the weights on load")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="lm_head quantized on load too (default bf16)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                     help="fp8_e4m3: the sparse layers' K/V pages in fp8 with per-page scales")
     ap.add_argument("--no-cuda-graph", action="store_true")
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
     args = EngineArgs(model=model_dir, backend=a.backend, load_format="dummy", dtype="bfloat16",
                       max_running_requests=max(batches), max_total_tokens=max(kv_tokens, cfg_tokens),
                       enable_cuda_graph=not a.no_cuda_graph, context_length=max(contexts) + 1024,
-                      quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+                      quantization=a.quantization, quantize_lm_head=a.quantize_lm_head,
+                      kv_cache_dtype=a.kv_cache_dtype)
     t0 = time.perf_counter()
     engine = Engine(args)
     runner = engine.runner
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
     cfg = runner.cfg
     gbps = ceil.copy_gbps * 1e9
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": runner.backend_name,
-              "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+              "quantization": a.quantization, "quantize_lm_head": a.quantize_lm_head,
+              "kv_cache_dtype": a.kv_cache_dtype,
               "kv_page_bytes": runner.plan.page_bytes,
               "cuda_graphs": runner.graphs is not None, "startup_s": startup,
               "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else 0.0,
@@ -227,7 +230,8 @@ def main(argv=None) -> int:
             t["engine_overlap_ms"] = time_engine_decode(engine, b, ctx, overlap=True)
             t["engine_serial_ms"] = time_engine_decode(engine, b, ctx, overlap=False)
             wbytes = {None: 2.0, "fp8": 1.0, "w4a16": 0.5 + 2 / 128}[a.quantization]  # + group scales
-            floor_ms = decode_bytes(cfg, b, ctx, weight_bytes_per_param=wbytes) / gbps * 1e3
+            floor_ms = decode_bytes(cfg, b, ctx, weight_bytes_per_param=wbytes,
+                                    lm_head_bytes_per_param=wbytes if a.quantize_lm_head else 2.0) / gbps * 1e3
             row = {"batch": b, "context": ctx, **t, "floor_ms": floor_ms,
                    "achieved_over_floor": floor_ms / t["device_ms"], "tokens_per_s": b / t["step_ms"] * 1e3,
                    "engine_tokens_per_s": b / t["engine_overlap_ms"] * 1e3}

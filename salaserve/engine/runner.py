@@ -61,7 +61,8 @@ class ModelRunner:
         self.backend_name = resolve_backend_name(args.backend, self.device)
         backend = get_backend(self.backend_name, self.device)
         weights = load_state_dict(model_dir, self.cfg, dtype=self.dtype, device=self.device,
-                                  load_format=args.load_format, seed=args.seed, quantization=args.quantization)
+                                  load_format=args.load_format, seed=args.seed, quantization=args.quantization,
+                                  quantize_lm_head=args.quantize_lm_head)
         self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
 

@@ -61,15 +61,17 @@ def validate_names_and_shapes(found: dict[str, tuple[int, ...]], cfg: ModelConfi
 
 
 def load_state_dict(model_dir, cfg: ModelConfig, dtype=torch.bfloat16, device="cpu",
-                    load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> dict:
+                    load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+                    quantize_lm_head: bool = False) -> dict:
     """All tensors of the checkpoint in `dtype` on `device`, keyed by their HF names. Quantized
     linears come as QuantizedLinearWeights: as the checkpoint stores them, or quantized on load
-    when `quantization` ("fp8" | "w4a16") is asked of an unquantized checkpoint."""
+    when `quantization` ("fp8" | "w4a16") is asked of an unquantized checkpoint (lm_head too with
+    quantize_lm_head)."""
     from salaserve.quant.load import load_quantized, quantize_on_load, stored_as_on_load
     from salaserve.quant.scheme import QuantConfigError, resolve_scheme
 
     try:
-        scheme = resolve_scheme(model_dir, cfg.extra, quantization)
+        scheme = resolve_scheme(model_dir, cfg.extra, quantization, lm_head=quantize_lm_head)
     except QuantConfigError as e:
         raise WeightLoadError(str(e)) from None
     if load_format == "dummy":

@@ -146,8 +146,10 @@ def checkpoint_quant_config(model_dir, config_extra: dict) -> Optional[dict]:
     return None
 
 
-def resolve_scheme(model_dir, config_extra: dict, requested: Optional[str]) -> Optional[QuantScheme]:
-    """What the engine loads: the checkpoint's scheme, or quantize-on-load of `requested`."""
+def resolve_scheme(model_dir, config_extra: dict, requested: Optional[str],
+                   lm_head: bool = False) -> Optional[QuantScheme]:
+    """What the engine loads: the checkpoint's scheme, or quantize-on-load of `requested` (lm_head:
+    quantize lm_head too, on load only)."""
     if requested is not None and requested not in ENGINE_CHOICES:
         raise QuantConfigError(f"quantization must be one of {', '.join(ENGINE_CHOICES)} (or unset), "
                                f"got {requested!r}")
@@ -158,16 +160,22 @@ def resolve_scheme(model_dir, config_extra: dict, requested: Optional[str]) -> O
         if not ok:
             raise QuantConfigError(f"the checkpoint is {found.engine_name}-quantized "
                                    f"(quant_method {found.method!r}) but quantization={requested!r} was requested")
+        if lm_head and not found.lm_head:
+            raise QuantConfigError("this checkpoint is already quantized with lm_head in bf16; quantize_lm_head "
+                                   "applies to quantize-on-load of a bf16 checkpoint only (prepare-model "
+                                   "--quantize-lm-head writes one with lm_head quantized)")
         return found
     if requested is None:
+        if lm_head:
+            raise QuantConfigError("quantize_lm_head needs quantization fp8 or w4a16 (this checkpoint is unquantized)")
         return None
     if requested == "gptq":
         raise QuantConfigError("quantization='gptq' needs a GPTQ checkpoint, but this one is unquantized: "
                                "run `salaserve prepare-model --quant w4a16-gptq`, or use quantization='w4a16' "
                                "to quantize on load (round-to-nearest)")
     if requested == "fp8":
-        return QuantScheme("fp8", stored=False)
-    return QuantScheme("gptq", stored=False)  # w4a16 on load: RTN, group 128, symmetric
+        return QuantScheme("fp8", lm_head=lm_head, stored=False)
+    return QuantScheme("gptq", lm_head=lm_head, stored=False)  # w4a16 on load: RTN, group 128, symmetric
 
 
 # ---------------------------------------------------------------- writing

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--skip-server-warmup", action="store_true")
     a("--dense-as-sparse", action="store_true")
     a("--quantization", default=None)
+    a("--quantize-lm-head", action="store_true",
+      help="with --quantization fp8/w4a16 on a bf16 checkpoint: quantize lm_head on load too (default: bf16)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
       help="fp8_e4m3: fp8 K/V pages with a scale per page and KV head (torch backend for now)")
     a("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -122,7 +124,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         seed=ns.random_seed, max_running_requests=ns.max_running_requests,
         chunked_prefill_size=ns.chunked_prefill_size, mem_fraction_static=ns.mem_fraction_static,
         max_total_tokens=ns.max_total_tokens, context_length=ns.context_length,
-        kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, log_level=ns.log_level,
+        kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, quantize_lm_head=ns.quantize_lm_head,
+        log_level=ns.log_level,
         speculative_algorithm=ns.speculative_algorithm, speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
         speculative_max_batch=ns.speculative_max_batch, enable_cuda_graph=not ns.disable_cuda_graph,
         overlap_schedule=not ns.disable_overlap_schedule,
