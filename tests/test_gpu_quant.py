@@ -38,8 +38,7 @@ def test_w4a16_dp2a_every_config(name, M):
     every config with the heuristic split, none, and the most the calibration offers, against
     dequantize-then-matmul, on two x in turn (the X_PREP scratch rewritten), the second with one
     channel 1000x the rest (the others then keep 2^-16 of it as their rounding step); then every
-    config of the kernel on x rounded beforehand (round_x_int16, as x's producers write it); at
-    gate_up, every config's silu_mul epilogue against silu_mul of its plain output."""
+    config of the kernel on x rounded beforehand (round_x_int16, as x's producers write it)."""
     from salaserve.kernels import quant_gemm as Q
     from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
 
@@ -53,14 +52,6 @@ def test_w4a16_dp2a_every_config(name, M):
         for cfg in Q.W4_DP2A_CONFIGS[M]:
             for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
                 assert _rel(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
-        if name == "gate_up":  # the silu_mul epilogue: silu_mul of the same config's output, both rounding
-            from salaserve.kernels.torch_ops import TorchBackend
-
-            for cfg in Q.W4_DP2A_CONFIGS[M]:
-                for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
-                    want = TorchBackend().silu_mul(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split))
-                    # the same sums, then the same roundings but exp's last bit: far below bf16's 2^-8
-                    assert _rel(Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=True), want) < 1e-3, (cfg, split)
         xq, xs = Q.round_x_int16(x)  # as x's producer writes it (add + RMSNorm, silu_mul)
         for cfg in Q.W4_DP2A_ROUNDED_CONFIGS[M]:
             for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):

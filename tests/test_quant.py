@@ -340,17 +340,15 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
 def _w4_dp2a_cases():
     from salaserve.kernels import quant_gemm as qg
 
-    return ([(bucket, cfg, even, False, False) for bucket, cfgs in qg.W4_DP2A_CONFIGS.items() for cfg in cfgs
+    return ([(bucket, cfg, even, False) for bucket, cfgs in qg.W4_DP2A_CONFIGS.items() for cfg in cfgs
              for even in ((True, False) if cfg == cfgs[0] else (True,))]
-            + [(bucket, cfg, True, True, False) for bucket, cfgs in qg.W4_DP2A_ROUNDED_CONFIGS.items() for cfg in cfgs]
-            + [(1, cfg, True, False, True) for cfg in qg.W4_DP2A_CONFIGS[1]])
+            + [(bucket, cfg, True, True) for bucket, cfgs in qg.W4_DP2A_ROUNDED_CONFIGS.items() for cfg in cfgs])
 
 
-@pytest.mark.parametrize("bucket,cfg,even,given,silu", _w4_dp2a_cases())
-def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given, silu):
-    """Every dp2a decode config (bf16 x, or x rounded by its producer: given; with the silu_mul
-    epilogue of gate_up: silu) compiles for the H200 without register spills, reads qweight in
-    16-byte vectors (the epilogue's gate / up column map too), and its loop does the dot products on
+@pytest.mark.parametrize("bucket,cfg,even,given", _w4_dp2a_cases())
+def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
+    """Every dp2a decode config (bf16 x, or x rounded by its producer: given) compiles for the H200
+    without register spills, reads qweight in 16-byte vectors, and its loop does the dot products on
     dp2a (4 per packed word) with no int->float conversion per word: the x conversion of the
     in-loop configs, the scratch of X_PREP. The maxima behind x's scales propagate NaN (the GPU's
     plain max drops it; the interpreter's does not, so the interpreter check cannot see this)."""
@@ -363,15 +361,11 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given, silu):
                 ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
                       **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=even, ASM=True, PREFETCH=prefetch,
-                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, SILU_OUT=silu, PDL=True)
+                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True)
     kernel = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     ptx = kernel.asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "griddepcontrol.wait" in ptx
-    if silu:  # the gate / up column map keeps every load the plain kernel vectorizes
-        plain = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, dict(constexprs, SILU_OUT=False), warps,
-                                            fp_fusion=True, divisible=("N", "K")).asm["ptx"]
-        assert ptx.count("ld.global.v4.b32") == plain.count("ld.global.v4.b32")
     assert "max.f32" not in ptx  # x's scales carry a NaN in x to the output (given: its producer's max)
     assert ("max.NaN.f32" in ptx) != given
     # a column's int32 sum becomes a float once per tile: 4 * SLABS dp2a per conversion
@@ -546,37 +540,6 @@ def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
     monkeypatch.setattr(w4_decode, "W4_ROUNDED_X", True)
     monkeypatch.setattr(w4_decode, "W4_DP2A", False)
     assert not w4_decode.w4_rounded_usable(w)
-
-
-def test_w4_silu_epilogue_follows_the_switch_and_the_pick(monkeypatch):
-    """gate_up's silu_mul epilogue (dp2a kernel) is used only with SALASERVE_W4_SILU_EPILOGUE=1 (off by
-    default until measured on the GPU), only where the calibrated one-row pick is a dp2a config whose
-    tiles cover the [gate | up] halves whole, and only for bf16 x; off by default in a fresh process."""
-    import subprocess
-
-    from salaserve.kernels.quant_gemm import w4_decode
-    from salaserve.quant import rtn
-
-    w = rtn.quantize_w4a16_rtn(torch.randn(256, 512), 128)
-    x = torch.randn(1, 512).to(torch.bfloat16)
-    pick = ("dp2a", (64, 16, 2, 4, 2, False), 4)
-    monkeypatch.setattr(w4_decode, "_W4_TABLE", {w4_decode._w4_key(1, w, "cpu"): pick})
-    assert w4_decode.w4_silu_choice(x, w) is None  # switch off
-    monkeypatch.setattr(w4_decode, "W4_SILU_EPILOGUE", True)
-    assert w4_decode.w4_silu_choice(x, w) == pick
-    assert w4_decode.w4_silu_choice(x.float(), w) is None
-    assert w4_decode.w4_silu_choice(torch.randn(3, 512).to(torch.bfloat16), w) is None  # no pick at 3-4 rows
-    ragged = rtn.quantize_w4a16_rtn(torch.randn(2 * 72, 512), 128)  # halves of 72: not whole 64-column tiles
-    w4_decode._W4_TABLE[w4_decode._w4_key(1, ragged, "cpu")] = pick
-    assert w4_decode.w4_silu_choice(x, ragged) is None
-    w4_decode._W4_TABLE[w4_decode._w4_key(1, w, "cpu")] = ("fma", (64, 16, 4, 1), 4)
-    assert w4_decode.w4_silu_choice(x, w) is None
-    with pytest.raises(ValueError, match="epilogue is the dp2a kernel's"):
-        w4_decode.w4a16_decode(x, w, ("fma", (64, 16, 4, 1), 4), silu_out=True)
-    env = {k: v for k, v in os.environ.items() if k != "SALASERVE_W4_SILU_EPILOGUE"}
-    code = "from salaserve.kernels.quant_gemm import w4_decode; print(w4_decode.W4_SILU_EPILOGUE)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO).stdout
-    assert out.strip() == "False"
 
 
 def test_w4_mma_candidates_follow_the_switch(monkeypatch):

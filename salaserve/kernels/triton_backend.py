@@ -69,8 +69,7 @@ def _split_verify_step(batch) -> tuple[list[int], list[int]]:
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
     # int4 MLPs whose down linear may take x rounded by the silu_mul kernel: silu_mul stays before
-    # down at one row too (set by prepare_weights), unless the dp2a gate_up writes it in its epilogue
-    # (SALASERVE_W4_SILU_EPILOGUE=1)
+    # down at one row too (set by prepare_weights; no int4 GEMV has a silu_mul epilogue to lose)
     _silu_before_down = False
 
     # ---- linear layers -----------------------------------------------------------------------
@@ -85,8 +84,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         from salaserve.kernels import quant_gemm as Q
         from salaserve.kernels.quant_gemm import w4_decode
 
-        self._silu_before_down = not w4_decode.W4_SILU_EPILOGUE and any(
-            Q.w4_rounded_usable(layer["down"]) for layer in params["layers"] if isinstance(layer["down"], QuantizedLinearWeights))
+        self._silu_before_down = any(Q.w4_rounded_usable(layer["down"]) for layer in params["layers"]
+                                     if isinstance(layer["down"], QuantizedLinearWeights))
 
         wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
         added = 0
@@ -202,18 +201,12 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     def silu_linear(self, x, w):
         """silu_mul(linear(x, w)) with the activation written by the gate_up GEMV itself where it
-        can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones, the dp2a kernel's
-        epilogue for int4 ones (opt-in: quant_gemm.w4_silu_choice); else the linear and the silu_mul
-        kernel."""
+        can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones; else the
+        linear and the silu_mul kernel."""
         if self._silu_epilogue(x, w):
             return gemv_ops.gemv_silu_out(x, w)
         if (cfg := self._fp8_silu_config(x, w)) is not None:
             return gemv_ops.gemv_fp8(x, w.weight, w.scale, cfg, silu_out=True)
-        if x.is_cuda and isinstance(w, QuantizedLinearWeights):
-            from salaserve.kernels import quant_gemm
-
-            if (choice := quant_gemm.w4_silu_choice(x, w)) is not None:
-                return quant_gemm.w4a16_decode(x, w, choice, silu_out=True)
         return TorchBackend.silu_linear(self, x, w)
 
     @staticmethod

@@ -52,30 +52,16 @@ def _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        last, total = _split_k_total(acc, offs_m, offs_n, M, N, ws_ptr, cnt_ptr, tile, SPLIT_K)
-        if last:
+        part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # workspace [SPLIT_K, M, N] fp32
+        tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # all threads' partials are written before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last split of this tile: sum all partials in a fixed order
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _split_k_total(acc, offs_m, offs_n, M, N, ws_ptr, cnt_ptr, tile, SPLIT_K: tl.constexpr):
-    """Split-K > 1: every split writes its partial acc [BLOCK_M, BLOCK_N] to the workspace [SPLIT_K, M, N]
-    and bumps the tile's counter; returns (last, total): in the split that arrived last, total is
-    all splits' partials added in split order (the counter re-armed for the next launch); elsewhere
-    the split's own values, not to be stored."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
-    tl.debug_barrier()  # all threads' partials are written before the release below
-    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
-    total = acc
-    if last:  # last split of this tile: sum all partials in a fixed order
-        total = tl.zeros_like(acc)
-        for s in range(SPLIT_K):
-            total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch: no memset needed
-    return last, total
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch: no memset needed
 
 
 @triton.jit

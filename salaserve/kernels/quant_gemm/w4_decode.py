@@ -16,7 +16,7 @@ import triton
 
 from salaserve.kernels.quant_gemm._common import _device_key, _sm_count, _to_calibrate
 from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_MAX_M, W4_DP2A_ROUNDED_CONFIGS, X_TILE,
-                                                  round_x_int16, w4_dp2a_silu_usable, w4_dp2a_usable, w4a16_gemv_dp2a,
+                                                  round_x_int16, w4_dp2a_usable, w4a16_gemv_dp2a,
                                                   w4a16_gemv_dp2a_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
 from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
@@ -37,9 +37,6 @@ W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
 # write it instead of bf16: w4a16_gemv_dp2a_rounded) where the calibration times it faster than the
 # pick on bf16 x; SALASERVE_W4_ROUNDED_X=0 leaves it out
 W4_ROUNDED_X = os.environ.get("SALASERVE_W4_ROUNDED_X", "1") == "1"
-# one-row gate_up on the dp2a kernel writes silu(gate) * up itself (its silu_mul epilogue), one silu_mul
-# kernel fewer per layer; opt-in (SALASERVE_W4_SILU_EPILOGUE=1) until measured on the GPU
-W4_SILU_EPILOGUE = os.environ.get("SALASERVE_W4_SILU_EPILOGUE", "0") == "1"
 
 # (bucket, N, K, group size, device) -> (kernel "dp2a", "fma", "mma" or "wgmma", config, split), filled by
 # calibrate_w4: the pick for bf16 x
@@ -102,16 +99,6 @@ def w4_rounded_choice(rows: int, w: QuantizedLinearWeights, device) -> Optional[
     return _W4_ROUNDED_TABLE.get(_w4_key(triton.next_power_of_2(rows), w, device))
 
 
-def w4_silu_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
-    """The calibrated dp2a (kernel, config, split) for [gate | up] weights w where its silu_mul epilogue
-    can write silu(gate) * up (SALASERVE_W4_SILU_EPILOGUE=1, bf16 x, halves of whole tiles); else None."""
-    if not (W4_SILU_EPILOGUE and isinstance(w, QuantizedLinearWeights) and w.format == "w4a16"
-            and x.dim() == 2 and x.dtype == torch.bfloat16):
-        return None
-    choice = w4_decode_choice(x, w)
-    return choice if choice is not None and choice[0] == "dp2a" and w4_dp2a_silu_usable(w, choice[1]) else None
-
-
 def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
     """The calibrated (kernel, config, split) for x [M, K] at w's shape, or None (not calibrated,
     or the wgmma kernel's pick with x not bf16 or w without its repacked copy: quant_linear's
@@ -124,14 +111,9 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
     return hit
 
 
-def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu_out: bool = False) -> torch.Tensor:
-    """x @ int4 weights through a (kernel, config, split) of calibrate_w4; silu_out (the dp2a kernel on
-    [gate | up] weights, w4_silu_choice): silu(gate) * up instead."""
+def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> torch.Tensor:
+    """x @ int4 weights through a (kernel, config, split) of calibrate_w4."""
     kernel, cfg, split = choice
-    if silu_out:
-        if kernel != "dp2a":
-            raise ValueError(f"the silu_mul epilogue is the dp2a kernel's, not the {kernel} kernel's")
-        return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=True)
     if kernel == "wgmma":
         return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
     if kernel == "mma":

@@ -38,10 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs, write_silu_mul
+from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
 from salaserve.kernels.device_buffers import Want, persistent_buffers
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _split_k_total, _store_output,
-                                                  _workspace)
+from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
 from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
@@ -303,7 +302,6 @@ def _w4_gemv_dp2a_kernel(
     X_PREP: tl.constexpr = False,  # x rounded once per CTA into the xq/xs scratch (_x_prep), not per thread
     PREP_TILES: tl.constexpr = 8,  # _x_prep's tiles per step
     X_GIVEN: tl.constexpr = False,  # xq/xs already hold x in _x_prep's layout (written by x's producer)
-    SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F): out [M, F] = silu(gate) * up (write_silu_mul)
     PDL: tl.constexpr = False,
 ):
     # the FMA kernel's split and slab coordinates (w4_fma.py), written out again: a shared helper
@@ -318,15 +316,7 @@ def _w4_gemv_dp2a_kernel(
     rr = tl.arange(0, RS)[None, :, None, None]
     lane = tl.arange(0, NV // 4)[None, None, :, None]
     k4 = tl.arange(0, 4)[None, None, None, :]
-    if SILU_OUT:
-        # the tile's first BLOCK_N / 2 columns are gate columns, the rest the same up columns F further on,
-        # so that the epilogue holds both halves of each of its outputs (16-byte vectors stay whole: F % 16 == 0;
-        # written with // and *, not tl.where, which loses the vectors' alignment and splits the loads)
-        local = (tl.arange(0, VECS) * NV)[:, None, None, None] + lane * 4
-        F = tl.multiple_of(N // 2, 16)
-        vec0 = pid_n * (BLOCK_N // 2) + local % (BLOCK_N // 2) + (local // (BLOCK_N // 2)) * F
-    else:
-        vec0 = pid_n * BLOCK_N + (tl.arange(0, VECS) * NV)[:, None, None, None] + lane * 4  # [V, 1, NV/4, 1]
+    vec0 = pid_n * BLOCK_N + (tl.arange(0, VECS) * NV)[:, None, None, None] + lane * 4  # [V, 1, NV/4, 1]
     cols = vec0 + k4
     w_ptr = qweight_ptr + rr * N + cols
     rows0 = rr * 0  # per-column loads broadcast over the rows keep the weights' layout (w4_fma.py)
@@ -386,16 +376,7 @@ def _w4_gemv_dp2a_kernel(
     y = tl.where(offs_m[:, None] == 0, tl.reshape(tl.sum(acc0, axis=1), (BLOCK_N,))[None, :], 0.0)
     if BLOCK_M >= 2:
         y = tl.where(offs_m[:, None] == 1, tl.reshape(tl.sum(acc1, axis=1), (BLOCK_N,))[None, :], y)
-    if not SILU_OUT:
-        _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
-    elif SPLIT_K == 1:
-        write_silu_mul(y, offs_m, offs_m < M, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, tl.bfloat16,
-                       tl.bfloat16)
-    else:
-        last, total = _split_k_total(y, offs_m, offs_n, M, N, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
-        if last:
-            write_silu_mul(total, offs_m, offs_m < M, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, tl.bfloat16,
-                           tl.bfloat16)
+    _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA) per M bucket: a thread
@@ -447,11 +428,10 @@ def w4_dp2a_usable(w: QuantizedLinearWeights) -> bool:
 
 
 def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
-                    split_k: Optional[int] = None, silu_out: bool = False) -> torch.Tensor:
+                    split_k: Optional[int] = None) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
-    default the bucket's first. silu_out (w = [gate | up], N = 2F): silu(gate) * up [M, F] instead, as
-    fused.silu_mul of the output (w4_dp2a_silu_usable says where)."""
+    default the bucket's first."""
     K = w.in_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -462,19 +442,8 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
         x = x.clone(memory_format=torch.contiguous_format)  # x's packed rows are read as int32 pairs
     block_m = 1 if M == 1 else 2
     cfg = config or W4_DP2A_CONFIGS[block_m][0]
-    if silu_out and not w4_dp2a_silu_usable(w, cfg):
-        raise ValueError(f"w4a16_gemv_dp2a(silu_out=True) takes [gate | up] weights whose halves are whole tiles of "
-                         f"config {cfg} (N a multiple of 16 and of BLOCK_N, K of BLOCK_R * 8), got N={w.out_features}, "
-                         f"K={K}")
     xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, cfg[1]))
-    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype, silu_out=silu_out)
-
-
-def w4_dp2a_silu_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
-    """Whether the dp2a kernel can write silu_mul of [gate | up] weights w under config: its tiles are
-    whole (no masks) and the up half starts on a 16-byte vector."""
-    N, K = w.out_features, w.in_features
-    return w4_dp2a_usable(w) and N % 32 == 0 and N % config[0] == 0 and K % (8 * config[1]) == 0
+    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype)
 
 
 def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
@@ -507,21 +476,21 @@ def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
         raise ValueError("qweight too large for the kernel's int32 offsets")
 
 
-def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, silu_out: bool = False) -> torch.Tensor:
+def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype) -> torch.Tensor:
     K, N = w.in_features, w.out_features
     block_m = 1 if M == 1 else 2
     block_n, block_r, warps, slabs, prefetch, prep = cfg
     tiles = triton.cdiv(N, block_n)
     split = split_k or _default_split_k(tiles, K, x.device)
-    out = torch.empty(M, N // 2 if silu_out else N, dtype=out_dtype, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     _w4_gemv_dp2a_kernel[(tiles, split)](
         x, w.qweight, w.qzeros, w.scales, out, ws, cnt, xq, xs,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
-        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given, SILU_OUT=silu_out,
-        num_warps=warps, **pdl_launch_kwargs(x.device))
+        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given, num_warps=warps,
+        **pdl_launch_kwargs(x.device))
     return out
 
 
