@@ -238,6 +238,9 @@ def w4a16_dp2a_rounded_checks(gen):
     refused("rounded x of the wrong width", qg.w4a16_gemv_dp2a_rounded, xq[:, :128], xs[:, :2], w)
     refused("rounded x as int16", qg.w4a16_gemv_dp2a_rounded, xq.to(torch.int16), xs, w)
     refused("rounded x, 3 rows", qg.w4a16_gemv_dp2a_rounded, *qg.round_x_int16(torch.randn(3, 512)), w)
+    ragged = random_w4a16(320, 64, 128, False, gen)  # K = 2.5 tiles: no whole-tile scale for the last
+    refused("rounded x, K not whole tiles", qg.w4a16_gemv_dp2a_rounded, torch.zeros(1, 160, dtype=torch.int32),
+            torch.zeros(1, 2), ragged)
 
 
 def w4a16_wgmma_checks(gen):

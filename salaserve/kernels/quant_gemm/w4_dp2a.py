@@ -453,6 +453,8 @@ def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLine
     xs fp32 [M, K / X_TILE], contiguous): the loop of the X_PREP configs without their prologue.
     config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE)."""
     K = w.in_features
+    if K % X_TILE:  # one scale per whole tile: a partial last tile would read a scale past xs
+        raise ValueError(f"w4a16_gemv_dp2a_rounded takes K a multiple of {X_TILE}, got {K}")
     M = xq.shape[0] if xq.dim() == 2 else 0
     if xq.shape != (M, K // 2) or xq.dtype != torch.int32 or xs.shape != (M, K // X_TILE) or xs.dtype != torch.float32:
         raise ValueError(f"w4a16_gemv_dp2a_rounded takes xq int32 [M, {K // 2}] and xs fp32 [M, {K // X_TILE}], "
