@@ -20,7 +20,8 @@ import torch
 from salaserve.config import preset_config
 from salaserve.kernels import gemv as G
 from salaserve.kernels import quant_gemm as Q
-from salaserve.kernels.timing import graph_time_us, l2_busting_count
+from salaserve.kernels.quant_gemm import w4_decode
+from salaserve.kernels.timing import l2_busting_count
 from salaserve.quant import rtn
 from salaserve.quant.matmul import linear_ref
 
@@ -49,24 +50,20 @@ def main():
             ref = linear_ref(x, w).float()
             Q._W4_TABLE.clear()
             base = Q.calibrate_w4([w], "cuda", m_values=(m,))[(m, N, K)]
-            best = None
-            for cfg in EXPLORE[m]:
-                for split in Q._w4_splits(N, K, cfg[0], cfg[1], "cuda"):
-                    y = Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split).float()
-                    rel = float((y - ref).norm() / ref.norm())
-                    if not rel < 4e-3:
-                        raise SystemExit(f"{name} M={m} rounded {cfg} split {split}: rel err {rel:.2e}")
-                    t = graph_time_us(lambda i: Q.w4a16_gemv_dp2a_rounded(xq, xs, copies[i % n], config=cfg,
-                                                                          split_k=split), calls=max(8, n))
-                    print(f"  {name} M={m} rounded {cfg} split {split}: {t:.1f} us", flush=True)
-                    if best is None or t < best[2]:
-                        best = (cfg, split, t)
+            choices = w4_decode.rounded_choices(m, w, "cuda", configs=EXPLORE[m])
+            for _, cfg, split in choices:
+                y = Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split).float()
+                rel = float((y - ref).norm() / ref.norm())
+                if not rel < 4e-3:
+                    raise SystemExit(f"{name} M={m} rounded {cfg} split {split}: rel err {rel:.2e}")
+            _, cfg, split, us = w4_decode.time_choices(
+                choices, lambda c, i: Q.w4a16_gemv_dp2a_rounded(xq, xs, copies[i % n], config=c[1], split_k=c[2]), n,
+                f"{name} M={m}")
             nbytes = N * K / 2 + N * K / 128 * 2.5
             rows.append(dict(name=name, N=N, K=K, M=m, dp2a=[str(base[1]), base[2], base[3]],
-                             rounded=[str(best[0]), best[1], best[2]]))
-            print(f"{name:8s} M={m} dp2a {base[1]} split {base[2]}: {base[3]:6.1f} us | rounded {best[0]} split "
-                  f"{best[1]}: {best[2]:6.1f} us ({nbytes / best[2] / 1e3:5.0f} GB/s) | {base[3] / best[2]:.2f}x",
-                  flush=True)
+                             rounded=[str(cfg), split, us]))
+            print(f"{name:8s} M={m} dp2a {base[1]} split {base[2]}: {base[3]:6.1f} us | rounded {cfg} split "
+                  f"{split}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s) | {base[3] / us:.2f}x", flush=True)
         del w, copies
     if a.json:
         with open(a.json, "w") as f:

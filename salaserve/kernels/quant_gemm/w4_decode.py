@@ -131,7 +131,7 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
     with an empty one the compiles of every candidate take minutes (the w4a16 engine's start-up:
     243.6 s, BENCHMARKS run 77). Returns {(m, N, K): (kernel, config, split, us)}."""
-    from salaserve.kernels.timing import graph_time_us, l2_busting_count
+    from salaserve.kernels.timing import l2_busting_count
 
     device = torch.device(device)
     if device.type != "cuda":
@@ -155,13 +155,8 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
             if not candidates:
                 continue
             x = torch.randn(m, K, device=device).to(torch.bfloat16)
-            best = None
-            for choice in candidates:
-                t = graph_time_us(lambda i: w4a16_decode(x, copies[i % n_copies], choice), calls=max(8, n_copies))
-                if verbose:
-                    print(f"  w4 M={m} N={N} K={K} {choice[0]} {choice[1]} split {choice[2]}: {t:.1f} us")
-                if best is None or t < best[3]:
-                    best = (*choice, t)
+            best = time_choices(candidates, lambda c, i: w4a16_decode(x, copies[i % n_copies], c), n_copies,
+                                f"w4 M={m} N={N} K={K}" if verbose else None)
             _W4_TABLE[_w4_key(m, w, device)] = best[:3]
             result[(m, N, K)] = best
             if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
@@ -175,23 +170,38 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     return result
 
 
+def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tuple:
+    """(kernel, config, split, us) of the fastest of `choices` ((kernel, config, split) tuples), each timed
+    as run(choice, i) in a CUDA graph of back-to-back calls (i the call's index, for cycling through
+    n_copies L2-busting weight copies); label: print every time after it."""
+    from salaserve.kernels.timing import graph_time_us
+
+    best = None
+    for choice in choices:
+        t = graph_time_us(lambda i: run(choice, i), calls=max(8, n_copies))
+        if label is not None:
+            print(f"  {label} {choice[0]} {choice[1]} split {choice[2]}: {t:.1f} us")
+        if best is None or t < best[3]:
+            best = (*choice, t)
+    return best
+
+
+def rounded_choices(m: int, w: QuantizedLinearWeights, device, configs=None) -> list[tuple]:
+    """("dp2a_rounded", config, split) for w4a16_gemv_dp2a_rounded at M bucket m: its configs (or
+    `configs`) with the calibration's split-K choices."""
+    N, K = w.out_features, w.in_features
+    return [("dp2a_rounded", cfg, split) for cfg in (configs or W4_DP2A_ROUNDED_CONFIGS[m])
+            for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+
+
 def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch.Tensor, best_us: float, device,
                        verbose: bool) -> None:
     """Time w4a16_gemv_dp2a_rounded's configs and splits on x rounded beforehand (its producer does the
     rounding in the step, at no extra kernel) and record the fastest in _W4_ROUNDED_TABLE if it beats
     best_us, the pick on bf16 x."""
-    from salaserve.kernels.timing import graph_time_us
-
-    N, K = w.out_features, w.in_features
     xq, xs = round_x_int16(x)
-    best = None
-    for cfg in W4_DP2A_ROUNDED_CONFIGS[m]:
-        for split in _w4_splits(N, K, cfg[0], cfg[1], device):
-            t = graph_time_us(lambda i: w4a16_gemv_dp2a_rounded(xq, xs, copies[i % len(copies)], config=cfg,
-                                                                split_k=split), calls=max(8, len(copies)))
-            if verbose:
-                print(f"  w4 M={m} N={N} K={K} dp2a_rounded {cfg} split {split}: {t:.1f} us")
-            if best is None or t < best[2]:
-                best = (cfg, split, t)
-    if best is not None and best[2] < best_us:
-        _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[:2]
+    best = time_choices(rounded_choices(m, w, device),
+                        lambda c, i: w4a16_gemv_dp2a_rounded(xq, xs, copies[i % len(copies)], config=c[1], split_k=c[2]),
+                        len(copies), f"w4 M={m} N={w.out_features} K={w.in_features}" if verbose else None)
+    if best[3] < best_us:
+        _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[1:3]
