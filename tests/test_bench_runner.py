@@ -326,6 +326,31 @@ def test_profile_step_prefill_mode_runs_on_cpu(tmp_path):
         main(["--model", str(model), "--prefill", "300", "--graph"])
 
 
+def test_profile_step_quantized_lm_head_and_no_pdl_on_cpu(tmp_path):
+    """--quantization w4a16 --quantize-lm-head --no-pdl profiles a step (CPU ops here) with lm_head
+    quantized; --quantize-lm-head alone is refused with a usage error."""
+    import json
+
+    from salaserve.bench.profile_step import main
+    from salaserve.kernels import _triton_utils
+    from salaserve.model.checkpoint import write_checkpoint
+
+    model = tmp_path / "tiny"
+    write_checkpoint(str(model), "tiny", weights=False)
+    out = tmp_path / "prof.json"
+    before = _triton_utils._PDL
+    try:
+        assert main(["--model", str(model), "--batch", "1", "--context", "100", "--quantization", "w4a16",
+                     "--quantize-lm-head", "--no-pdl", "--json", str(out)]) == 0
+        assert _triton_utils._PDL is False
+    finally:
+        _triton_utils.set_pdl(before)
+    assert json.loads(out.read_text())["total_us"] > 0
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(model), "--quantize-lm-head"])
+    assert e.value.code == 2
+
+
 def test_kernel_timeline_span_busy_and_gaps():
     """Graph-replay timeline: overlapping kernels count once, gaps run from the end of everything so
     far (named by the kernel that ended last) to the next start, and non-kernel events are ignored."""

@@ -1,7 +1,8 @@
 """Where a decode (or verify) step's time goes: per-kernel device time of one step.
 
     python -m salaserve.bench.profile_step [--model DIR] [--batch 1] [--context 131072[,4096...]]
-                                           [--verify-k 0] [--graph] [--quantization fp8] [--top 25]
+                                           [--verify-k 0] [--graph] [--no-pdl] [--top 25]
+                                           [--quantization {fp8,w4a16} [--quantize-lm-head]]
                                            [--json OUT.json]
     python -m salaserve.bench.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
 
@@ -165,6 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--quantization", default=None, choices=["fp8", "w4a16"],
                     help="weights quantized on load (default: bf16)")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head on load too")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch without PDL, so that kernel times do not overlap (the step is slower); unlike "
+                         "SALASERVE_PDL=0 it keeps the plan cache's fingerprint, so the PDL run's picks are reused")
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--top", type=int, default=25)
@@ -175,12 +180,19 @@ def main(argv=None) -> int:
         ap.error("--graph profiles plain decode graphs; drop --verify-k")
     if a.prefill and (a.graph or a.verify_k):
         ap.error("--prefill profiles a prompt; drop --graph / --verify-k")
+    if a.quantize_lm_head and not a.quantization:
+        ap.error("--quantize-lm-head needs --quantization")
+    if a.no_pdl:
+        from salaserve.kernels._triton_utils import set_pdl
+
+        set_pdl(False)
     model_dir = model_dir_or_full(a.model)
     if a.prefill:
         runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=1,
                                         max_total_tokens=a.prefill + 4096, context_length=a.prefill + 1024,
                                         enable_cuda_graph=False, kv_cache_dtype=a.kv_cache_dtype,
-                                        quantization=a.quantization), model_dir)
+                                        quantization=a.quantization, quantize_lm_head=a.quantize_lm_head),
+                             model_dir)
         rows, seconds, tl = profile_prefill(runner, a.prefill)
         total = sum(r["total_us"] for r in rows)
         print(f"prefill of {a.prefill} tokens: {seconds:.3f} s under the profiler, {total / 1e6:.3f} s of kernels")
@@ -201,7 +213,8 @@ def main(argv=None) -> int:
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),
                                     max_total_tokens=tokens, context_length=max(contexts) + 1024,
                                     enable_cuda_graph=a.graph, cuda_graph_max_bs=a.batch if a.graph else None,
-                                    kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization), model_dir)
+                                    kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization,
+                                    quantize_lm_head=a.quantize_lm_head), model_dir)
     results = []
     for context in contexts:
         if a.graph:
