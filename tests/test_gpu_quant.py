@@ -191,6 +191,32 @@ def test_w4a16_calibration_picks_a_valid_config():
         assert _rel(Q.quant_linear(x, w), linear_ref(x, w)) < TOL
 
 
+def test_precompile_leaves_nothing_to_compile():
+    """compile_ahead.precompile compiles every candidate of an (M, shape) in threads without running
+    them: afterwards the real launches find each kernel in its JIT cache (the cache does not grow)
+    and still equal the reference. Shapes unseen elsewhere in the tests (N = 1536, K = 2048, two
+    splits per config), so the compiles are new to this process."""
+    from salaserve.kernels import compile_ahead as ca
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm.w4_dp2a import _w4_gemv_dp2a_kernel
+
+    if not ca.precompile_available():
+        pytest.skip("this Triton has no AsyncCompileMode (or SALASERVE_PARALLEL_COMPILE=0)")
+    N, K = 1536, 2048
+    w = _weights("w4a16", N, K, 12)
+    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
+    cands = [("dp2a", cfg, split) for cfg in Q.W4_DP2A_CONFIGS[1] for split in (3, 5)]
+    cache = _w4_gemv_dp2a_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    assert ca.precompile(lambda c=c: Q.w4a16_decode(x, w, c) for c in cands) == len(cands)
+    compiled = len(cache)
+    assert compiled > before
+    ref = linear_ref(x, w)
+    for c in cands:
+        assert _rel(Q.w4a16_decode(x, w, c), ref) < TOL, c
+    assert len(cache) == compiled
+
+
 def test_w8a8_calibration_records_a_candidate():
     from salaserve.kernels import quant_gemm as Q
 

@@ -102,6 +102,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn,
                                              silu_mul_rounded, tl_dtype)
+from salaserve.kernels.compile_ahead import launch_kernel, precompile, precompile_available
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
@@ -795,7 +796,7 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     even_k = K % (split * cfg.block_k) == 0
     kw = dict(launch_pdl=True) if use_pdl else {}
-    _gemv_kernel[(tiles, split)](
+    launch_kernel(_gemv_kernel, (tiles, split),
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else w, ws, cnt,
         w_scale if w_scale is not None else ws,
         M, N, K, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
@@ -968,10 +969,14 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
                     cands = configs(Mb) if callable(configs) else configs
                 else:
                     cands = [c for c in candidate_configs(Mb) if _split_useful(c, N, device)]
+                # pin the split the timing uses
+                cands = [c if c.split_k else replace(c, split_k=_auto_split(N, K, c, device)) for c in cands]
+                if precompile_available():  # every candidate's compile at once, x and out as time_linear's
+                    x = torch.randn(Mb, K, device=device).to(ws[0].dtype)
+                    out = torch.empty(Mb, N, device=device, dtype=ws[0].dtype)
+                    precompile(functools.partial(gemv, x, ws[0], out, config=cfg) for cfg in cands)
                 best = None
                 for cfg in cands:
-                    if not cfg.split_k:  # pin the split the timing uses
-                        cfg = replace(cfg, split_k=_auto_split(N, K, cfg, device))
                     t = time_linear("gemv", Mb, N, K, device, config=cfg, weights=ws)
                     if verbose:
                         print(f"  M={Mb} N={N} K={K} {cfg}: {t:.1f} us (cuBLAS {t_cublas:.1f})")

@@ -5,6 +5,7 @@ choose between them and gemv.py's FMA GEMV on the fp8 codes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_supported, pdl_wait_first, round_to_e4m3
+from salaserve.kernels.compile_ahead import launch_kernel, precompile
 from salaserve.quant.formats import FP8_MAX, QuantizedLinearWeights
 from salaserve.kernels.quant_gemm._common import (_INTERPRET, _configs, _GEMV_KEY, _tile_ids, _store_output,
                                                   _split_range, _workspace, _gemv_block_m, _default_split_k, _check_x,
@@ -131,7 +133,7 @@ def w8a16_gemv(
     if block_k is None:
         (_w8a16_gemv_fma_tuned if block_m == 1 else _w8a16_gemv_dot_tuned)[grid](*args, **meta)
     else:
-        _w8a16_kernel[grid](*args, **meta, BLOCK_K=block_k, num_warps=num_warps)
+        launch_kernel(_w8a16_kernel, grid, *args, **meta, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
@@ -199,7 +201,7 @@ def _w8a8_launch(x, w_fp8, scale, out, block_n, split, num_warps, num_stages):
     N = w_fp8.shape[0]
     tiles = _w8a8_tiles(M, N, block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
-    _w8a8_gemv_kernel[(tiles, split)](
+    launch_kernel(_w8a8_gemv_kernel, (tiles, split),
         x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0),
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=ACT_BLOCK, SPLIT_K=split, FP8_MAX_C=FP8_MAX, INTERPRET=_INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
@@ -282,8 +284,10 @@ def calibrate_w8a8(weights, device, m_values=(1, 32), verbose: bool = False) -> 
             if key in _W8A8_TABLE:
                 continue
             x = torch.randn(m, K, device=device).to(torch.bfloat16)
+            cands = _w8a8_candidates(m, N, K, device)
+            precompile(functools.partial(w8a8_gemv, x, copies[0], w.scale, config=cfg) for cfg in cands)
             best = None
-            for cfg in _w8a8_candidates(m, N, K, device):
+            for cfg in cands:
                 t = graph_time_us(lambda i: w8a8_gemv(x, copies[i % n_copies], w.scale, config=cfg),
                                   calls=max(8, n_copies))
                 if verbose:
@@ -361,10 +365,14 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
             x = torch.randn(G._bucket(m), K, device=device).to(torch.bfloat16)
             junction = m == 1 and (N, K) in silu_shapes
             after = silu_mul if junction else (lambda y: y)
+            cands = [dataclasses.replace(c, split_k=c.split_k or G._auto_split(N, K, c, device))
+                     for c in _fp8_candidates(m, w)]
+            precompile([functools.partial(w8a16_gemv, x, copies[0], w.scale)]
+                       + [functools.partial(G.gemv_fp8, x, copies[0], w.scale, c,
+                                            silu_out=junction and c.block_n % 2 == 0) for c in cands])
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
-            for cfg in _fp8_candidates(m, w):
-                cfg = dataclasses.replace(cfg, split_k=cfg.split_k or G._auto_split(N, K, cfg, device))
+            for cfg in cands:
                 if junction and cfg.block_n % 2 == 0:
                     t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
                                       calls=max(8, n))

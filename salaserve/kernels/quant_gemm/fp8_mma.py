@@ -38,6 +38,7 @@ import triton.language as tl
 
 from salaserve.kernels import gemv as G
 from salaserve.kernels._triton_utils import bf16_pair, round_to, silu_mul_rounded
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.quant_gemm._common import _split_k_fragments
 
 MMA_TOKENS = 8  # the mma's N: one column per token
@@ -365,7 +366,7 @@ def launch(x, w, w_scale, out, cfg, *, silu_out: bool, use_pdl: bool, y_dt, out_
     tiles = triton.cdiv(N // 2, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = G._workspace(x.device, split * M * N if split > 1 else 0, tiles)
     kw = dict(launch_pdl=True) if use_pdl else {}
-    _fp8_mma_gemv_kernel[(tiles, split)](
+    launch_kernel(_fp8_mma_gemv_kernel, (tiles, split),
         x, w, w_scale, out, ws, cnt, M, N, K // 4, split_words,
         x.stride(0) // 2 if x.dtype == torch.bfloat16 else x.stride(0), w.stride(0) // 4, out.stride(0),
         RT=rows_per_warp // 16, NUM_WARPS=cfg.num_warps, SPLIT_K=split, SILU_OUT=silu_out,

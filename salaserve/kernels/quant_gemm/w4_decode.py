@@ -8,12 +8,14 @@ warpgroup-MMA GEMV (w4_wgmma.py, 4-16 rows) and, opt-in, the warp-level MMA GEMV
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
 import torch
 import triton
 
+from salaserve.kernels.compile_ahead import precompile
 from salaserve.kernels.quant_gemm._common import _device_key, _sm_count, _to_calibrate
 from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_MAX_M, W4_DP2A_ROUNDED_CONFIGS, X_TILE,
                                                   round_x_int16, w4_dp2a_usable, w4a16_gemv_dp2a,
@@ -176,6 +178,7 @@ def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tu
     n_copies L2-busting weight copies); label: print every time after it."""
     from salaserve.kernels.timing import graph_time_us
 
+    precompile(functools.partial(run, choice, 0) for choice in choices)  # every candidate's compile at once
     best = None
     for choice in choices:
         t = graph_time_us(lambda i: run(choice, i), calls=max(8, n_copies))

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
 from salaserve.quant.formats import QuantizedLinearWeights
@@ -486,7 +487,7 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype) -> torch.Te
     split = split_k or _default_split_k(tiles, K, x.device)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
-    _w4_gemv_dp2a_kernel[(tiles, split)](
+    launch_kernel(_w4_gemv_dp2a_kernel, (tiles, split),
         x, w.qweight, w.qzeros, w.scales, out, ws, cnt, xq, xs,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,

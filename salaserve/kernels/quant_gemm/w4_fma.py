@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.kernels.quant_gemm._common import _check_x, _default_split_k, _store_output, _workspace
 
@@ -327,7 +328,7 @@ def w4a16_gemv_fma(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Option
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     x_pairs = x.dtype == torch.bfloat16 and w.perm is None and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
-    _w4_gemv_fma_kernel[(tiles, split)](
+    launch_kernel(_w4_gemv_fma_kernel, (tiles, split),
         x, w.qweight, w.qzeros, w.scales, w.perm if w.perm is not None else w.qzeros, out, ws, cnt,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0), W4_MAGIC_LO, W4_MAGIC_HI,
         GROUP_SIZE=w.group_size, X_PERM=w.perm is not None, X_PAIRS=x_pairs, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _split_k_fragments,
                                                   _workspace)
 from salaserve.kernels.quant_gemm.fp8_mma import _emu_cols, _emu_contract, _four, _fragment_masks, _mma_lanes
@@ -313,7 +314,7 @@ def w4a16_gemv_mma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4MmaWeig
     split_words = triton.cdiv(k_words, split * TILE_WORDS) * TILE_WORDS
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
-    _w4_mma_gemv_kernel[(tiles, split)](
+    launch_kernel(_w4_mma_gemv_kernel, (tiles, split),
         x, packed.qweight, packed.gz, out, ws, cnt, M, N, k_words, split_words, x.stride(0) // 2, out.stride(0),
         GROUP_WORDS=w.group_size // 8, RT=rt, NUM_WARPS=warps, SPLIT_K=split, EVEN_N=N % block_n == 0,
         STAGES=stages, ASM=not _INTERPRET, num_warps=warps,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _store_output,
                                                   _workspace)
 from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, _to_int32, dequantize_gptq, unpack_int4,
@@ -223,7 +224,7 @@ def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4Wgmma
     split = split_k or _default_split_k(tiles, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
-    _w4_gemv_wgmma_kernel[(tiles, split)](
+    launch_kernel(_w4_gemv_wgmma_kernel, (tiles, split),
         x, packed.qweight, packed.zs, out, ws, cnt, M, N, K, x.stride(0), out.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not _INTERPRET,
         DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))

@@ -1,0 +1,80 @@
+"""compile_ahead: the calibration's Triton compiles in threads (the mechanics, on the CPU; the GPU
+side is tests/test_gpu_quant.py::test_precompile_leaves_nothing_to_compile)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from salaserve.kernels import compile_ahead as ca
+
+
+class _FakeKernel:
+    """Records launches and compile-only launches (warmup) the way a JITFunction receives them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("run", grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("warmup", grid, args, kwargs))
+
+
+class _FakeMode:
+    """AsyncCompileMode's interface: entered around the launches, given the pool."""
+    entered = []
+
+    def __init__(self, pool, *, ignore_errors=False):
+        assert isinstance(pool, ThreadPoolExecutor) and ignore_errors
+
+    def __enter__(self):
+        _FakeMode.entered.append(True)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_launch_runs_the_kernel_outside_precompile():
+    k = _FakeKernel()
+    ca.launch_kernel(k, (3, 2), 1, "a", BLOCK=4)
+    assert k.calls == [("run", (3, 2), (1, "a"), {"BLOCK": 4})]
+
+
+def test_precompile_turns_launches_into_compiles_only_while_it_runs(monkeypatch):
+    monkeypatch.setattr(ca, "precompile_available", lambda: True)
+    monkeypatch.setattr(ca, "_async_compile_mode", lambda: _FakeMode)
+    _FakeMode.entered.clear()
+    k = _FakeKernel()
+    n = ca.precompile(lambda s=s: ca.launch_kernel(k, (s,), "x", SPLIT=s) for s in (1, 2, 4))
+    assert n == 3 and _FakeMode.entered == [True]
+    assert k.calls == [("warmup", (s,), ("x",), {"SPLIT": s}) for s in (1, 2, 4)]
+    ca.launch_kernel(k, (8,), "x")  # after it: real launches again
+    assert k.calls[-1] == ("run", (8,), ("x",), {})
+
+
+def test_precompile_restores_launches_when_a_candidate_raises(monkeypatch):
+    monkeypatch.setattr(ca, "precompile_available", lambda: True)
+    monkeypatch.setattr(ca, "_async_compile_mode", lambda: _FakeMode)
+    k = _FakeKernel()
+
+    def bad():
+        raise ValueError("refused config")
+
+    with pytest.raises(ValueError, match="refused config"):
+        ca.precompile([bad])
+    ca.launch_kernel(k, (1,))
+    assert k.calls == [("run", (1,), (), {})]
+
+
+def test_precompile_does_nothing_without_a_gpu():
+    """No CUDA here (or the interpreter): the fns are not even called, so nothing is launched."""
+    if ca.precompile_available():
+        pytest.skip("a GPU with AsyncCompileMode is present")
+    called = []
+    assert ca.precompile([lambda: called.append(1)]) == 0
+    assert called == []
+    assert ca.workers() >= 1
