@@ -264,6 +264,19 @@ def test_runner_warmup_returns_every_resource(tiny_model_dir):
     assert got == [t for o in run_to_completion(fresh)["a"] for t in o.new_token_ids]
 
 
+def test_runner_reports_its_startup_phases(tiny_model_dir):
+    """The runner times its start-up by phase (load first, then the backend's steps that apply)
+    and the server's engine_info carries them."""
+    from salaserve.server.engine_worker import engine_info
+
+    engine = make_engine(tiny_model_dir)
+    phases = engine.runner.startup_phases
+    assert next(iter(phases)) == "load" and all(sec >= 0.0 for sec in phases.values())
+    assert set(phases) <= {"load", "prepare weights", "calibration", "warm-up", "graph capture"}
+    assert engine.runner.describe_startup().startswith("load ")
+    assert engine_info(engine)["startup_phases"] == phases
+
+
 def test_requests_compare_by_identity():
     """The scheduler keeps requests in lists and asks `req in running` each step: field-by-field
     dataclass equality made that O(B^2) comparisons of whole token lists (4.7 ms per step at 128

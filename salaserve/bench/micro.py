@@ -211,13 +211,14 @@ def main(argv=None) -> int:
               "quantization": a.quantization, "quantize_lm_head": a.quantize_lm_head,
               "kv_cache_dtype": a.kv_cache_dtype,
               "kv_page_bytes": runner.plan.page_bytes,
-              "cuda_graphs": runner.graphs is not None, "startup_s": startup,
+              "cuda_graphs": runner.graphs is not None, "startup_s": startup, "startup_phases": runner.startup_phases,
               "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else 0.0,
               "copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops, "decode": [], "prefill": []}
 
     print(f"GPU {result['gpu']}: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s; "
           f"backend {runner.backend_name}, graphs {result['cuda_graphs']}, start-up {startup:.1f} s, "
           f"KV cache {a.kv_cache_dtype}")
+    print(f"start-up phases: {runner.describe_startup()}")
     print(f"{'decode':>8} {'batch':>6} {'context':>8} {'device ms':>10} {'step ms':>8} {'floor ms':>9} {'floor/dev':>9} {'tok/s':>9} {'build ms':>8} {'launch ms':>9} "
           f"{'eng ms':>7} {'eng tok/s':>9} {'serial ms':>9}")
     free_tokens = runner.caches.kv.allocator.num_free * runner.caches.kv.block_size

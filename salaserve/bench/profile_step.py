@@ -215,6 +215,7 @@ def main(argv=None) -> int:
                                     enable_cuda_graph=a.graph, cuda_graph_max_bs=a.batch if a.graph else None,
                                     kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization,
                                     quantize_lm_head=a.quantize_lm_head), model_dir)
+    print(f"start-up phases: {runner.describe_startup()}")
     results = []
     for context in contexts:
         if a.graph:
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             first = results[0]
             json.dump({"batch": a.batch, "context": first["context"], "verify_k": a.verify_k, "total_us": first["total_us"],
-                       "kernels": first["kernels"], "runs": results}, f, indent=2)
+                       "kernels": first["kernels"], "runs": results, "startup_phases": runner.startup_phases}, f,
+                      indent=2)
     return 0
 
 

@@ -65,9 +65,13 @@ class ModelRunner:
                                   quantize_lm_head=args.quantize_lm_head)
         self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
+        # seconds per start-up phase, in order (logged at the end; micro and profile_step print them)
+        self.startup_phases: dict[str, float] = {"load": self.load_seconds}
 
         if hasattr(backend, "prepare_weights"):  # kernel-specific weight copies, before the memory plan
+            t = time.perf_counter()
             backend.prepare_weights(self.model.p, self.device)
+            self.startup_phases["prepare weights"] = time.perf_counter() - t
         cfg, sc = self.cfg, self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
         state_dtype = DTYPES[args.state_dtype]
@@ -95,12 +99,21 @@ class ModelRunner:
         self.verify_buckets: list[int] | None = None
         self.real_rows: torch.Tensor | None = None
         if hasattr(backend, "prepare"):
+            t = time.perf_counter()
             tokens_per_seq = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
             backend.prepare(cfg, self.device, self.model.p, max_rows=args.max_running_requests * tokens_per_seq)
+            self.startup_phases["calibration"] = time.perf_counter() - t
         if self.device.type == "cuda":
-            self.warmup()
+            self.startup_phases["warm-up"] = self.warmup()
         if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
+            t = time.perf_counter()
             self._capture_graphs()
+            self.startup_phases["graph capture"] = time.perf_counter() - t
+        log.info("start-up %.1f s: %s", time.perf_counter() - t0, self.describe_startup())
+
+    def describe_startup(self) -> str:
+        """The start-up phases' seconds, e.g. 'load 12.0 s, calibration 61.2 s, ...'."""
+        return ", ".join(f"{name} {sec:.1f} s" for name, sec in self.startup_phases.items())
 
     @torch.no_grad()
     def warmup(self) -> float:

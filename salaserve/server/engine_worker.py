@@ -69,6 +69,7 @@ def engine_info(engine) -> dict:
         "dtype": str(runner.dtype).replace("torch.", ""),
         "backend": runner.backend_name,
         "load_seconds": runner.load_seconds,
+        "startup_phases": dict(runner.startup_phases),
         "weight_bytes": cfg.num_parameters() * runner.dtype.itemsize,  # unquantized estimate
         "kv_cache_bytes": runner.plan.num_pages * runner.plan.page_bytes,
         "state_bytes": runner.plan.num_slots * runner.plan.slot_bytes,
