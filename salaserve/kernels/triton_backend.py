@@ -54,6 +54,16 @@ def _linear_weights(params) -> list:
     return [p for w in ws for p in getattr(w, "parts", [w])]
 
 
+def _plain_shapes(cfg, params) -> list[tuple[int, int]]:
+    """(N, K) of the linears the bf16 GEMV / cuBLAS calibration serves: the model's plain (tensor)
+    weights, e.g. only lm_head in a quantized model (quantized linears never take the bf16 GEMV);
+    every linear shape of cfg without params."""
+    if params is None:
+        return [(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)]
+    return list(dict.fromkeys((int(w.shape[0]), int(w.shape[1])) for w in _linear_weights(params)
+                              if isinstance(w, torch.Tensor)))
+
+
 def _split_verify_step(batch) -> tuple[list[int], list[int]]:
     """(recurrent, chunks): the sequences of a verify step that verify or decode one token, and
     those that are prefill chunks. Graph batches hold verify sequences only (host mirrors are
@@ -121,7 +131,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     def _calibrate(self, cfg, device, params, max_rows: int) -> None:
         top = max(gemv_ops._bucket(max_rows), 16)
-        gemv_ops.calibrate([(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)], device,
+        gemv_ops.calibrate(_plain_shapes(cfg, params), device,
                            m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top))
         quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
                      if isinstance(w, QuantizedLinearWeights)]
