@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Twenty-first session, NOT RUN (device time spent): checks and numbers for the session's last two
+# Twenty-first session, NOT RUN (device time spent): checks and numbers for the session's last three
 # changes, for the next session's first call.
 #   1. Cold start-up of the w4a16 engine with its phases printed (runner.startup_phases): load,
 #      prepare weights, calibration, warm-up, graph capture. Now the bf16 calibration times only
-#      lm_head in a quantized model. Prediction: calibration well under half of run 108's 188 s;
+#      lm_head in a quantized model, and each calibration compiles all its shapes and buckets in
+#      one batch. Prediction: start-up 188 -> ~150 s, calibration well under half of it;
 #      the rest is warm-up compiles and fla's autotuning.
 #   2. The GPU engine tests whose start-up runs the bf16 calibration on the plain shapes
 #      (graph == eager for bf16, fp8 and w4a16).

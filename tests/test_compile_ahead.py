@@ -78,3 +78,43 @@ def test_precompile_does_nothing_without_a_gpu():
     assert ca.precompile([lambda: called.append(1)]) == 0
     assert called == []
     assert ca.workers() >= 1
+
+
+def test_w4_calibration_precompiles_every_candidate_of_every_bucket(monkeypatch):
+    """calibrate_w4's one precompile batch holds exactly what it then times: per shape and M bucket
+    each (kernel, config, split) candidate, plus the rounded-x kernel's at 1-2 rows."""
+    import functools
+
+    import torch
+
+    from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.quant import rtn
+
+    w = rtn.quantize_w4a16_rtn(torch.randn(256, 512) * 512 ** -0.5, 128)
+    work = [(w, [1, 2, 4])]
+    launches = list(w4_decode._candidate_launches(work, "cpu"))
+    want = sum(len(w4_decode._w4_candidates(m, w, "cpu")) for m in (1, 2, 4))
+    want += sum(len(w4_decode.rounded_choices(m, w, "cpu")) for m in (1, 2)) if w4_decode.w4_rounded_usable(w) else 0
+    assert len(launches) == want > 0
+    assert all(isinstance(f, functools.partial) for f in launches)
+    assert {f.func.__name__ for f in launches} <= {"w4a16_decode", "w4a16_gemv_dp2a_rounded"}
+    assert {f.args[0].shape[0] for f in launches} == {1, 2, 4}  # x (or its int16 pairs) of each bucket
+
+
+def test_gemv_calibration_precompiles_every_candidate_of_every_bucket(monkeypatch):
+    """gemv.calibrate's precompile batch: one launch per (shape, bucket, candidate) it then times,
+    each candidate with the split it runs at."""
+    import functools
+
+    from salaserve.kernels import gemv as G
+
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
+    todo = {(512, 256): [1, 4], (256, 512): [], (384, 256): [16]}
+    launches = list(G._candidate_launches(todo, "cpu"))
+    want = [(N, K, Mb, c) for (N, K), bs in todo.items() for Mb in bs for c in G._calibration_candidates(Mb, N, K, "cpu")]
+    assert len(launches) == len(want) > 0
+    for f, (N, K, Mb, c) in zip(launches, want):
+        assert isinstance(f, functools.partial) and f.func is G.gemv
+        x, w, out = f.args
+        assert x.shape == (Mb, K) and w.shape == (N, K) and out.shape == (Mb, N)
+        assert f.keywords["config"] == c and c.split_k

@@ -955,37 +955,54 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
     if device.type != "cuda":
         return {}
     result = {}
+    todo = {}  # (N, K) -> its M buckets not yet in the table
     for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
+        buckets = [_bucket(M) for M in m_values if _bucket(M) <= DOT_MAX_M]  # above: rows the GEMV never takes
+        todo[N, K] = [Mb for Mb in dict.fromkeys(buckets) if _key(Mb, N, K, device) not in _TABLE]
+    if precompile_available():  # every compile below in one batch across the threads
+        precompile(_candidate_launches(todo, device, configs))
+    for (N, K), buckets in todo.items():
         ws = None
-        for M in m_values:
-            if _bucket(M) > DOT_MAX_M:  # rows the GEMV never takes (SALASERVE_GEMV_MAX_ROWS)
-                continue
-            key = _key(M, N, K, device)
-            if key not in _TABLE:
-                ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
-                Mb = _bucket(M)
-                t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
-                if callable(configs) or configs:
-                    cands = configs(Mb) if callable(configs) else configs
-                else:
-                    cands = [c for c in candidate_configs(Mb) if _split_useful(c, N, device)]
-                # pin the split the timing uses
-                cands = [c if c.split_k else replace(c, split_k=_auto_split(N, K, c, device)) for c in cands]
-                if precompile_available():  # every candidate's compile at once, x and out as time_linear's
-                    x = torch.randn(Mb, K, device=device).to(ws[0].dtype)
-                    out = torch.empty(Mb, N, device=device, dtype=ws[0].dtype)
-                    precompile(functools.partial(gemv, x, ws[0], out, config=cfg) for cfg in cands)
-                best = None
-                for cfg in cands:
-                    t = time_linear("gemv", Mb, N, K, device, config=cfg, weights=ws)
-                    if verbose:
-                        print(f"  M={Mb} N={N} K={K} {cfg}: {t:.1f} us (cuBLAS {t_cublas:.1f})")
-                    if best is None or t < best[1]:
-                        best = (cfg, t)
-                _TABLE[key] = Choice(best[0], best[1], t_cublas)
-            result[key[1:]] = _TABLE[key]
+        for Mb in buckets:
+            ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
+            t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
+            best = None
+            for cfg in _calibration_candidates(Mb, N, K, device, configs):
+                t = time_linear("gemv", Mb, N, K, device, config=cfg, weights=ws)
+                if verbose:
+                    print(f"  M={Mb} N={N} K={K} {cfg}: {t:.1f} us (cuBLAS {t_cublas:.1f})")
+                if best is None or t < best[1]:
+                    best = (cfg, t)
+            _TABLE[_key(Mb, N, K, device)] = Choice(best[0], best[1], t_cublas)
         del ws
+    for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
+        for M in m_values:
+            if _bucket(M) <= DOT_MAX_M:
+                result[(_bucket(M), N, K)] = _TABLE[_key(M, N, K, device)]
     return result
+
+
+def _calibration_candidates(Mb: int, N: int, K: int, device, configs=None) -> list:
+    """The configs calibrate times at bucket Mb and shape (N, K), each with the split it runs at."""
+    if callable(configs) or configs:
+        cands = configs(Mb) if callable(configs) else configs
+    else:
+        cands = [c for c in candidate_configs(Mb) if _split_useful(c, N, device)]
+    return [c if c.split_k else replace(c, split_k=_auto_split(N, K, c, device)) for c in cands]
+
+
+def _candidate_launches(todo: dict, device, configs=None):
+    """One GEMV launch per (shape, bucket, candidate) of calibrate's work `todo` ({(N, K): buckets}),
+    with x, w and out as time_linear makes them, for precompile."""
+    for (N, K), buckets in todo.items():
+        if not buckets:
+            continue
+        w = torch.empty(N, K, device=device, dtype=torch.bfloat16)  # launches compile, never run
+        for Mb in buckets:
+            x = torch.empty(Mb, K, device=device, dtype=torch.bfloat16)
+            out = torch.empty(Mb, N, device=device, dtype=torch.bfloat16)
+            for cfg in _calibration_candidates(Mb, N, K, device, configs):
+                yield functools.partial(gemv, x, w, out, config=cfg)
 
 
 def calibration_table() -> dict:

@@ -143,7 +143,9 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     def usable(w):
         return w.format == "w4a16" and w.g_idx_trivial and any(_w4_candidates(m, w, device) for m in m_values)
 
-    for w, todo in _to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE):
+    work = list(_to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE))
+    precompile(_candidate_launches(work, device))  # every compile below in one batch across the threads
+    for w, todo in work:
         N, K = w.out_features, w.in_features
         n_copies = l2_busting_count(w.qweight.nbytes)
         copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None, mma=None)
@@ -172,13 +174,29 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     return result
 
 
+def _candidate_launches(work, device):
+    """One launch of each (shape, M bucket, candidate) that calibrate_w4 will time for `work`
+    ((weight, M buckets) pairs), the rounded-x kernel's included, for precompile: the whole
+    start-up's compiles in one batch, so the thread pool never waits on one bucket's slowest."""
+    for w, todo in work:
+        for m in todo:
+            x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
+            for c in _w4_candidates(m, w, device):
+                yield functools.partial(w4a16_decode, x, w, c)
+            if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
+                xq, xs = round_x_int16(x)
+                for c in rounded_choices(m, w, device):
+                    yield functools.partial(w4a16_gemv_dp2a_rounded, xq, xs, w, config=c[1], split_k=c[2])
+
+
 def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tuple:
     """(kernel, config, split, us) of the fastest of `choices` ((kernel, config, split) tuples), each timed
     as run(choice, i) in a CUDA graph of back-to-back calls (i the call's index, for cycling through
     n_copies L2-busting weight copies); label: print every time after it."""
     from salaserve.kernels.timing import graph_time_us
 
-    precompile(functools.partial(run, choice, 0) for choice in choices)  # every candidate's compile at once
+    # every candidate's compile at once (calibrate_w4 has compiled them already: then nothing to do)
+    precompile(functools.partial(run, choice, 0) for choice in choices)
     best = None
     for choice in choices:
         t = graph_time_us(lambda i: run(choice, i), calls=max(8, n_copies))
