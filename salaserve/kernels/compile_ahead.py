@@ -1,21 +1,21 @@
 """The start-up calibration's Triton compiles, many at once in threads instead of one by one.
 
-    precompile(fn() for each candidate)    compiles what each fn would launch, runs none of it
-    launch_kernel(kernel, grid, *args, **kw)  kernel[grid](*args, **kw), or its compile only inside precompile
+    precompile(fn() for each candidate)       compiles what each fn would launch, runs none of it
+    launch_kernel(kernel, grid, *args, **kw)  kernel[grid](*args, **kw); inside precompile, its compile only
 
 Why: the calibration times every candidate (config x split-K, each a separate Triton
-specialisation), and with an empty kernel cache its compiles, not its timings, made the w4a16
-engine's start-up minutes long (243.6 s in run 77, 355.1 s in run 100), one compile after another.
-Triton's compiler releases the GIL (two threads compiled 8 dp2a variants for sm_90 in 7.5 s
-against 14.5 s serially on a 2-core machine), and `triton.runtime._async_compile.AsyncCompileMode`
-hands each compile to an executor. So precompile runs each candidate's launch once with `launch_kernel` in
-compile-only mode (`kernel.warmup`), the compiles go to a thread pool, and on leaving it every
-kernel sits in its JIT cache: the timing loop that follows compiles nothing.
+specialisation), and with an empty kernel cache their compiles, one after another, were most of a
+quantized engine's first start-up (w4a16: 389 s cold one at a time, 188 s in threads; BENCHMARKS
+runs 108-109). Triton's compiler releases the GIL: two threads compiled 8 dp2a variants for sm_90
+in 7.5 s against 14.5 s serially on a 2-core machine. `triton.runtime._async_compile.
+AsyncCompileMode` hands each compile to an executor. So precompile runs each candidate's launch
+once with `launch_kernel` in compile-only mode (`kernel.warmup`), the compiles go to a thread pool,
+and on leaving it every kernel sits in its JIT cache: the timing loop that follows compiles nothing.
 
 The calibrated kernels' launches go through `launch_kernel`. A compile that fails inside precompile
-fails again, with its error, at the candidate's real launch. Without AsyncCompileMode (Triton older
-than 3.4), without a GPU, under the interpreter, or with SALASERVE_PARALLEL_COMPILE=0, precompile
-does nothing and the compiles happen one by one at the first launches, as before.
+fails again, with its error, at the candidate's real launch. Without AsyncCompileMode (a Triton
+that lacks it), without a GPU, under the interpreter, or with SALASERVE_PARALLEL_COMPILE=0,
+precompile does nothing and the compiles happen one by one at the first launches, as before.
 """
 
 from __future__ import annotations
