@@ -351,6 +351,28 @@ def test_profile_step_quantized_lm_head_and_no_pdl_on_cpu(tmp_path):
     assert e.value.code == 2
 
 
+def test_linear_breakdown_names_the_chain_linears():
+    """profile_step's per-linear table: GEMV-like kernels in order qkv, o_proj, gate_up, down per layer,
+    grouped by layer kind, then lm_head; other kernels ignored; None when the count does not fit."""
+    from salaserve.bench.profile_step import linear_breakdown
+
+    kinds = ["sparse", "lightning", "lightning"]
+    seq = []
+    for layer, kind in enumerate(kinds):
+        for j, name in enumerate(["_w4_gemv_dp2a_kernel", "_gemv_kernel", "nvjet_sm90_tst", "_w4_gemv_dp2a_kernel"]):
+            seq.append({"name": "_add_rms_norm_kernel", "dur_us": 2.0})
+            seq.append({"name": name, "dur_us": 10.0 * (j + 1) + layer})
+    seq.append({"name": "_gemv_kernel", "dur_us": 130.0})
+    rows = {(r["layers"], r["linear"]): r for r in linear_breakdown(seq, kinds)}
+    assert set(rows) == {(k, n) for k in ("sparse", "lightning") for n in ("qkv", "o_proj", "gate_up", "down")} | {
+        ("", "lm_head")}
+    assert rows[("sparse", "qkv")]["calls"] == 1 and rows[("sparse", "qkv")]["mean_us"] == 10.0
+    assert rows[("lightning", "gate_up")]["calls"] == 2
+    assert (rows[("lightning", "gate_up")]["min_us"], rows[("lightning", "gate_up")]["max_us"]) == (31.0, 32.0)
+    assert rows[("", "lm_head")]["total_us"] == 130.0
+    assert linear_breakdown(seq[:-1], kinds) is None
+
+
 def test_kernel_timeline_span_busy_and_gaps():
     """Graph-replay timeline: overlapping kernels count once, gaps run from the end of everything so
     far (named by the kernel that ended last) to the next start, and non-kernel events are ignored."""

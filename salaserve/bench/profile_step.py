@@ -149,6 +149,32 @@ def profile_graph_replay(runner: ModelRunner, batch: int, context: int) -> dict:
     return {**tl, "device_ms_events": device_ms, "rows": rows}
 
 
+# kernels that are a linear layer's GEMV (the Triton GEMVs, int4 and fp8 ones included) or its cuBLAS GEMM
+_LINEAR_KERNELS = ("gemv", "nvjet", "gemm", "w8a16", "w8a8")
+_LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def linear_breakdown(sequence: list[dict], mixer_kinds: list[str]) -> list[dict] | None:
+    """Per (layer kind, linear) of a decode graph's kernel sequence: calls and mean / min / max us,
+    plus lm_head; the linears are the kernels named like _LINEAR_KERNELS, in order qkv, o_proj,
+    gate_up, down per layer (mixer_kinds: each layer's kind, e.g. "sparse" / "lightning"), then
+    lm_head. None where the count does not fit that pattern (another kernel mix; nothing guessed)."""
+    durs = [k["dur_us"] for k in sequence if any(t in k["name"] for t in _LINEAR_KERNELS)]
+    if len(durs) != 4 * len(mixer_kinds) + 1:
+        return None
+    groups: dict[tuple[str, str], list[float]] = {}
+    for i, us in enumerate(durs[:-1]):
+        groups.setdefault((mixer_kinds[i // 4], _LINEAR_NAMES[i % 4]), []).append(us)
+    groups[("", "lm_head")] = [durs[-1]]
+    return [{"layers": kind, "linear": name, "calls": len(v), "mean_us": sum(v) / len(v), "min_us": min(v),
+             "max_us": max(v), "total_us": sum(v)} for (kind, name), v in groups.items()]
+
+
+def _mixer_kinds(cfg) -> list[str]:
+    sparse = set(cfg.sparse_layers)
+    return ["sparse" if i in sparse else "lightning" for i in range(cfg.num_hidden_layers)]
+
+
 def _print_rows(rows: list[dict], top: int) -> float:
     total = sum(r["total_us"] for r in rows)
     print(f"{'us':>9} {'share':>6} {'calls':>6}  kernel")
@@ -227,7 +253,14 @@ def main(argv=None) -> int:
             print("largest gaps (us, after -> before):")
             for g in r["gaps"][:8]:
                 print(f"{g['gap_us']:>9.1f}  {g['after'][:45]} -> {g['before'][:45]}")
-            results.append({"context": context, "total_us": r["busy_us"], "kernels": r.pop("rows"), "graph": r})
+            linears = linear_breakdown(r["sequence"], _mixer_kinds(runner.cfg)) if a.batch == 1 else None
+            if linears:
+                print("linears in the chain (us per call: mean, min-max; kernel times overlap under PDL):")
+                for row in linears:
+                    print(f"{row['layers']:>9} {row['linear']:>7} x{row['calls']:<3} {row['mean_us']:7.1f} "
+                          f"({row['min_us']:.1f}-{row['max_us']:.1f})  total {row['total_us']:7.1f}")
+            results.append({"context": context, "total_us": r["busy_us"], "kernels": r.pop("rows"), "graph": r,
+                            "linears": linears})
         else:
             rows = profile_step(runner, a.batch, context, a.verify_k)
             total = sum(r["total_us"] for r in rows)
