@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -75,8 +76,7 @@ def main():
               f"{pair[pick_pair]:5.1f} in the pair ({pair[pick_b2b] - pair[pick_pair]:+.1f} us)", flush=True)
         del w, copies
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
