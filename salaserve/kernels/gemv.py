@@ -102,7 +102,7 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn,
                                              silu_mul_rounded, tl_dtype)
-from salaserve.kernels.compile_ahead import launch_kernel, precompile, precompile_available
+from salaserve.kernels.compile_ahead import launch_kernel, precompile
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
@@ -954,16 +954,13 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
     device = torch.device(device)
     if device.type != "cuda":
         return {}
-    result = {}
-    todo = {}  # (N, K) -> its M buckets not yet in the table
-    for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
-        buckets = [_bucket(M) for M in m_values if _bucket(M) <= DOT_MAX_M]  # above: rows the GEMV never takes
-        todo[N, K] = [Mb for Mb in dict.fromkeys(buckets) if _key(Mb, N, K, device) not in _TABLE]
-    if precompile_available():  # every compile below in one batch across the threads
-        precompile(_candidate_launches(todo, device, configs))
-    for (N, K), buckets in todo.items():
+    shapes = list(dict.fromkeys((int(n), int(k)) for n, k in shapes))
+    buckets = list(dict.fromkeys(_bucket(M) for M in m_values if _bucket(M) <= DOT_MAX_M))  # above: never the GEMV
+    todo = {(N, K): [Mb for Mb in buckets if _key(Mb, N, K, device) not in _TABLE] for N, K in shapes}
+    precompile(_candidate_launches(todo, device, configs))  # every compile below in one batch across the threads
+    for (N, K), missing in todo.items():
         ws = None
-        for Mb in buckets:
+        for Mb in missing:
             ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
             t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
             best = None
@@ -975,11 +972,7 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
                     best = (cfg, t)
             _TABLE[_key(Mb, N, K, device)] = Choice(best[0], best[1], t_cublas)
         del ws
-    for N, K in dict.fromkeys((int(n), int(k)) for n, k in shapes):
-        for M in m_values:
-            if _bucket(M) <= DOT_MAX_M:
-                result[(_bucket(M), N, K)] = _TABLE[_key(M, N, K, device)]
-    return result
+    return {(Mb, N, K): _TABLE[_key(Mb, N, K, device)] for N, K in shapes for Mb in buckets}
 
 
 def _calibration_candidates(Mb: int, N: int, K: int, device, configs=None) -> list:

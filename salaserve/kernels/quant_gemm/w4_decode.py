@@ -192,11 +192,10 @@ def _candidate_launches(work, device):
 def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tuple:
     """(kernel, config, split, us) of the fastest of `choices` ((kernel, config, split) tuples), each timed
     as run(choice, i) in a CUDA graph of back-to-back calls (i the call's index, for cycling through
-    n_copies L2-busting weight copies); label: print every time after it."""
+    n_copies L2-busting weight copies); label: print every time after it. Compiles are the caller's
+    to batch (calibrate_w4 precompiles all of its candidates before timing any)."""
     from salaserve.kernels.timing import graph_time_us
 
-    # every candidate's compile at once (calibrate_w4 has compiled them already: then nothing to do)
-    precompile(functools.partial(run, choice, 0) for choice in choices)
     best = None
     for choice in choices:
         t = graph_time_us(lambda i: run(choice, i), calls=max(8, n_copies))
