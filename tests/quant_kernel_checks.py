@@ -468,9 +468,52 @@ def dispatch_checks(gen):
     counters_rearmed()
 
 
+def w4a16_junction_checks(gen):
+    """The one-row junction kernel (h' = h + (x @ W_out) * scale, RMSNorm(h') @ W_in in one persistent
+    grid; here its two phases as two launches): against the torch reference, over grids whose stream
+    ranges cross column tiles (several contributors per tile) and every config; bit-equal from one
+    launch to the next (the partials are summed in a fixed order); the counters re-armed."""
+    from salaserve.kernels.quant_gemm import w4_junction as J
+    from salaserve.kernels.torch_ops import TorchBackend
+
+    hidden, eps, scale = 256, 1e-6, 0.35
+    for k_a, n_b in ((256, 512), (512, 256)):
+        w_out = random_w4a16(k_a, hidden, 128, False, gen)
+        w_in = random_w4a16(hidden, n_b, 128, False, gen)
+        x = torch.randn(1, k_a, generator=gen).to(torch.bfloat16)
+        h = (torch.randn(1, hidden, generator=gen) * 4).to(torch.bfloat16)
+        norm_w = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(torch.bfloat16)
+        u = linear_ref(x.float(), w_out).to(torch.bfloat16)
+        h_ref, xn = TorchBackend().add_rms_norm(h, u, scale, norm_w, eps)
+        y_ref = linear_ref(xn.float(), w_in)
+        for cfg in J.W4_JUNCTION_CONFIGS:
+            for grid in ((1, 3, 7) if cfg == J.W4_JUNCTION_CONFIGS[0] else (5,)):
+                h_out, y = J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in, config=cfg, grid=grid)
+                name = f"w4_junction K_A={k_a} N_B={n_b} cfg={cfg} grid={grid}"
+                # h' within one bf16 ulp of its largest value (the update's own rounding moves by
+                # the summation order); y within the bf16 output's rounding, as the dp2a checks
+                check(name + " h'", h_out, h_ref, 2 ** -7)
+                check(name + " y", y, y_ref, 2 ** -7)
+        check(f"w4_junction K_A={k_a} N_B={n_b} default grid y",
+              J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in)[1], y_ref, 2 ** -7)
+        a = J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in, grid=7)
+        b = J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in, grid=7)
+        if not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])):
+            print("BAD w4_junction: two launches differ")
+            sys.exit(1)
+    refused("two rows", J.w4_junction, torch.zeros(2, hidden, dtype=torch.bfloat16),
+            torch.zeros(2, 256, dtype=torch.bfloat16), w_out, scale, norm_w, eps, w_in)
+    refused("fp32 x", J.w4_junction, h, torch.zeros(1, 512), w_out, scale, norm_w, eps, w_in)
+    refused("W_in not from hidden", J.w4_junction, h, x, w_out, scale, norm_w, eps, w_out)
+    counters_rearmed()
+    if J.barrier_words(torch.device("cpu")).abs().sum() != 0:
+        print("BAD w4_junction: barrier words touched by the two-launch form")
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dp2a": w4a16_dp2a_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dp2a": w4a16_dp2a_checks, "w4a16_junction": w4a16_junction_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
      "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

@@ -338,3 +338,37 @@ def test_fp8_gemv_calibration_times_the_silu_junction():
         assert act.shape == (1, N // 2) and _rel(act, ref) < 2e-2
     finally:
         Q.FP8_DECODE = old
+
+
+JUNCTIONS = {"o_proj->gate_up": ("o_proj", "gate_up"), "down->qkvg": ("down", "qkvg"), "down->qkvz": ("down", (16384, 4096))}
+
+
+@pytest.mark.parametrize("junction", sorted(JUNCTIONS))
+def test_w4_junction_every_config(junction):
+    """The one-row junction kernel (w4_junction: both GEMVs and the add + RMSNorm in one persistent grid,
+    a grid barrier between the phases) at the model's shapes, every config at its default grid:
+    bit-equal to its two-launch form (same stream ranges, partials summed in the same order: the barrier
+    lets nothing through early), bit-equal from launch to launch, within TOL of dequantize-then-matmul
+    for both outputs, and the barrier never gave up."""
+    from salaserve.kernels.quant_gemm import w4_junction as J
+    from salaserve.kernels.torch_ops import TorchBackend
+
+    a, b = JUNCTIONS[junction]
+    shape_a = SHAPES[a]
+    shape_b = SHAPES[b] if isinstance(b, str) else b
+    w_out, w_in = _weights("w4a16", *shape_a, 1), _weights("w4a16", *shape_b, 2)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, shape_a[1], device="cuda", generator=g).to(torch.bfloat16)
+    h = (torch.randn(1, 4096, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    norm_w = (1 + 0.2 * torch.randn(4096, device="cuda", generator=g)).to(torch.bfloat16)
+    u = linear_ref(x.float(), w_out).to(torch.bfloat16)
+    h_ref, xn = TorchBackend().add_rms_norm(h, u, 0.25, norm_w, 1e-6)
+    y_ref = linear_ref(xn.float(), w_in)
+    for cfg in J.W4_JUNCTION_CONFIGS:
+        h1, y1 = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg)
+        h2, y2 = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg)
+        h3, y3 = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg, phases_apart=True)
+        assert torch.equal(h1, h2) and torch.equal(y1, y2), cfg
+        assert torch.equal(h1, h3) and torch.equal(y1, y3), cfg
+        assert _rel(h1, h_ref) < TOL and _rel(y1, y_ref) < TOL, (cfg, _rel(h1, h_ref), _rel(y1, y_ref))
+    assert not J.barrier_error(torch.device("cuda"))

@@ -297,7 +297,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dp2a", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dp2a", "w4a16_junction", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
                                                                        "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
