@@ -476,8 +476,8 @@ def w4a16_junction_checks(gen):
     from salaserve.kernels.quant_gemm import w4_junction as J
     from salaserve.kernels.torch_ops import TorchBackend
 
-    hidden, eps, scale = 256, 1e-6, 0.35
-    for k_a, n_b in ((256, 512), (512, 256)):
+    hidden, eps, scale = 512, 1e-6, 0.35  # the widest config's column tile
+    for k_a, n_b in ((512, 1024), (1024, 512)):
         w_out = random_w4a16(k_a, hidden, 128, False, gen)
         w_in = random_w4a16(hidden, n_b, 128, False, gen)
         x = torch.randn(1, k_a, generator=gen).to(torch.bfloat16)
@@ -502,8 +502,8 @@ def w4a16_junction_checks(gen):
             print("BAD w4_junction: two launches differ")
             sys.exit(1)
     refused("two rows", J.w4_junction, torch.zeros(2, hidden, dtype=torch.bfloat16),
-            torch.zeros(2, 256, dtype=torch.bfloat16), w_out, scale, norm_w, eps, w_in)
-    refused("fp32 x", J.w4_junction, h, torch.zeros(1, 512), w_out, scale, norm_w, eps, w_in)
+            torch.zeros(2, k_a, dtype=torch.bfloat16), w_out, scale, norm_w, eps, w_in)
+    refused("fp32 x", J.w4_junction, h, torch.zeros(1, k_a), w_out, scale, norm_w, eps, w_in)
     refused("W_in not from hidden", J.w4_junction, h, x, w_out, scale, norm_w, eps, w_out)
     counters_rearmed()
     if J.barrier_words(torch.device("cpu")).abs().sum() != 0:

@@ -42,25 +42,30 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _sm_count, _workspa
 from salaserve.kernels.quant_gemm.w4_dp2a import _w4_dp2a_row, w4_dp2a_layout, w4_dp2a_usable
 from salaserve.quant.formats import QuantizedLinearWeights
 
-# (BLOCK_N, BLOCK_R, num_warps, SLABS, CTAS_PER_SM): the tile and thread layout of the dp2a loop
-# (w4_dp2a_layout), and how many CTAs per SM the grid asks for (capped by occupancy).
+# (BLOCK_N, BLOCK_R, num_warps, SLABS, CTAS_PER_SM, PREFETCH): the tile and thread layout of the dp2a
+# loop (w4_dp2a_layout), how many CTAs per SM the grid asks for (capped by occupancy), and how many
+# steps ahead the loop reads.
 W4_JUNCTION_CONFIGS = (
-    (128, 16, 4, 4, 4),
-    (64, 16, 2, 4, 8),
-    (256, 16, 8, 4, 2),
-    (128, 16, 4, 4, 2),
-    (64, 16, 2, 4, 4),
+    (256, 16, 8, 4, 2, 2),
+    (256, 16, 8, 4, 2, 1),
+    (128, 16, 4, 4, 4, 2),
+    (256, 16, 8, 4, 1, 2),
+    (512, 16, 16, 4, 1, 2),
+    (512, 16, 16, 4, 1, 1),
 )
 SPIN_LIMIT = tl.constexpr(1 << 22)  # barrier polls before the CTA gives up and raises the error flag (~seconds)
 
 
 @triton.jit
-def _tile_at(w_ptr, s, KT, N, tile_offs, RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_R: tl.constexpr):
-    """The weight tile of stream step s (column tile s // KT, K tile s % KT) as up to 4 slabs of RS
-    packed rows (the unused ones alias slab 0). Whole tiles only (the host checks the shapes)."""
+def _tile_at(w_ptr, z_ptr, s_ptr, stride_z, s, KT, N, tile_offs, cols_in_tile, rows0, GROUP_SIZE: tl.constexpr,
+             RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """What stream step s (column tile s // KT, K tile s % KT) reads from memory: its weight tile as up
+    to 4 slabs of RS packed rows (the unused ones alias slab 0), and its columns' scales and zero-point
+    words. Loaded a step or two ahead of use, so no DRAM round trip is left inside a step. Whole
+    tiles only (the host checks the shapes)."""
     j = s // KT
-    base = w_ptr + ((s - j * KT) * BLOCK_R) * N + j * BLOCK_N + tile_offs
+    r0 = (s - j * KT) * BLOCK_R
+    base = w_ptr + r0 * N + j * BLOCK_N + tile_offs
     w0 = tl.load(base)
     w1 = w0
     w2 = w0
@@ -70,7 +75,11 @@ def _tile_at(w_ptr, s, KT, N, tile_offs, RS: tl.constexpr, SLABS: tl.constexpr, 
     if SLABS >= 4:
         w2 = tl.load(base + 2 * RS * N)
         w3 = tl.load(base + 3 * RS * N)
-    return w0, w1, w2, w3
+    g = (r0 * 8) // GROUP_SIZE
+    cols = j * BLOCK_N + cols_in_tile
+    sc = tl.load(s_ptr + g * N + cols + rows0)
+    zw = tl.load(z_ptr + g * stride_z + cols // 8 + rows0)
+    return w0, w1, w2, w3, sc, zw
 
 
 @triton.jit
@@ -81,13 +90,14 @@ def _owner(s, G, T):
 
 @triton.jit
 def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc,
-                 h_ptr, h_out_ptr, y_ptr, scale, w0, w1, w2, w3, s_begin, s_end, c, G,
-                 cols_in_tile, rr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 h_ptr, h_out_ptr, y_ptr, scale, t0, t1, s_begin, s_end, c, G, cols_in_tile, rr,
+                 GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  RS: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr, NV: tl.constexpr,
-                 RESIDUAL: tl.constexpr, ASM: tl.constexpr):
-    """Steps [s_begin, s_end) of one GEMV (x one row; w0..w3 the first step's tile, already loaded).
-    Each column tile's sum goes out through the last of its contributors: RESIDUAL, as
-    h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's roundings); else as y = round(u)."""
+                 PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr, ASM: tl.constexpr):
+    """Steps [s_begin, s_end) of one GEMV (x one row; t0, t1: what the first two steps read, already
+    asked for (_tile_at); t1 unused at PREFETCH 1). Each column tile's sum goes out through the last
+    of its contributors: RESIDUAL, as h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's
+    roundings); else as y = round(u)."""
     KT = K8 // BLOCK_R
     T = (N // BLOCK_N) * KT
     tile_offs = rr * N + cols_in_tile
@@ -95,17 +105,19 @@ def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr,
     offs = tl.arange(0, BLOCK_N)
     acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
     for s in range(s_begin, s_end):
-        # the next step's tile first (it may belong to the next column tile: the stream runs on)
-        n0, n1, n2, n3 = _tile_at(q_ptr, tl.minimum(s + 1, s_end - 1), KT, N, tile_offs, RS, SLABS, BLOCK_N,
-                                  BLOCK_R)
+        # the tile PREFETCH steps on first (it may belong to the next column tile: the stream runs on)
+        t2 = _tile_at(q_ptr, z_ptr, s_ptr, stride_z, tl.minimum(s + PREFETCH, s_end - 1), KT, N, tile_offs,
+                      cols_in_tile, rows0, GROUP_SIZE, RS, SLABS, BLOCK_N, BLOCK_R)
         j = s // KT
         r0 = (s - j * KT) * BLOCK_R
-        g = (r0 * 8) // GROUP_SIZE
-        cols = j * BLOCK_N + cols_in_tile
-        sc = tl.load(s_ptr + g * N + cols + rows0).to(tl.float32)
-        zq = (tl.load(z_ptr + g * stride_z + cols // 8 + rows0) >> ((cols % 8) * 4)) & 0xF
-        acc += _w4_dp2a_row(x_pairs, r0, rr, K8, w0, w1, w2, w3, zq, sc, RS, SLABS, True, ASM)
-        w0, w1, w2, w3 = n0, n1, n2, n3
+        w0, w1, w2, w3, sc, zw = t0
+        zq = (zw >> (((j * BLOCK_N + cols_in_tile) % 8) * 4)) & 0xF
+        acc += _w4_dp2a_row(x_pairs, r0, rr, K8, w0, w1, w2, w3, zq, sc.to(tl.float32), RS, SLABS, True, ASM)
+        if PREFETCH >= 2:
+            t0 = t1
+            t1 = t2
+        else:
+            t0 = t2
         if (r0 + BLOCK_R == K8) | (s == s_end - 1):  # this CTA's part of column tile j is done
             part = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
             first = _owner(j * KT, G, T)
@@ -161,8 +173,9 @@ def _w4_junction_kernel(
     K_A, N_B, maxc_a, maxc_b, scale, eps,
     HIDDEN: tl.constexpr, GROUP_A: tl.constexpr, GROUP_B: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # steps read ahead of the one being computed: 1 or 2
     PHASE: tl.constexpr,  # 0: both phases and the grid barrier; 1: phase A only; 2: phase B only
-    ASM: tl.constexpr, PDL: tl.constexpr = False,
+    ASM: tl.constexpr, PDL: tl.constexpr = False, NORM_CHUNK: tl.constexpr = 512,
 ):
     RS: tl.constexpr = BLOCK_R // SLABS
     NV: tl.constexpr = BLOCK_N // VECS
@@ -183,36 +196,54 @@ def _w4_junction_kernel(
     b_end = (c + 1) * tb // G
     a_offs = rr * HIDDEN + cols_in_tile
     b_offs = rr * N_B + cols_in_tile
+    rows0 = rr * 0
+    kta = ka8 // BLOCK_R
+    ktb: tl.constexpr = kb8 // BLOCK_R
     if PHASE != 2:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        # the first tile before the dependency wait: weights never depend on the previous kernel
-        w0, w1, w2, w3 = _tile_at(qa_ptr, tl.minimum(a_begin, ta - 1), ka8 // BLOCK_R, HIDDEN, a_offs, RS, SLABS,
-                                  BLOCK_N, BLOCK_R)
+        # the first tiles before the dependency wait: weights never depend on the previous kernel
+        t0 = _tile_at(qa_ptr, za_ptr, sa_ptr, stride_za, tl.minimum(a_begin, ta - 1), kta, HIDDEN, a_offs,
+                      cols_in_tile, rows0, GROUP_A, RS, SLABS, BLOCK_N, BLOCK_R)
+        t1 = t0
+        if PREFETCH >= 2:
+            t1 = _tile_at(qa_ptr, za_ptr, sa_ptr, stride_za, tl.minimum(a_begin + 1, ta - 1), kta, HIDDEN, a_offs,
+                          cols_in_tile, rows0, GROUP_A, RS, SLABS, BLOCK_N, BLOCK_R)
         if PDL:
             tl.extra.cuda.gdc_wait()
         x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
         _stream_gemv(x_pairs, qa_ptr, za_ptr, sa_ptr, stride_za, HIDDEN, ka8, ws_ptr, cnt_ptr, maxc_a,
-                     h_ptr, h_out_ptr, y_ptr, scale, w0, w1, w2, w3, a_begin, a_end, c, G, cols_in_tile, rr,
-                     GROUP_A, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, True, ASM)
+                     h_ptr, h_out_ptr, y_ptr, scale, t0, t1, a_begin, a_end, c, G, cols_in_tile, rr,
+                     GROUP_A, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, True, ASM)
     if PHASE != 1:
-        v0, v1, v2, v3 = _tile_at(qb_ptr, tl.minimum(b_begin, tb - 1), kb8 // BLOCK_R, N_B, b_offs, RS, SLABS,
-                                  BLOCK_N, BLOCK_R)
+        u0 = _tile_at(qb_ptr, zb_ptr, sb_ptr, stride_zb, tl.minimum(b_begin, tb - 1), ktb, N_B, b_offs,
+                      cols_in_tile, rows0, GROUP_B, RS, SLABS, BLOCK_N, BLOCK_R)
+        u1 = u0
+        if PREFETCH >= 2:
+            u1 = _tile_at(qb_ptr, zb_ptr, sb_ptr, stride_zb, tl.minimum(b_begin + 1, tb - 1), ktb, N_B, b_offs,
+                          cols_in_tile, rows0, GROUP_B, RS, SLABS, BLOCK_N, BLOCK_R)
         if PHASE == 0:
             _grid_barrier(bar_ptr, G)
-        # h' is complete: this CTA's copy of RMSNorm(h') (fused._normalize's roundings), then phase B on it
-        hc = tl.arange(0, HIDDEN)
-        h = tl.load(h_out_ptr + hc, cache_modifier=".cg").to(tl.float32)
-        rstd = rsqrt_rn(tl.sum(h * h, axis=0) / HIDDEN + eps)
-        nw = tl.load(norm_ptr + hc).to(tl.float32)
+        # h' is complete: this CTA's copy of RMSNorm(h') (fused._normalize's roundings), in chunks
+        # (a whole row per thread group would hold HIDDEN / threads values across the prefetched tiles)
+        ch = tl.arange(0, NORM_CHUNK)
+        ss = tl.zeros((NORM_CHUNK,), dtype=tl.float32)
+        for k0 in range(0, HIDDEN, NORM_CHUNK):
+            hv = tl.load(h_out_ptr + k0 + ch, cache_modifier=".cg").to(tl.float32)
+            ss += hv * hv
+        rstd = rsqrt_rn(tl.sum(ss, axis=0) / HIDDEN + eps)
         xn_row = xn_ptr + c * HIDDEN
-        tl.store(xn_row + hc, round_to(round_to(h * rstd, tl.bfloat16) * nw, tl.bfloat16).to(xn_ptr.dtype.element_ty))
+        for k0 in range(0, HIDDEN, NORM_CHUNK):
+            hv = tl.load(h_out_ptr + k0 + ch, cache_modifier=".cg").to(tl.float32)
+            nw = tl.load(norm_ptr + k0 + ch).to(tl.float32)
+            tl.store(xn_row + k0 + ch, round_to(round_to(hv * rstd, tl.bfloat16) * nw, tl.bfloat16)
+                     .to(xn_ptr.dtype.element_ty))
         tl.debug_barrier()  # the CTA's threads read each other's x below
         xn_pairs = xn_row.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
         cnt_b = cnt_ptr + HIDDEN // BLOCK_N
         _stream_gemv(xn_pairs, qb_ptr, zb_ptr, sb_ptr, stride_zb, N_B, kb8, ws_ptr + HIDDEN * maxc_a, cnt_b, maxc_b,
-                     h_ptr, h_out_ptr, y_ptr, scale, v0, v1, v2, v3, b_begin, b_end, c, G, cols_in_tile, rr,
-                     GROUP_B, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, False, ASM)
+                     h_ptr, h_out_ptr, y_ptr, scale, u0, u1, b_begin, b_end, c, G, cols_in_tile, rr,
+                     GROUP_B, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, False, ASM)
 
 
 # ---------------------------------------------------------------- host side
@@ -283,7 +314,7 @@ def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights,
                          f"[hidden]; got {tuple(h.shape)} {h.dtype}, {tuple(x.shape)} {x.dtype}, {tuple(norm_w.shape)}")
     if not w4_junction_usable(hidden, w_out, w_in, config):
         raise ValueError(f"w4_junction cannot take these weights with config {config}")
-    block_n, block_r, warps, slabs, _ = config
+    block_n, block_r, warps, slabs, _, prefetch = config
     device = x.device
     h = h.contiguous()
     x = x if x.is_contiguous() and x.data_ptr() % 4 == 0 else x.clone()
@@ -293,8 +324,8 @@ def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights,
     kt_a, kt_b = w_out.in_features // (8 * block_r), hidden // (8 * block_r)
     tiles_a, tiles_b = hidden // block_n, n_b // block_n
     args = dict(HIDDEN=hidden, GROUP_A=w_out.group_size, GROUP_B=w_in.group_size, BLOCK_N=block_n,
-                BLOCK_R=block_r, **w4_dp2a_layout(block_n, block_r, warps, slabs), ASM=not _INTERPRET,
-                num_warps=warps)
+                BLOCK_R=block_r, **w4_dp2a_layout(block_n, block_r, warps, slabs), PREFETCH=prefetch,
+                NORM_CHUNK=min(512, hidden), ASM=not _INTERPRET, num_warps=warps)
     pdl = {} if phases_apart else pdl_launch_kwargs(device)
 
     def operands(g: int) -> tuple:
