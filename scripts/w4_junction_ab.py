@@ -6,7 +6,7 @@ shapes. GPU only.
 
 Per junction (o_proj -> gate_up, down -> qkvg, down -> qkvz) and per junction config: us per
 junction in CUDA graphs of back-to-back junctions (PDL on, as in the step) over L2-busting weight
-copies, next to the chain's and the DRAM floor of both weights' bytes at the copy bandwidth of run
+copies, and each phase launched alone (no barrier: where the time goes), next to the chain's and the DRAM floor of both weights' bytes at the copy bandwidth of run
 100 (4221 GB/s). Before timing, each config's outputs are checked against the chain's within the
 GPU tests' tolerance, and the barrier's error flag must stay clear.
 """
@@ -77,11 +77,18 @@ def main():
                 wo, wi = pairs[i % n]
                 return J.w4_junction(h, x, wo, 0.25, norm_w, 1e-6, wi, config=c)
 
+            def phase(i, c=cfg, p=1):
+                wo, wi = pairs[i % n]
+                return J.w4_junction(h, x, wo, 0.25, norm_w, 1e-6, wi, config=c, only_phase=p)
+
             us = graph_time_us(fused, calls=max(8, n))
+            us_a = graph_time_us(phase, calls=max(8, n))
+            us_b = graph_time_us(lambda i: phase(i, p=2), calls=max(8, n))
             grid = [v for k, v in J._GRIDS.items() if k[1] == cfg][-1]
-            row["configs"][str(cfg)] = dict(us=us, grid=grid, rel_err=errs)
+            row["configs"][str(cfg)] = dict(us=us, phase_a_us=us_a, phase_b_us=us_b, grid=grid, rel_err=errs)
             print(f"  {str(cfg):22s} grid {grid:4d}  {us:6.1f} us  ({chain_us / us:4.2f}x the chain, "
-                  f"floor/achieved {floor_us / us:4.2f})", flush=True)
+                  f"floor/achieved {floor_us / us:4.2f}); phase A alone {us_a:5.1f}, phase B alone {us_b:5.1f}",
+                  flush=True)
         rows.append(row)
         del pairs, w_out, w_in
         torch.cuda.empty_cache()

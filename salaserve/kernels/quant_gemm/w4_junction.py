@@ -39,26 +39,29 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to, rsqrt_rn
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _sm_count, _workspace
-from salaserve.kernels.quant_gemm.w4_dp2a import _w4_dp2a_row, w4_dp2a_layout, w4_dp2a_usable
+from salaserve.kernels._triton_utils import bf16_pair
+from salaserve.kernels.quant_gemm.w4_dp2a import (X_MAX, _absmax8, _max_nan, _row_words, _tile_dot, _x_int16,
+                                                  w4_dp2a_layout, w4_dp2a_usable)
 from salaserve.quant.formats import QuantizedLinearWeights
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, CTAS_PER_SM, PREFETCH): the tile and thread layout of the dp2a
 # loop (w4_dp2a_layout), how many CTAs per SM the grid asks for (capped by occupancy), and how many
 # steps ahead the loop reads.
 W4_JUNCTION_CONFIGS = (
-    (256, 16, 8, 4, 2, 2),
     (256, 16, 8, 4, 2, 1),
-    (128, 16, 4, 4, 4, 2),
-    (256, 16, 8, 4, 1, 2),
-    (512, 16, 16, 4, 1, 2),
+    (256, 16, 8, 4, 2, 2),
+    (128, 16, 4, 4, 5, 1),
+    (128, 16, 4, 4, 4, 1),
+    (64, 16, 2, 4, 10, 1),
     (512, 16, 16, 4, 1, 1),
 )
 SPIN_LIMIT = tl.constexpr(1 << 22)  # barrier polls before the CTA gives up and raises the error flag (~seconds)
 
 
 @triton.jit
-def _tile_at(w_ptr, z_ptr, s_ptr, stride_z, s, KT, N, tile_offs, cols_in_tile, rows0, GROUP_SIZE: tl.constexpr,
-             RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _tile_at(w_ptr, z_ptr, s_ptr, stride_z, s, KT, N, tile_offs, cols_in_tile, rows0,
+             GROUP_SIZE: tl.constexpr, RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_R: tl.constexpr):
     """What stream step s (column tile s // KT, K tile s % KT) reads from memory: its weight tile as up
     to 4 slabs of RS packed rows (the unused ones alias slab 0), and its columns' scales and zero-point
     words. Loaded a step or two ahead of use, so no DRAM round trip is left inside a step. Whole
@@ -83,6 +86,68 @@ def _tile_at(w_ptr, z_ptr, s_ptr, stride_z, s, KT, N, tile_offs, cols_in_tile, r
 
 
 @triton.jit
+def _x_at(x_pairs, s, KT, rr, RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """x's words of stream step s's packed rows (_row_words per slab): an L2 hit, but a round trip the
+    step would wait for, so the loop asks for them a step ahead."""
+    r0 = (s % KT) * BLOCK_R
+    p = x_pairs + r0 * 4
+    xa = _row_words(p, r0, rr, r0 + BLOCK_R, True)
+    xb = xa
+    xc = xa
+    xd = xa
+    if SLABS >= 2:
+        xb = _row_words(p + RS * 4, r0 + RS, rr, r0 + BLOCK_R, True)
+    if SLABS >= 4:
+        xc = _row_words(p + 2 * RS * 4, r0 + 2 * RS, rr, r0 + BLOCK_R, True)
+        xd = _row_words(p + 3 * RS * 4, r0 + 3 * RS, rr, r0 + BLOCK_R, True)
+    return xa, xb, xc, xd
+
+
+@triton.jit
+def _x_of(words):
+    u0, u1, u2, u3 = words
+    x0, x1 = bf16_pair(u0)
+    x2, x3 = bf16_pair(u1)
+    x4, x5 = bf16_pair(u2)
+    x6, x7 = bf16_pair(u3)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _step_dot(t, xt, zq, SLABS: tl.constexpr, ASM: tl.constexpr):
+    """A step's contribution (w4_dp2a._w4_dp2a_row's arithmetic on words already loaded by _tile_at):
+    x rounded to int16 per thread and tile, four dp2a per packed word, one scale per column."""
+    w0, w1, w2, w3, sc, zw = t
+    xa_w, xb_w, xc_w, xd_w = xt
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_of(xa_w)
+    m = _absmax8(a0, a1, a2, a3, a4, a5, a6, a7)
+    b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
+    c0, c1, c2, c3, c4, c5, c6, c7 = a0, a1, a2, a3, a4, a5, a6, a7
+    d0, d1, d2, d3, d4, d5, d6, d7 = a0, a1, a2, a3, a4, a5, a6, a7
+    if SLABS >= 2:
+        b0, b1, b2, b3, b4, b5, b6, b7 = _x_of(xb_w)
+        m = _max_nan(m, _absmax8(b0, b1, b2, b3, b4, b5, b6, b7))
+    if SLABS >= 4:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _x_of(xc_w)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _x_of(xd_w)
+        m = _max_nan(m, _max_nan(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7)))
+    m = _max_nan(m, 1e-30)  # all-zero rows: inv stays finite, every v is 0
+    inv = X_MAX / m
+    xa, total = _x_int16(a0, a1, a2, a3, a4, a5, a6, a7, inv, ASM)
+    xb = xa
+    xc = xa
+    xd = xa
+    if SLABS >= 2:
+        xb, tb = _x_int16(b0, b1, b2, b3, b4, b5, b6, b7, inv, ASM)
+        total += tb
+    if SLABS >= 4:
+        xc, tc = _x_int16(c0, c1, c2, c3, c4, c5, c6, c7, inv, ASM)
+        xd, td = _x_int16(d0, d1, d2, d3, d4, d5, d6, d7, inv, ASM)
+        total += tc + td
+    return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, m * (1.0 / X_MAX), zq, sc.to(tl.float32), SLABS, ASM)
+
+
+@triton.jit
 def _owner(s, G, T):
     """The CTA whose stream range [c T / G, (c + 1) T / G) holds step s."""
     return ((s + 1) * G - 1) // T
@@ -104,15 +169,17 @@ def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr,
     rows0 = rr * 0
     offs = tl.arange(0, BLOCK_N)
     acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
+    xt0 = _x_at(x_pairs, tl.minimum(s_begin, T - 1), KT, rr, RS, SLABS, BLOCK_R)
     for s in range(s_begin, s_end):
         # the tile PREFETCH steps on first (it may belong to the next column tile: the stream runs on)
         t2 = _tile_at(q_ptr, z_ptr, s_ptr, stride_z, tl.minimum(s + PREFETCH, s_end - 1), KT, N, tile_offs,
                       cols_in_tile, rows0, GROUP_SIZE, RS, SLABS, BLOCK_N, BLOCK_R)
+        xt1 = _x_at(x_pairs, tl.minimum(s + 1, s_end - 1), KT, rr, RS, SLABS, BLOCK_R)
         j = s // KT
         r0 = (s - j * KT) * BLOCK_R
-        w0, w1, w2, w3, sc, zw = t0
-        zq = (zw >> (((j * BLOCK_N + cols_in_tile) % 8) * 4)) & 0xF
-        acc += _w4_dp2a_row(x_pairs, r0, rr, K8, w0, w1, w2, w3, zq, sc.to(tl.float32), RS, SLABS, True, ASM)
+        zq = (t0[5] >> (((j * BLOCK_N + cols_in_tile) % 8) * 4)) & 0xF
+        acc += _step_dot(t0, xt0, zq, SLABS, ASM)
+        xt0 = xt1
         if PREFETCH >= 2:
             t0 = t1
             t1 = t2
@@ -301,12 +368,14 @@ def _sm90_occupancy(n_regs: int, warps: int, shared: int) -> int:
 def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights, scale: float,
                 norm_w: torch.Tensor, eps: float, w_in: QuantizedLinearWeights, *,
                 config: tuple = W4_JUNCTION_CONFIGS[0], grid: int | None = None,
-                phases_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                phases_apart: bool = False, only_phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: (h' = h + (x @ W_out) * scale, RMSNorm(h', norm_w) @ W_in), each bf16 [1, .], as
     add_rms_norm(h, w4a16_gemv_dp2a(x, W_out), scale, norm_w, eps) and the GEMV of its output would
     give them (to the split-K summation order). grid: the CTA count (default: the SM count times
     the config's CTAs per SM, capped by occupancy). phases_apart: the two phases as two launches
-    without the barrier (what the interpreter always does; the GPU tests compare the two forms)."""
+    without the barrier (what the interpreter always does; the GPU tests compare the two forms).
+    only_phase 1 or 2: launch that phase alone (a benchmark's breakdown; phase 2 alone reads h' from
+    an earlier call's output buffer, so its values are not meaningful)."""
     hidden = h.shape[-1]
     if (h.dim() != 2 or h.shape[0] != 1 or x.dim() != 2 or x.shape != (1, w_out.in_features)
             or h.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or norm_w.shape != (hidden,)):
@@ -346,7 +415,9 @@ def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights,
     if grid < 1:
         raise ValueError(f"w4_junction: grid {grid}")
     ops = operands(grid)
-    if _INTERPRET or phases_apart:  # the interpreter runs programs one after another: a barrier would never open
+    if only_phase:
+        _w4_junction_kernel[(grid,)](*ops, PHASE=only_phase, **args)
+    elif _INTERPRET or phases_apart:  # the interpreter runs programs one after another: a barrier would never open
         _w4_junction_kernel[(grid,)](*ops, PHASE=1, **args)
         _w4_junction_kernel[(grid,)](*ops, PHASE=2, **args)
     else:
