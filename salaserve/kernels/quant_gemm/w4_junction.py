@@ -39,9 +39,7 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to, rsqrt_rn
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _sm_count, _workspace
-from salaserve.kernels._triton_utils import bf16_pair
-from salaserve.kernels.quant_gemm.w4_dp2a import (X_MAX, _absmax8, _max_nan, _row_words, _tile_dot, _x_int16,
-                                                  w4_dp2a_layout, w4_dp2a_usable)
+from salaserve.kernels.quant_gemm.w4_dp2a import _w4_dp2a_row, _w4_dp2a_tile, w4_dp2a_layout, w4_dp2a_usable
 from salaserve.quant.formats import QuantizedLinearWeights
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, CTAS_PER_SM, PREFETCH): the tile and thread layout of the dp2a
@@ -49,102 +47,13 @@ from salaserve.quant.formats import QuantizedLinearWeights
 # steps ahead the loop reads.
 W4_JUNCTION_CONFIGS = (
     (256, 16, 8, 4, 2, 1),
-    (256, 16, 8, 4, 2, 2),
     (128, 16, 4, 4, 5, 1),
-    (128, 16, 4, 4, 4, 1),
+    (128, 16, 4, 4, 4, 2),
+    (64, 16, 2, 4, 8, 2),
     (64, 16, 2, 4, 10, 1),
     (512, 16, 16, 4, 1, 1),
 )
 SPIN_LIMIT = tl.constexpr(1 << 22)  # barrier polls before the CTA gives up and raises the error flag (~seconds)
-
-
-@triton.jit
-def _tile_at(w_ptr, z_ptr, s_ptr, stride_z, s, KT, N, tile_offs, cols_in_tile, rows0,
-             GROUP_SIZE: tl.constexpr, RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_R: tl.constexpr):
-    """What stream step s (column tile s // KT, K tile s % KT) reads from memory: its weight tile as up
-    to 4 slabs of RS packed rows (the unused ones alias slab 0), and its columns' scales and zero-point
-    words. Loaded a step or two ahead of use, so no DRAM round trip is left inside a step. Whole
-    tiles only (the host checks the shapes)."""
-    j = s // KT
-    r0 = (s - j * KT) * BLOCK_R
-    base = w_ptr + r0 * N + j * BLOCK_N + tile_offs
-    w0 = tl.load(base)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if SLABS >= 2:
-        w1 = tl.load(base + RS * N)
-    if SLABS >= 4:
-        w2 = tl.load(base + 2 * RS * N)
-        w3 = tl.load(base + 3 * RS * N)
-    g = (r0 * 8) // GROUP_SIZE
-    cols = j * BLOCK_N + cols_in_tile
-    sc = tl.load(s_ptr + g * N + cols + rows0)
-    zw = tl.load(z_ptr + g * stride_z + cols // 8 + rows0)
-    return w0, w1, w2, w3, sc, zw
-
-
-@triton.jit
-def _x_at(x_pairs, s, KT, rr, RS: tl.constexpr, SLABS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """x's words of stream step s's packed rows (_row_words per slab): an L2 hit, but a round trip the
-    step would wait for, so the loop asks for them a step ahead."""
-    r0 = (s % KT) * BLOCK_R
-    p = x_pairs + r0 * 4
-    xa = _row_words(p, r0, rr, r0 + BLOCK_R, True)
-    xb = xa
-    xc = xa
-    xd = xa
-    if SLABS >= 2:
-        xb = _row_words(p + RS * 4, r0 + RS, rr, r0 + BLOCK_R, True)
-    if SLABS >= 4:
-        xc = _row_words(p + 2 * RS * 4, r0 + 2 * RS, rr, r0 + BLOCK_R, True)
-        xd = _row_words(p + 3 * RS * 4, r0 + 3 * RS, rr, r0 + BLOCK_R, True)
-    return xa, xb, xc, xd
-
-
-@triton.jit
-def _x_of(words):
-    u0, u1, u2, u3 = words
-    x0, x1 = bf16_pair(u0)
-    x2, x3 = bf16_pair(u1)
-    x4, x5 = bf16_pair(u2)
-    x6, x7 = bf16_pair(u3)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _step_dot(t, xt, zq, SLABS: tl.constexpr, ASM: tl.constexpr):
-    """A step's contribution (w4_dp2a._w4_dp2a_row's arithmetic on words already loaded by _tile_at):
-    x rounded to int16 per thread and tile, four dp2a per packed word, one scale per column."""
-    w0, w1, w2, w3, sc, zw = t
-    xa_w, xb_w, xc_w, xd_w = xt
-    a0, a1, a2, a3, a4, a5, a6, a7 = _x_of(xa_w)
-    m = _absmax8(a0, a1, a2, a3, a4, a5, a6, a7)
-    b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
-    c0, c1, c2, c3, c4, c5, c6, c7 = a0, a1, a2, a3, a4, a5, a6, a7
-    d0, d1, d2, d3, d4, d5, d6, d7 = a0, a1, a2, a3, a4, a5, a6, a7
-    if SLABS >= 2:
-        b0, b1, b2, b3, b4, b5, b6, b7 = _x_of(xb_w)
-        m = _max_nan(m, _absmax8(b0, b1, b2, b3, b4, b5, b6, b7))
-    if SLABS >= 4:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _x_of(xc_w)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _x_of(xd_w)
-        m = _max_nan(m, _max_nan(_absmax8(c0, c1, c2, c3, c4, c5, c6, c7), _absmax8(d0, d1, d2, d3, d4, d5, d6, d7)))
-    m = _max_nan(m, 1e-30)  # all-zero rows: inv stays finite, every v is 0
-    inv = X_MAX / m
-    xa, total = _x_int16(a0, a1, a2, a3, a4, a5, a6, a7, inv, ASM)
-    xb = xa
-    xc = xa
-    xd = xa
-    if SLABS >= 2:
-        xb, tb = _x_int16(b0, b1, b2, b3, b4, b5, b6, b7, inv, ASM)
-        total += tb
-    if SLABS >= 4:
-        xc, tc = _x_int16(c0, c1, c2, c3, c4, c5, c6, c7, inv, ASM)
-        xd, td = _x_int16(d0, d1, d2, d3, d4, d5, d6, d7, inv, ASM)
-        total += tc + td
-    return _tile_dot(w0, w1, w2, w3, xa, xb, xc, xd, total, m * (1.0 / X_MAX), zq, sc.to(tl.float32), SLABS, ASM)
 
 
 @triton.jit
@@ -154,64 +63,91 @@ def _owner(s, G, T):
 
 
 @triton.jit
+def _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS: tl.constexpr, SLABS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr):
+    """The weight tiles of stream step s and (PREFETCH 2) the step after it in the same column tile
+    (clamped to the tile's last K tile): what a segment's loop starts with."""
+    j = s // KT
+    w_ptr = q_ptr + rr * N + j * BLOCK_N + cols_in_tile
+    r0 = (s - j * KT) * BLOCK_R
+    K8 = KT * BLOCK_R
+    w0, w1, w2, w3 = _w4_dp2a_tile(w_ptr, r0, K8, N, rr, cols_in_tile, RS, SLABS, True)
+    p0, p1, p2, p3 = w0, w1, w2, w3
+    if PREFETCH >= 2:
+        p0, p1, p2, p3 = _w4_dp2a_tile(w_ptr, r0 + BLOCK_R, K8, N, rr, cols_in_tile, RS, SLABS, True)
+    return w0, w1, w2, w3, p0, p1, p2, p3
+
+
+@triton.jit
 def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc,
-                 h_ptr, h_out_ptr, y_ptr, scale, t0, t1, s_begin, s_end, c, G, cols_in_tile, rr,
+                 h_ptr, h_out_ptr, y_ptr, scale, first, s_begin, s_end, c, G, cols_in_tile, rr,
                  GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  RS: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr, NV: tl.constexpr,
                  PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr, ASM: tl.constexpr):
-    """Steps [s_begin, s_end) of one GEMV (x one row; t0, t1: what the first two steps read, already
-    asked for (_tile_at); t1 unused at PREFETCH 1). Each column tile's sum goes out through the last
-    of its contributors: RESIDUAL, as h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's
-    roundings); else as y = round(u)."""
+    """Steps [s_begin, s_end) of one GEMV, x one row. The range is cut at column tiles into segments
+    (at most a few per CTA); each segment runs the dp2a GEMV's own loop (pointer steps only, the
+    weight tiles PREFETCH ahead) and hands its sum to the tile's last contributor: RESIDUAL, as
+    h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's roundings); else as y = round(u).
+    first: _first_tiles of s_begin, asked for before the caller's wait."""
     KT = K8 // BLOCK_R
     T = (N // BLOCK_N) * KT
-    tile_offs = rr * N + cols_in_tile
     rows0 = rr * 0
     offs = tl.arange(0, BLOCK_N)
-    acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
-    xt0 = _x_at(x_pairs, tl.minimum(s_begin, T - 1), KT, rr, RS, SLABS, BLOCK_R)
-    for s in range(s_begin, s_end):
-        # the tile PREFETCH steps on first (it may belong to the next column tile: the stream runs on)
-        t2 = _tile_at(q_ptr, z_ptr, s_ptr, stride_z, tl.minimum(s + PREFETCH, s_end - 1), KT, N, tile_offs,
-                      cols_in_tile, rows0, GROUP_SIZE, RS, SLABS, BLOCK_N, BLOCK_R)
-        xt1 = _x_at(x_pairs, tl.minimum(s + 1, s_end - 1), KT, rr, RS, SLABS, BLOCK_R)
+    w0, w1, w2, w3, p0, p1, p2, p3 = first
+    s = s_begin
+    while s < s_end:
         j = s // KT
-        r0 = (s - j * KT) * BLOCK_R
-        zq = (t0[5] >> (((j * BLOCK_N + cols_in_tile) % 8) * 4)) & 0xF
-        acc += _step_dot(t0, xt0, zq, SLABS, ASM)
-        xt0 = xt1
-        if PREFETCH >= 2:
-            t0 = t1
-            t1 = t2
-        else:
-            t0 = t2
-        if (r0 + BLOCK_R == K8) | (s == s_end - 1):  # this CTA's part of column tile j is done
-            part = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
-            first = _owner(j * KT, G, T)
-            n_parts = _owner(j * KT + KT - 1, G, T) - first + 1
-            total = part
-            last = n_parts == 1
-            if n_parts > 1:
-                slots = ws_ptr + (j * maxc) * BLOCK_N + offs
-                tl.store(slots + (c - first) * BLOCK_N, part)
-                tl.debug_barrier()  # every thread's partial is written before the release below
-                arrived = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
-                last = arrived == n_parts - 1
-                if last:  # all partials of the tile, summed in contributor order
-                    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                    for p in range(n_parts):
-                        total += tl.load(slots + p * BLOCK_N, cache_modifier=".cg")
-                    tl.atomic_xchg(cnt_ptr + j, 0)  # re-armed for the next launch
-            if last:
-                out_cols = j * BLOCK_N + offs
-                u = round_to(total, tl.bfloat16)
-                if RESIDUAL:
-                    r = tl.load(h_ptr + out_cols).to(tl.float32)
-                    h = round_to(r + round_to(u * scale, tl.bfloat16), tl.bfloat16)
-                    tl.store(h_out_ptr + out_cols, h.to(h_out_ptr.dtype.element_ty))
-                else:
-                    tl.store(y_ptr + out_cols, u.to(y_ptr.dtype.element_ty))
-            acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
+        seg_end = tl.minimum(s_end, (j + 1) * KT)
+        r_begin = (s - j * KT) * BLOCK_R
+        r_end = (seg_end - j * KT) * BLOCK_R
+        cols = j * BLOCK_N + cols_in_tile
+        w_ptr = q_ptr + rr * N + cols
+        s_cols = s_ptr + cols + rows0
+        z_cols = z_ptr + cols // 8 + rows0
+        z_shift = (cols % 8) * 4
+        if s != s_begin:  # a later segment: its first tiles now (one exposed round trip per segment)
+            w0, w1, w2, w3, p0, p1, p2, p3 = _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS, SLABS, BLOCK_N,
+                                                          BLOCK_R, PREFETCH)
+        acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
+        for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
+            # the tile PREFETCH ahead is issued before this one is consumed (w4_dp2a's loop)
+            n0, n1, n2, n3 = _w4_dp2a_tile(w_ptr, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, RS, SLABS, True)
+            g = (r0 * 8) // GROUP_SIZE
+            sc = tl.load(s_cols + g * N).to(tl.float32)
+            zq = (tl.load(z_cols + g * stride_z) >> z_shift) & 0xF
+            acc += _w4_dp2a_row(x_pairs, r0, rr, K8, w0, w1, w2, w3, zq, sc, RS, SLABS, True, ASM)
+            if PREFETCH >= 2:
+                w0, w1, w2, w3 = p0, p1, p2, p3
+                p0, p1, p2, p3 = n0, n1, n2, n3
+            else:
+                w0, w1, w2, w3 = n0, n1, n2, n3
+        # this CTA's part of column tile j is done
+        part = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
+        first_owner = _owner(j * KT, G, T)
+        n_parts = _owner(j * KT + KT - 1, G, T) - first_owner + 1
+        total = part
+        last = n_parts == 1
+        if n_parts > 1:
+            slots = ws_ptr + (j * maxc) * BLOCK_N + offs
+            tl.store(slots + (c - first_owner) * BLOCK_N, part)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
+            last = arrived == n_parts - 1
+            if last:  # all partials of the tile, summed in contributor order
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for p in range(n_parts):
+                    total += tl.load(slots + p * BLOCK_N, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + j, 0)  # re-armed for the next launch
+        if last:
+            out_cols = j * BLOCK_N + offs
+            u = round_to(total, tl.bfloat16)
+            if RESIDUAL:
+                r = tl.load(h_ptr + out_cols).to(tl.float32)
+                h = round_to(r + round_to(u * scale, tl.bfloat16), tl.bfloat16)
+                tl.store(h_out_ptr + out_cols, h.to(h_out_ptr.dtype.element_ty))
+            else:
+                tl.store(y_ptr + out_cols, u.to(y_ptr.dtype.element_ty))
+        s = seg_end
 
 
 @triton.jit
@@ -261,34 +197,23 @@ def _w4_junction_kernel(
     a_end = (c + 1) * ta // G
     b_begin = c * tb // G
     b_end = (c + 1) * tb // G
-    a_offs = rr * HIDDEN + cols_in_tile
-    b_offs = rr * N_B + cols_in_tile
-    rows0 = rr * 0
     kta = ka8 // BLOCK_R
     ktb: tl.constexpr = kb8 // BLOCK_R
     if PHASE != 2:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         # the first tiles before the dependency wait: weights never depend on the previous kernel
-        t0 = _tile_at(qa_ptr, za_ptr, sa_ptr, stride_za, tl.minimum(a_begin, ta - 1), kta, HIDDEN, a_offs,
-                      cols_in_tile, rows0, GROUP_A, RS, SLABS, BLOCK_N, BLOCK_R)
-        t1 = t0
-        if PREFETCH >= 2:
-            t1 = _tile_at(qa_ptr, za_ptr, sa_ptr, stride_za, tl.minimum(a_begin + 1, ta - 1), kta, HIDDEN, a_offs,
-                          cols_in_tile, rows0, GROUP_A, RS, SLABS, BLOCK_N, BLOCK_R)
+        first = _first_tiles(qa_ptr, tl.minimum(a_begin, ta - 1), kta, HIDDEN, rr, cols_in_tile, RS, SLABS, BLOCK_N,
+                             BLOCK_R, PREFETCH)
         if PDL:
             tl.extra.cuda.gdc_wait()
         x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
         _stream_gemv(x_pairs, qa_ptr, za_ptr, sa_ptr, stride_za, HIDDEN, ka8, ws_ptr, cnt_ptr, maxc_a,
-                     h_ptr, h_out_ptr, y_ptr, scale, t0, t1, a_begin, a_end, c, G, cols_in_tile, rr,
+                     h_ptr, h_out_ptr, y_ptr, scale, first, a_begin, a_end, c, G, cols_in_tile, rr,
                      GROUP_A, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, True, ASM)
     if PHASE != 1:
-        u0 = _tile_at(qb_ptr, zb_ptr, sb_ptr, stride_zb, tl.minimum(b_begin, tb - 1), ktb, N_B, b_offs,
-                      cols_in_tile, rows0, GROUP_B, RS, SLABS, BLOCK_N, BLOCK_R)
-        u1 = u0
-        if PREFETCH >= 2:
-            u1 = _tile_at(qb_ptr, zb_ptr, sb_ptr, stride_zb, tl.minimum(b_begin + 1, tb - 1), ktb, N_B, b_offs,
-                          cols_in_tile, rows0, GROUP_B, RS, SLABS, BLOCK_N, BLOCK_R)
+        first_b = _first_tiles(qb_ptr, tl.minimum(b_begin, tb - 1), ktb, N_B, rr, cols_in_tile, RS, SLABS, BLOCK_N,
+                               BLOCK_R, PREFETCH)
         if PHASE == 0:
             _grid_barrier(bar_ptr, G)
         # h' is complete: this CTA's copy of RMSNorm(h') (fused._normalize's roundings), in chunks
@@ -309,7 +234,7 @@ def _w4_junction_kernel(
         xn_pairs = xn_row.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
         cnt_b = cnt_ptr + HIDDEN // BLOCK_N
         _stream_gemv(xn_pairs, qb_ptr, zb_ptr, sb_ptr, stride_zb, N_B, kb8, ws_ptr + HIDDEN * maxc_a, cnt_b, maxc_b,
-                     h_ptr, h_out_ptr, y_ptr, scale, u0, u1, b_begin, b_end, c, G, cols_in_tile, rr,
+                     h_ptr, h_out_ptr, y_ptr, scale, first_b, b_begin, b_end, c, G, cols_in_tile, rr,
                      GROUP_B, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, False, ASM)
 
 
