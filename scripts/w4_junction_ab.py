@@ -42,7 +42,10 @@ def _rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", type=int, default=len(J.W4_JUNCTION_CONFIGS), help="the first N configs only")
+    ap.add_argument("--orders", default="stream", help="comma list of stream,split (w4_junction's split_order)")
     a = ap.parse_args()
+    orders = [o == "split" for o in a.orders.split(",")]
     backend = TritonBackend()
     rows = []
     for name, (shape_a, shape_b) in JUNCTIONS.items():
@@ -65,28 +68,28 @@ def main():
         floor_us = nbytes / COPY_GBS / 1e3
         row = dict(junction=name, chain_us=chain_us, floor_us=floor_us, configs={})
         print(f"{name:16s} chain {chain_us:6.1f} us  floor {floor_us:5.1f} us", flush=True)
-        for cfg in J.W4_JUNCTION_CONFIGS:
-            h_j, y_j = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg)
+        for cfg, split in [(c, o) for c in J.W4_JUNCTION_CONFIGS[:a.configs] for o in orders]:
+            h_j, y_j = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg, split_order=split)
             errs = (_rel(h_j, h_c), _rel(y_j, y_c))
             if max(errs) > 4e-3 or J.barrier_error(torch.device("cuda")):
                 print(f"  {cfg}: WRONG (rel err vs chain {errs}, barrier error {J.barrier_error(torch.device('cuda'))})")
-                row["configs"][str(cfg)] = dict(wrong=errs)
+                row["configs"][str((cfg, split))] = dict(wrong=errs)
                 continue
 
-            def fused(i, c=cfg):
+            def fused(i, c=cfg, o=split):
                 wo, wi = pairs[i % n]
-                return J.w4_junction(h, x, wo, 0.25, norm_w, 1e-6, wi, config=c)
+                return J.w4_junction(h, x, wo, 0.25, norm_w, 1e-6, wi, config=c, split_order=o)
 
-            def phase(i, c=cfg, p=1):
+            def phase(i, c=cfg, o=split, p=1):
                 wo, wi = pairs[i % n]
-                return J.w4_junction(h, x, wo, 0.25, norm_w, 1e-6, wi, config=c, only_phase=p)
+                return J.w4_junction(h, x, wo, 0.25, norm_w, 1e-6, wi, config=c, split_order=o, only_phase=p)
 
             us = graph_time_us(fused, calls=max(8, n))
             us_a = graph_time_us(phase, calls=max(8, n))
             us_b = graph_time_us(lambda i: phase(i, p=2), calls=max(8, n))
             grid = [v for k, v in J._GRIDS.items() if k[1] == cfg][-1]
-            row["configs"][str(cfg)] = dict(us=us, phase_a_us=us_a, phase_b_us=us_b, grid=grid, rel_err=errs)
-            print(f"  {str(cfg):22s} grid {grid:4d}  {us:6.1f} us  ({chain_us / us:4.2f}x the chain, "
+            row["configs"][str((cfg, split))] = dict(us=us, phase_a_us=us_a, phase_b_us=us_b, grid=grid, rel_err=errs)
+            print(f"  {str(cfg):22s} {'split ' if split else 'stream'} grid {grid:4d}  {us:6.1f} us  ({chain_us / us:4.2f}x the chain, "
                   f"floor/achieved {floor_us / us:4.2f}); phase A alone {us_a:5.1f}, phase B alone {us_b:5.1f}",
                   flush=True)
         rows.append(row)

@@ -496,6 +496,10 @@ def w4a16_junction_checks(gen):
                 check(name + " y", y, y_ref, 2 ** -7)
         check(f"w4_junction K_A={k_a} N_B={n_b} default grid y",
               J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in)[1], y_ref, 2 ** -7)
+        for grid in (8, 13):  # split-K order: 8 (then 16) column tiles of 128, 1-3 splits per phase
+            _, y = J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in, config=J.W4_JUNCTION_CONFIGS[1], grid=grid,
+                                 split_order=True)
+            check(f"w4_junction K_A={k_a} N_B={n_b} split order grid={grid} y", y, y_ref, 2 ** -7)
         a = J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in, grid=7)
         b = J.w4_junction(h, x, w_out, scale, norm_w, eps, w_in, grid=7)
         if not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])):

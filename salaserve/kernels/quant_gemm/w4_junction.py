@@ -63,6 +63,25 @@ def _owner(s, G, T):
 
 
 @triton.jit
+def _range(c, G, n_cols, KT, split):
+    """CTA c's steps [begin, end): stream-K (an equal share of all n_cols * KT steps, split 0), or the
+    split-K grid's (column c % n_cols, K tiles of split c // n_cols; CTAs past n_cols * split idle),
+    where the CTAs running together read the same K rows of neighbouring columns."""
+    T = n_cols * KT
+    begin = c * T // G
+    end = (c + 1) * T // G
+    if split > 0:
+        j = c % n_cols
+        ks = c // n_cols
+        begin = j * KT + ks * KT // split
+        end = j * KT + (ks + 1) * KT // split
+        if ks >= split:
+            begin = 0
+            end = 0
+    return begin, end
+
+
+@triton.jit
 def _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS: tl.constexpr, SLABS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr):
     """The weight tiles of stream step s and (PREFETCH 2) the step after it in the same column tile
@@ -79,7 +98,7 @@ def _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS: tl.constexpr, SLABS: tl.
 
 
 @triton.jit
-def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc,
+def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc, split,
                  h_ptr, h_out_ptr, y_ptr, scale, first, s_begin, s_end, c, G, cols_in_tile, rr,
                  GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  RS: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr, NV: tl.constexpr,
@@ -88,7 +107,8 @@ def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr,
     (at most a few per CTA); each segment runs the dp2a GEMV's own loop (pointer steps only, the
     weight tiles PREFETCH ahead) and hands its sum to the tile's last contributor: RESIDUAL, as
     h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's roundings); else as y = round(u).
-    first: _first_tiles of s_begin, asked for before the caller's wait."""
+    first: _first_tiles of s_begin, asked for before the caller's wait. split > 0: the ranges are a
+    split-K grid's (_split_range), `split` contributors per column tile, slot c // column tiles."""
     KT = K8 // BLOCK_R
     T = (N // BLOCK_N) * KT
     rows0 = rr * 0
@@ -123,13 +143,18 @@ def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr,
                 w0, w1, w2, w3 = n0, n1, n2, n3
         # this CTA's part of column tile j is done
         part = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
-        first_owner = _owner(j * KT, G, T)
-        n_parts = _owner(j * KT + KT - 1, G, T) - first_owner + 1
+        if split > 0:
+            n_parts = split
+            slot = c // (N // BLOCK_N)
+        else:
+            first_owner = _owner(j * KT, G, T)
+            n_parts = _owner(j * KT + KT - 1, G, T) - first_owner + 1
+            slot = c - first_owner
         total = part
         last = n_parts == 1
         if n_parts > 1:
             slots = ws_ptr + (j * maxc) * BLOCK_N + offs
-            tl.store(slots + (c - first_owner) * BLOCK_N, part)
+            tl.store(slots + slot * BLOCK_N, part)
             tl.debug_barrier()  # every thread's partial is written before the release below
             arrived = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
             last = arrived == n_parts - 1
@@ -173,7 +198,7 @@ def _grid_barrier(bar_ptr, G):
 def _w4_junction_kernel(
     x_ptr, h_ptr, norm_ptr, h_out_ptr, y_ptr, xn_ptr, ws_ptr, cnt_ptr, bar_ptr,
     qa_ptr, za_ptr, sa_ptr, qb_ptr, zb_ptr, sb_ptr, stride_za, stride_zb,
-    K_A, N_B, maxc_a, maxc_b, scale, eps,
+    K_A, N_B, maxc_a, maxc_b, split_a, split_b, scale, eps,
     HIDDEN: tl.constexpr, GROUP_A: tl.constexpr, GROUP_B: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr,
     PREFETCH: tl.constexpr,  # steps read ahead of the one being computed: 1 or 2
@@ -193,12 +218,10 @@ def _w4_junction_kernel(
     kb8: tl.constexpr = HIDDEN // 8
     ta = (HIDDEN // BLOCK_N) * (ka8 // BLOCK_R)  # phase A's steps
     tb = (N_B // BLOCK_N) * (kb8 // BLOCK_R)
-    a_begin = c * ta // G
-    a_end = (c + 1) * ta // G
-    b_begin = c * tb // G
-    b_end = (c + 1) * tb // G
     kta = ka8 // BLOCK_R
     ktb: tl.constexpr = kb8 // BLOCK_R
+    a_begin, a_end = _range(c, G, HIDDEN // BLOCK_N, kta, split_a)
+    b_begin, b_end = _range(c, G, N_B // BLOCK_N, ktb, split_b)
     if PHASE != 2:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -208,7 +231,7 @@ def _w4_junction_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
-        _stream_gemv(x_pairs, qa_ptr, za_ptr, sa_ptr, stride_za, HIDDEN, ka8, ws_ptr, cnt_ptr, maxc_a,
+        _stream_gemv(x_pairs, qa_ptr, za_ptr, sa_ptr, stride_za, HIDDEN, ka8, ws_ptr, cnt_ptr, maxc_a, split_a,
                      h_ptr, h_out_ptr, y_ptr, scale, first, a_begin, a_end, c, G, cols_in_tile, rr,
                      GROUP_A, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, True, ASM)
     if PHASE != 1:
@@ -233,7 +256,7 @@ def _w4_junction_kernel(
         tl.debug_barrier()  # the CTA's threads read each other's x below
         xn_pairs = xn_row.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
         cnt_b = cnt_ptr + HIDDEN // BLOCK_N
-        _stream_gemv(xn_pairs, qb_ptr, zb_ptr, sb_ptr, stride_zb, N_B, kb8, ws_ptr + HIDDEN * maxc_a, cnt_b, maxc_b,
+        _stream_gemv(xn_pairs, qb_ptr, zb_ptr, sb_ptr, stride_zb, N_B, kb8, ws_ptr + HIDDEN * maxc_a, cnt_b, maxc_b, split_b,
                      h_ptr, h_out_ptr, y_ptr, scale, first_b, b_begin, b_end, c, G, cols_in_tile, rr,
                      GROUP_B, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, False, ASM)
 
@@ -293,14 +316,15 @@ def _sm90_occupancy(n_regs: int, warps: int, shared: int) -> int:
 def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights, scale: float,
                 norm_w: torch.Tensor, eps: float, w_in: QuantizedLinearWeights, *,
                 config: tuple = W4_JUNCTION_CONFIGS[0], grid: int | None = None,
-                phases_apart: bool = False, only_phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                phases_apart: bool = False, only_phase: int = 0, split_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: (h' = h + (x @ W_out) * scale, RMSNorm(h', norm_w) @ W_in), each bf16 [1, .], as
     add_rms_norm(h, w4a16_gemv_dp2a(x, W_out), scale, norm_w, eps) and the GEMV of its output would
     give them (to the split-K summation order). grid: the CTA count (default: the SM count times
     the config's CTAs per SM, capped by occupancy). phases_apart: the two phases as two launches
     without the barrier (what the interpreter always does; the GPU tests compare the two forms).
     only_phase 1 or 2: launch that phase alone (a benchmark's breakdown; phase 2 alone reads h' from
-    an earlier call's output buffer, so its values are not meaningful)."""
+    an earlier call's output buffer, so its values are not meaningful). split_order: each phase as a
+    split-K grid (split = grid // column tiles) instead of stream-K."""
     hidden = h.shape[-1]
     if (h.dim() != 2 or h.shape[0] != 1 or x.dim() != 2 or x.shape != (1, w_out.in_features)
             or h.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or norm_w.shape != (hidden,)):
@@ -323,22 +347,24 @@ def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights,
     pdl = {} if phases_apart else pdl_launch_kwargs(device)
 
     def operands(g: int) -> tuple:
-        maxc_a = max_contributors(tiles_a, kt_a, g)
-        maxc_b = max_contributors(tiles_b, kt_b, g)
+        split_a = max(1, min(g // tiles_a, kt_a)) if split_order else 0
+        split_b = max(1, min(g // tiles_b, kt_b)) if split_order else 0
+        maxc_a = split_a or max_contributors(tiles_a, kt_a, g)
+        maxc_b = split_b or max_contributors(tiles_b, kt_b, g)
         ws, cnt = _workspace(device, hidden * maxc_a + n_b * maxc_b, tiles_a + tiles_b)
         xn = persistent_buffers(_XN_SCRATCH, device, (Want(g * hidden, 0, torch.bfloat16),), "the junction's x rows")[0]
         return (x, h, norm_w, h_out, y, xn, ws, cnt, barrier_words(device),
                 w_out.qweight, w_out.qzeros, w_out.scales, w_in.qweight, w_in.qzeros, w_in.scales,
                 w_out.qzeros.stride(0), w_in.qzeros.stride(0), w_out.in_features, n_b, maxc_a, maxc_b,
-                float(scale), float(eps))
+                split_a, split_b, float(scale), float(eps))
 
     if grid is None:
         grid = _default_grid(config, args, pdl, operands, device, (tiles_a * kt_a, tiles_b * kt_b))
     # every CTA at least one step of each phase: the contributors of a column tile are then the
     # consecutive CTAs between its first and last step's owners
     grid = min(grid, tiles_a * kt_a, tiles_b * kt_b)
-    if grid < 1:
-        raise ValueError(f"w4_junction: grid {grid}")
+    if grid < (max(tiles_a, tiles_b) if split_order else 1):
+        raise ValueError(f"w4_junction: grid {grid} too small")
     ops = operands(grid)
     if only_phase:
         _w4_junction_kernel[(grid,)](*ops, PHASE=only_phase, **args)
