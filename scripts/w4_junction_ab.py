@@ -42,10 +42,12 @@ def _rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--configs", type=int, default=len(J.W4_JUNCTION_CONFIGS), help="the first N configs only")
+    ap.add_argument("--configs", default=None, help="comma list of indices into W4_JUNCTION_CONFIGS (default all)")
     ap.add_argument("--orders", default="stream", help="comma list of stream,split (w4_junction's split_order)")
     a = ap.parse_args()
     orders = [o == "split" for o in a.orders.split(",")]
+    configs = ([J.W4_JUNCTION_CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs
+               else list(J.W4_JUNCTION_CONFIGS))
     backend = TritonBackend()
     rows = []
     for name, (shape_a, shape_b) in JUNCTIONS.items():
@@ -68,7 +70,7 @@ def main():
         floor_us = nbytes / COPY_GBS / 1e3
         row = dict(junction=name, chain_us=chain_us, floor_us=floor_us, configs={})
         print(f"{name:16s} chain {chain_us:6.1f} us  floor {floor_us:5.1f} us", flush=True)
-        for cfg, split in [(c, o) for c in J.W4_JUNCTION_CONFIGS[:a.configs] for o in orders]:
+        for cfg, split in [(c, o) for c in configs for o in orders]:
             h_j, y_j = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg, split_order=split)
             errs = (_rel(h_j, h_c), _rel(y_j, y_c))
             if max(errs) > 4e-3 or J.barrier_error(torch.device("cuda")):

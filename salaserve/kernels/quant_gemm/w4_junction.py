@@ -98,81 +98,101 @@ def _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS: tl.constexpr, SLABS: tl.
 
 
 @triton.jit
-def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc, split,
-                 h_ptr, h_out_ptr, y_ptr, scale, first, s_begin, s_end, c, G, cols_in_tile, rr,
-                 GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 RS: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr, NV: tl.constexpr,
-                 PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr, ASM: tl.constexpr):
-    """Steps [s_begin, s_end) of one GEMV, x one row. The range is cut at column tiles into segments
-    (at most a few per CTA); each segment runs the dp2a GEMV's own loop (pointer steps only, the
-    weight tiles PREFETCH ahead) and hands its sum to the tile's last contributor: RESIDUAL, as
-    h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's roundings); else as y = round(u).
-    first: _first_tiles of s_begin, asked for before the caller's wait. split > 0: the ranges are a
-    split-K grid's (_split_range), `split` contributors per column tile, slot c // column tiles."""
+def _segment(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc, split,
+             h_ptr, h_out_ptr, y_ptr, scale, tiles, s, seg_end, c, G, cols_in_tile, rr,
+             GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+             RS: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr, NV: tl.constexpr,
+             PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr, ASM: tl.constexpr):
+    """Steps [s, seg_end) of one column tile (tiles: _first_tiles of s): the dp2a GEMV's own loop
+    (pointer steps, the weight tiles PREFETCH ahead), then the sum to the tile's last contributor:
+    RESIDUAL, as h_out = round(h + round(round(u) * scale)) (fused.add_rms_norm's roundings); else as
+    y = round(u)."""
     KT = K8 // BLOCK_R
     T = (N // BLOCK_N) * KT
     rows0 = rr * 0
     offs = tl.arange(0, BLOCK_N)
-    w0, w1, w2, w3, p0, p1, p2, p3 = first
-    s = s_begin
-    while s < s_end:
-        j = s // KT
-        seg_end = tl.minimum(s_end, (j + 1) * KT)
-        r_begin = (s - j * KT) * BLOCK_R
-        r_end = (seg_end - j * KT) * BLOCK_R
-        cols = j * BLOCK_N + cols_in_tile
-        w_ptr = q_ptr + rr * N + cols
-        s_cols = s_ptr + cols + rows0
-        z_cols = z_ptr + cols // 8 + rows0
-        z_shift = (cols % 8) * 4
-        if s != s_begin:  # a later segment: its first tiles now (one exposed round trip per segment)
-            w0, w1, w2, w3, p0, p1, p2, p3 = _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS, SLABS, BLOCK_N,
-                                                          BLOCK_R, PREFETCH)
-        acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
-        for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
-            # the tile PREFETCH ahead is issued before this one is consumed (w4_dp2a's loop)
-            n0, n1, n2, n3 = _w4_dp2a_tile(w_ptr, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, RS, SLABS, True)
-            g = (r0 * 8) // GROUP_SIZE
-            sc = tl.load(s_cols + g * N).to(tl.float32)
-            zq = (tl.load(z_cols + g * stride_z) >> z_shift) & 0xF
-            acc += _w4_dp2a_row(x_pairs, r0, rr, K8, w0, w1, w2, w3, zq, sc, RS, SLABS, True, ASM)
-            if PREFETCH >= 2:
-                w0, w1, w2, w3 = p0, p1, p2, p3
-                p0, p1, p2, p3 = n0, n1, n2, n3
-            else:
-                w0, w1, w2, w3 = n0, n1, n2, n3
-        # this CTA's part of column tile j is done
-        part = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
-        if split > 0:
-            n_parts = split
-            slot = c // (N // BLOCK_N)
+    w0, w1, w2, w3, p0, p1, p2, p3 = tiles
+    j = s // KT
+    r_begin = (s - j * KT) * BLOCK_R
+    r_end = (seg_end - j * KT) * BLOCK_R
+    cols = j * BLOCK_N + cols_in_tile
+    w_ptr = q_ptr + rr * N + cols
+    s_cols = s_ptr + cols + rows0
+    z_cols = z_ptr + cols // 8 + rows0
+    z_shift = (cols % 8) * 4
+    acc = tl.zeros((VECS, RS, NV // 4, 4), dtype=tl.float32)
+    for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
+        # the tile PREFETCH ahead is issued before this one is consumed (w4_dp2a's loop)
+        n0, n1, n2, n3 = _w4_dp2a_tile(w_ptr, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, RS, SLABS, True)
+        g = (r0 * 8) // GROUP_SIZE
+        sc = tl.load(s_cols + g * N).to(tl.float32)
+        zq = (tl.load(z_cols + g * stride_z) >> z_shift) & 0xF
+        acc += _w4_dp2a_row(x_pairs, r0, rr, K8, w0, w1, w2, w3, zq, sc, RS, SLABS, True, ASM)
+        if PREFETCH >= 2:
+            w0, w1, w2, w3 = p0, p1, p2, p3
+            p0, p1, p2, p3 = n0, n1, n2, n3
         else:
-            first_owner = _owner(j * KT, G, T)
-            n_parts = _owner(j * KT + KT - 1, G, T) - first_owner + 1
-            slot = c - first_owner
-        total = part
-        last = n_parts == 1
-        if n_parts > 1:
-            slots = ws_ptr + (j * maxc) * BLOCK_N + offs
-            tl.store(slots + slot * BLOCK_N, part)
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            arrived = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
-            last = arrived == n_parts - 1
-            if last:  # all partials of the tile, summed in contributor order
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for p in range(n_parts):
-                    total += tl.load(slots + p * BLOCK_N, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + j, 0)  # re-armed for the next launch
-        if last:
-            out_cols = j * BLOCK_N + offs
-            u = round_to(total, tl.bfloat16)
-            if RESIDUAL:
-                r = tl.load(h_ptr + out_cols).to(tl.float32)
-                h = round_to(r + round_to(u * scale, tl.bfloat16), tl.bfloat16)
-                tl.store(h_out_ptr + out_cols, h.to(h_out_ptr.dtype.element_ty))
-            else:
-                tl.store(y_ptr + out_cols, u.to(y_ptr.dtype.element_ty))
-        s = seg_end
+            w0, w1, w2, w3 = n0, n1, n2, n3
+    part = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
+    if split > 0:
+        n_parts = split
+        slot = c // (N // BLOCK_N)
+    else:
+        first_owner = _owner(j * KT, G, T)
+        n_parts = _owner(j * KT + KT - 1, G, T) - first_owner + 1
+        slot = c - first_owner
+    total = part
+    last = n_parts == 1
+    if n_parts > 1:
+        slots = ws_ptr + (j * maxc) * BLOCK_N + offs
+        tl.store(slots + slot * BLOCK_N, part)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
+        last = arrived == n_parts - 1
+        if last:  # all partials of the tile, summed in contributor order
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for p in range(n_parts):
+                total += tl.load(slots + p * BLOCK_N, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + j, 0)  # re-armed for the next launch
+    if last:
+        out_cols = j * BLOCK_N + offs
+        u = round_to(total, tl.bfloat16)
+        if RESIDUAL:
+            r = tl.load(h_ptr + out_cols).to(tl.float32)
+            h = round_to(r + round_to(u * scale, tl.bfloat16), tl.bfloat16)
+            tl.store(h_out_ptr + out_cols, h.to(h_out_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + out_cols, u.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _stream_gemv(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc, split,
+                 h_ptr, h_out_ptr, y_ptr, scale, first, s_begin, s_end, c, G, cols_in_tile, rr,
+                 GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 RS: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr, NV: tl.constexpr,
+                 PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr, ONE_SEGMENT: tl.constexpr, ASM: tl.constexpr):
+    """Steps [s_begin, s_end) of one GEMV, x one row, cut at column tiles into _segments (at most a
+    few per CTA; the first tiles of a later one are asked for at its start). first: _first_tiles of
+    s_begin, asked for before the caller's wait. split > 0: the ranges are a split-K grid's
+    (_range), `split` contributors per column tile; ONE_SEGMENT (split order: a range never crosses a
+    column tile) drops the segment loop and the tiles it carries."""
+    KT = K8 // BLOCK_R
+    if ONE_SEGMENT:
+        if s_begin < s_end:
+            _segment(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc, split, h_ptr, h_out_ptr,
+                     y_ptr, scale, first, s_begin, s_end, c, G, cols_in_tile, rr, GROUP_SIZE, BLOCK_N, BLOCK_R, RS,
+                     SLABS, VECS, NV, PREFETCH, RESIDUAL, ASM)
+    else:
+        tiles = first
+        s = s_begin
+        while s < s_end:
+            seg_end = tl.minimum(s_end, (s // KT + 1) * KT)
+            if s != s_begin:
+                tiles = _first_tiles(q_ptr, s, KT, N, rr, cols_in_tile, RS, SLABS, BLOCK_N, BLOCK_R, PREFETCH)
+            _segment(x_pairs, q_ptr, z_ptr, s_ptr, stride_z, N, K8, ws_ptr, cnt_ptr, maxc, split, h_ptr, h_out_ptr,
+                     y_ptr, scale, tiles, s, seg_end, c, G, cols_in_tile, rr, GROUP_SIZE, BLOCK_N, BLOCK_R, RS,
+                     SLABS, VECS, NV, PREFETCH, RESIDUAL, ASM)
+            s = seg_end
 
 
 @triton.jit
@@ -202,6 +222,7 @@ def _w4_junction_kernel(
     HIDDEN: tl.constexpr, GROUP_A: tl.constexpr, GROUP_B: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLABS: tl.constexpr, VECS: tl.constexpr,
     PREFETCH: tl.constexpr,  # steps read ahead of the one being computed: 1 or 2
+    SPLIT_ORDER: tl.constexpr,  # split_a / split_b > 0: each range within one column tile
     PHASE: tl.constexpr,  # 0: both phases and the grid barrier; 1: phase A only; 2: phase B only
     ASM: tl.constexpr, PDL: tl.constexpr = False, NORM_CHUNK: tl.constexpr = 512,
 ):
@@ -220,9 +241,8 @@ def _w4_junction_kernel(
     tb = (N_B // BLOCK_N) * (kb8 // BLOCK_R)
     kta = ka8 // BLOCK_R
     ktb: tl.constexpr = kb8 // BLOCK_R
-    a_begin, a_end = _range(c, G, HIDDEN // BLOCK_N, kta, split_a)
-    b_begin, b_end = _range(c, G, N_B // BLOCK_N, ktb, split_b)
     if PHASE != 2:
+        a_begin, a_end = _range(c, G, HIDDEN // BLOCK_N, kta, split_a)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         # the first tiles before the dependency wait: weights never depend on the previous kernel
@@ -233,8 +253,9 @@ def _w4_junction_kernel(
         x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + x_quads
         _stream_gemv(x_pairs, qa_ptr, za_ptr, sa_ptr, stride_za, HIDDEN, ka8, ws_ptr, cnt_ptr, maxc_a, split_a,
                      h_ptr, h_out_ptr, y_ptr, scale, first, a_begin, a_end, c, G, cols_in_tile, rr,
-                     GROUP_A, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, True, ASM)
+                     GROUP_A, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, True, SPLIT_ORDER, ASM)
     if PHASE != 1:
+        b_begin, b_end = _range(c, G, N_B // BLOCK_N, ktb, split_b)  # here: nothing of phase B lives through A
         first_b = _first_tiles(qb_ptr, tl.minimum(b_begin, tb - 1), ktb, N_B, rr, cols_in_tile, RS, SLABS, BLOCK_N,
                                BLOCK_R, PREFETCH)
         if PHASE == 0:
@@ -258,7 +279,7 @@ def _w4_junction_kernel(
         cnt_b = cnt_ptr + HIDDEN // BLOCK_N
         _stream_gemv(xn_pairs, qb_ptr, zb_ptr, sb_ptr, stride_zb, N_B, kb8, ws_ptr + HIDDEN * maxc_a, cnt_b, maxc_b, split_b,
                      h_ptr, h_out_ptr, y_ptr, scale, first_b, b_begin, b_end, c, G, cols_in_tile, rr,
-                     GROUP_B, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, False, ASM)
+                     GROUP_B, BLOCK_N, BLOCK_R, RS, SLABS, VECS, NV, PREFETCH, False, SPLIT_ORDER, ASM)
 
 
 # ---------------------------------------------------------------- host side
@@ -344,6 +365,7 @@ def w4_junction(h: torch.Tensor, x: torch.Tensor, w_out: QuantizedLinearWeights,
     args = dict(HIDDEN=hidden, GROUP_A=w_out.group_size, GROUP_B=w_in.group_size, BLOCK_N=block_n,
                 BLOCK_R=block_r, **w4_dp2a_layout(block_n, block_r, warps, slabs), PREFETCH=prefetch,
                 NORM_CHUNK=min(512, hidden), ASM=not _INTERPRET, num_warps=warps)
+    args["SPLIT_ORDER"] = split_order
     pdl = {} if phases_apart else pdl_launch_kwargs(device)
 
     def operands(g: int) -> tuple:
