@@ -2,6 +2,11 @@
 y = RMSNorm(h') @ W_in (`w4_junction`), where the decode step ran three kernels (the dp2a GEMV, add +
 RMSNorm, the dp2a GEMV).
 
+Status: NOT used by the engine. Correct and deterministic, but 0.83-0.89x the three-kernel chain
+at the model's junctions at every config and order (BENCHMARKS runs 111-116; perf-notes,
+twenty-second session, says why and what a next try should change). Kept, with its interpreter and
+GPU tests, as the base for that try (grid barrier, stream-K and split-K ranges, fixed-order partials).
+
 Why: at one row each int4 GEMV in the step's chain takes ~6 us more than its DRAM floor, and L2
 prefetch showed that this is not DRAM: it is the launch, the ramp of ~1000 short CTAs, the split-K
 round trip and the tail (perf-notes, runs 105-106). Here one grid of SM-count x CTAS_PER_SM CTAs,
