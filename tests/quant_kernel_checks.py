@@ -515,9 +515,36 @@ def w4a16_junction_checks(gen):
         sys.exit(1)
 
 
+def w4a16_tma_checks(gen):
+    """The TMA-streamed decode GEMV (experimental) on x rounded by its producer: every config at split-K
+    1, 2 and 4 (empty splits included) against dequantize-then-matmul, and bit-equal to the rounded dp2a
+    kernel (the same integer sums, the same fp32 steps per K tile); what it refuses."""
+    from salaserve.kernels.quant_gemm import w4_tma as T
+
+    for K, N in ((256, 256), (640, 512)):
+        w = random_w4a16(K, N, 128, False, gen)
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+        x[:, 3] = 30.0
+        xq, xs = qg.round_x_int16(x)
+        ref = linear_ref(x.float(), w)
+        for cfg in T.W4_TMA_CONFIGS:
+            if not T.w4_tma_usable(w, cfg[0]):
+                continue
+            for split in (1, 2, 4):
+                y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)
+                check(f"w4a16_gemv_tma K={K} N={N} cfg={cfg} split={split}", y, ref, 2 ** -7)
+                if not torch.equal(y, qg.w4a16_gemv_dp2a_rounded(xq, xs, w, split_k=split)):
+                    print(f"BAD w4a16_gemv_tma {cfg} split {split}: differs from the rounded dp2a kernel")
+                    sys.exit(1)
+    w = random_w4a16(256, 96, 128, False, gen)
+    refused("N not a multiple of the column tile", T.w4a16_gemv_tma, xq[:, :128], xs[:, :2], w)
+    refused("bf16 x", T.w4a16_gemv_tma, torch.zeros(1, 128, dtype=torch.bfloat16), xs[:, :2], w)
+    counters_rearmed()
+
+
 if __name__ == "__main__":
     gen = torch.Generator().manual_seed(int(os.environ.get("QUANT_CHECK_SEED", "0")))
     {"w4a16_gemv": w4a16_gemv_checks, "w4a16_gemm": w4a16_gemm_checks, "w8a16": w8a16_checks,
-     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dp2a": w4a16_dp2a_checks, "w4a16_junction": w4a16_junction_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
+     "w8a8": w8a8_checks, "w4a16_fma": w4a16_fma_checks, "w4a16_dp2a": w4a16_dp2a_checks, "w4a16_junction": w4a16_junction_checks, "w4a16_tma": w4a16_tma_checks, "w4a16_wgmma": w4a16_wgmma_checks, "w4a16_mma": w4a16_mma_checks, "w4a16_dense": w4a16_dense_checks, "dispatch": dispatch_checks,
      "rowquant": rowquant_checks}[sys.argv[1]](gen)
     print("all ok")

@@ -372,3 +372,23 @@ def test_w4_junction_every_config(junction):
         assert torch.equal(h1, h3) and torch.equal(y1, y3), cfg
         assert _rel(h1, h_ref) < TOL and _rel(y1, y_ref) < TOL, (cfg, _rel(h1, h_ref), _rel(y1, y_ref))
     assert not J.barrier_error(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_w4a16_tma_every_config(name):
+    """The TMA-streamed GEMV (experimental) at the model's shapes, every config at splits 1 and 4: within
+    TOL of dequantize-then-matmul and bit-equal to the rounded dp2a kernel at the same split (the same
+    integer sums and fp32 steps per K tile)."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm import w4_tma as T
+
+    N, K = SHAPES[name]
+    w = _weights("w4a16", N, K, 5)
+    x = torch.randn(1, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)).to(torch.bfloat16)
+    xq, xs = Q.round_x_int16(x)
+    ref = linear_ref(x.float(), w)
+    for cfg in T.W4_TMA_CONFIGS:
+        for split in (1, 4):
+            y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)
+            assert _rel(y, ref) < TOL, (cfg, split, _rel(y, ref))
+            assert torch.equal(y, Q.w4a16_gemv_dp2a_rounded(xq, xs, w, split_k=split)), (cfg, split)

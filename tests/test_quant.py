@@ -297,7 +297,7 @@ def test_gptq_dead_inputs_and_codes_valid():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 
 
-@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dp2a", "w4a16_junction", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
+@pytest.mark.parametrize("group,fp8_decode", [(g, "w8a16") for g in ("w4a16_gemv", "w4a16_gemm", "w4a16_fma", "w4a16_dp2a", "w4a16_junction", "w4a16_tma", "w4a16_wgmma", "w4a16_mma", "w4a16_dense",
                                                                        "w8a16", "w8a8", "rowquant", "dispatch")]
                          + [("dispatch", "w8a8"), ("dispatch", "gemv")])
 def test_triton_kernels_match_reference_in_interpreter(group, fp8_decode):
@@ -635,3 +635,43 @@ def test_row_quantizer_compiles_for_sm90_without_spills(K, silu):
     kernel = compile_sm90_without_spills(qg._quantize_rows_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv",
                                          s_ptr="*fp32"), consts, qg.rowquant_warps(K, silu), divisible=("K",))
     assert kernel.asm["ptx"].count("div.rn.f32") <= consts["ROWS"]
+
+
+@pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm.w4_tma", fromlist=["x"]).W4_TMA_CONFIGS])
+def test_w4a16_tma_kernel_compiles_for_sm90(cfg):
+    """The TMA GEMV's configs compile for the H200 without spills, with the weights, zero words and
+    scales as three TMA copies in the pipelined loop and no layout conversion there (a conversion goes
+    through shared memory with a barrier, every step: what sank the seventeenth session's cp.async
+    FMA kernel)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import cubin_resources
+    from salaserve.kernels.quant_gemm import w4_tma as T
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile as triton_compile
+    except ImportError as e:
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    block_n, warps, stages = cfg
+    fn = T._w4_gemv_tma_kernel
+    names = fn.arg_names
+    consts = dict(BLOCK_N=block_n, SPLIT_K=2, STAGES=stages, ASM=True, PDL=True)
+    types = dict(w_desc=f"tensordesc<i32[16, {block_n}]>", z_desc=f"tensordesc<i32[1, {block_n // 8}]>",
+                 s_desc=f"tensordesc<bf16[1, {block_n}]>", xq_ptr="*i32", xs_ptr="*fp32", out_ptr="*bf16",
+                 ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ("N", "K")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
+    try:
+        kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
+    except (ImportError, FileNotFoundError, TypeError, AttributeError) as e:
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    res = cubin_resources(kernel)
+    if res is not None:
+        assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res
+    ttgir = kernel.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):]
+    loop = loop[:loop.index("scf.yield")]
+    assert loop.count("async_tma_copy_global_to_local") == 3 and "convert_layout" not in loop
+    assert "griddepcontrol.wait" in kernel.asm["ptx"] and "dp2a.lo.s32.u32" in kernel.asm["ptx"]

@@ -1,0 +1,118 @@
+"""The int4 decode GEMV with its weights streamed by TMA (`w4a16_gemv_tma`, one row of x rounded by its
+producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: not in the calibration's candidates.
+
+Why: the dp2a GEMV keeps its weight tiles in flight in registers (1-2 tiles of 64 bytes per thread),
+which caps the bytes in flight per SM by the register file and leaves the large shapes at ~2.7 TB/s
+and the small ones latency-bound (perf-notes, twentieth to twenty-second sessions). Triton's
+pipeliner turns a tensor-descriptor load in a loop into TMA copies into shared memory, STAGES - 1
+tiles ahead, with no registers held and no per-thread address arithmetic; the tile then comes out
+of shared memory in the layout the math wants (the loop has no layout conversion: the sm_90
+compile test checks it).
+
+Math per K tile (16 packed rows = 128 channels = one x scale and one quantization group): the
+[16, BLOCK_N] words against the rows' int16 x pairs (w4_dp2a._word_dot: a shift, two lop3, four
+dp2a per word), the zero point per element as -z * (the row's sum of v), then one convert and one
+fma per word into an fp32 [16, BLOCK_N] accumulator, summed over the rows once after the loop:
+~10 instructions per word (1.25 per nibble; the dp2a GEMV's loop 1.6-2.6). Exactness: the rounded
+dp2a kernel's (x rounded per 128 channels by its producer, integer sums exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from salaserve.kernels._triton_utils import pdl_launch_kwargs
+from salaserve.kernels.quant_gemm._common import _INTERPRET, _default_split_k, _store_output, _workspace
+from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, _word_dot, w4_dp2a_usable
+from salaserve.quant.formats import QuantizedLinearWeights
+
+TMA_ROWS = X_TILE // 8  # packed rows per K tile: one x scale, one quantization group (128)
+# (BLOCK_N, num_warps, STAGES): the column tile (a TMA box of TMA_ROWS x BLOCK_N words, at most 256),
+# the warps that share it, and the pipeline's depth (STAGES - 1 tiles in flight per CTA)
+W4_TMA_CONFIGS = (
+    (128, 4, 4),
+    (256, 8, 4),
+    (128, 4, 6),
+    (64, 2, 4),
+    (256, 4, 3),
+    (128, 8, 8),
+)
+
+
+@triton.jit
+def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr, cnt_ptr, N, K,
+                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+                        ASM: tl.constexpr, PDL: tl.constexpr = False):
+    R: tl.constexpr = 16  # TMA_ROWS
+    pid_n = tl.program_id(0)
+    K8 = K // 8
+    r_len = tl.cdiv(K8, SPLIT_K * R) * R
+    r_begin = tl.program_id(1) * r_len
+    r_end = tl.minimum(r_begin + r_len, K8)
+    col0 = pid_n * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    z_shift = ((tl.arange(0, BLOCK_N) % 8) * 4)[None, :]
+    rows = tl.arange(0, R)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    ones = tl.full((R, 1), 0x11111111, tl.int32)  # a word of 8 codes 1: _word_dot then sums a row's 8 v
+    acc = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+    for r0 in tl.range(r_begin, r_end, R, num_stages=STAGES):
+        w = w_desc.load([r0, col0])  # [R, BLOCK_N] int32, through the TMA pipeline
+        xw = xq_ptr + (r0 + rows) * 4
+        xa = tl.load(xw)[:, None]
+        xb = tl.load(xw + 1)[:, None]
+        xc = tl.load(xw + 2)[:, None]
+        xd = tl.load(xw + 3)[:, None]
+        g = r0 // R  # the tile's group (group size 128) and x scale
+        sx = tl.load(xs_ptr + g)
+        # the group's scales and zero words through TMA too ([1, BLOCK_N] in the tile's layout: a plain
+        # load of 2-byte scales is not pipelined, one DRAM round trip per step)
+        sc = s_desc.load([g, col0]).to(tl.float32)
+        zw = z_desc.load([g, col0 // 8])  # [1, BLOCK_N / 8]
+        zq = (tl.reshape(tl.broadcast_to(zw[:, :, None], (1, BLOCK_N // 8, 8)), (1, BLOCK_N)) >> z_shift) & 0xF
+        row_v = _word_dot(ones, xa, xb, xc, xd, tl.zeros((R, 1), tl.int32), ASM)  # [R, 1]
+        d = _word_dot(w, xa, xb, xc, xd, -zq * row_v, ASM)  # sum (q - z) v per row and column
+        acc += d.to(tl.float32) * (sc * sx)
+    y = tl.sum(acc, axis=0)
+    _store_output(y[None, :], tl.arange(0, 1), cols, 1, N, out_ptr, N, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+
+
+def w4_tma_usable(w: QuantizedLinearWeights, block_n: int) -> bool:
+    """Whether the TMA GEMV takes these weights with column tile block_n: dp2a-usable, group size
+    128 (one group per K tile), whole tiles (N a multiple of block_n, K of 128)."""
+    return (w4_dp2a_usable(w) and w.group_size == X_TILE and w.out_features % block_n == 0
+            and w.in_features % X_TILE == 0 and w.out_features % 32 == 0 and block_n >= 32
+            and all(t.is_contiguous() for t in (w.qweight, w.qzeros, w.scales)))  # TMA: 16-byte rows
+
+
+def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
+                   config: tuple = W4_TMA_CONFIGS[0], split_k: int | None = None) -> torch.Tensor:
+    """One row of x rounded by its producer (round_x_int16's layout: xq int32 [1, K / 2], xs fp32
+    [1, K / 128]) @ int4 weights (GPTQ layout, group size 128) -> bf16 [1, N]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_n, warps, stages = config
+    K, N = w.in_features, w.out_features
+    if xq.shape != (1, K // 2) or xq.dtype != torch.int32 or xs.shape != (1, K // X_TILE) or xs.dtype != torch.float32:
+        raise ValueError(f"w4a16_gemv_tma takes xq int32 [1, {K // 2}] and xs fp32 [1, {K // X_TILE}], got "
+                         f"{tuple(xq.shape)} {xq.dtype} and {tuple(xs.shape)} {xs.dtype}")
+    if not (xq.is_contiguous() and xs.is_contiguous()):
+        raise ValueError("w4a16_gemv_tma takes contiguous xq and xs")
+    if not w4_tma_usable(w, block_n):
+        raise ValueError(f"w4a16_gemv_tma cannot take these weights with column tile {block_n}")
+    tiles = N // block_n
+    split = split_k or _default_split_k(tiles, K, xq.device)
+    out = torch.empty(1, N, dtype=torch.bfloat16, device=xq.device)
+    ws, cnt = _workspace(xq.device, split * N if split > 1 else 0, tiles)
+    descs = (TensorDescriptor.from_tensor(w.qweight, [TMA_ROWS, block_n]),
+             TensorDescriptor.from_tensor(w.qzeros, [1, block_n // 8]),
+             TensorDescriptor.from_tensor(w.scales, [1, block_n]))
+    _w4_gemv_tma_kernel[(tiles, split)](
+        *descs, xq, xs, out, ws, cnt, N, K,
+        BLOCK_N=block_n, SPLIT_K=split, STAGES=stages, ASM=not _INTERPRET, num_warps=warps,
+        **pdl_launch_kwargs(xq.device))
+    return out
