@@ -34,6 +34,9 @@ COPY_GBS = 4221.0
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--check-only", action="store_true",
+                    help="no timing: every TMA config and split against the reference, one at a time, printed "
+                         "before it runs (with CUDA_LAUNCH_BLOCKING=1 a fault names its launch)")
     a = ap.parse_args()
     rows = []
     for name, (N, K) in G.distinct_linear_shapes(preset_config("full")).items():
@@ -45,6 +48,16 @@ def main():
         xq, xs = Q.round_x_int16(x)
         ref = linear_ref(x.float(), w)
         floor = (w.qweight.nbytes + w.scales.nbytes + w.qzeros.nbytes) / COPY_GBS / 1e3
+        if a.check_only:
+            print(f"{name} N={N} K={K} scales {w.scales.dtype} {tuple(w.scales.shape)} zeros {tuple(w.qzeros.shape)} "
+                  f"ptrs % 128: {[t.data_ptr() % 128 for t in (w.qweight, w.qzeros, w.scales, xq, xs)]}", flush=True)
+            for cfg in T.W4_TMA_CONFIGS:
+                for split in (1, 2, 4, 8):
+                    print(f"  {cfg} split {split}", end=" ", flush=True)
+                    y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)
+                    torch.cuda.synchronize()
+                    print(f"rel err {float((y.float() - ref).norm() / ref.norm()):.2e}", flush=True)
+            continue
         dp2a = w4_decode.time_choices(w4_decode._w4_candidates(1, w, "cuda"),
                                       lambda c, i: Q.w4a16_gemv_dp2a(x, copies[i % n], config=c[1], split_k=c[2]), n)
         rounded = w4_decode.time_choices(
