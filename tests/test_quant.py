@@ -637,12 +637,13 @@ def test_row_quantizer_compiles_for_sm90_without_spills(K, silu):
     assert kernel.asm["ptx"].count("div.rn.f32") <= consts["ROWS"]
 
 
+@pytest.mark.parametrize("group_tma", [True, False])
 @pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm.w4_tma", fromlist=["x"]).W4_TMA_CONFIGS])
-def test_w4a16_tma_kernel_compiles_for_sm90(cfg):
-    """The TMA GEMV's configs compile for the H200 without spills, with the weights, zero words and
-    scales as three TMA copies in the pipelined loop and no layout conversion there (a conversion goes
-    through shared memory with a barrier, every step: what sank the seventeenth session's cp.async
-    FMA kernel)."""
+def test_w4a16_tma_kernel_compiles_for_sm90(cfg, group_tma):
+    """The TMA GEMV's configs compile for the H200 without spills, with the weights (and with
+    GROUP_TMA the zero words and scales) as TMA copies in the pipelined loop and no layout conversion
+    there (a conversion goes through shared memory with a barrier, every step: what sank the
+    seventeenth session's cp.async FMA kernel)."""
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import cubin_resources
     from salaserve.kernels.quant_gemm import w4_tma as T
@@ -655,12 +656,14 @@ def test_w4a16_tma_kernel_compiles_for_sm90(cfg):
     block_n, warps, stages = cfg
     fn = T._w4_gemv_tma_kernel
     names = fn.arg_names
-    consts = dict(BLOCK_N=block_n, SPLIT_K=2, STAGES=stages, ASM=True, PDL=True)
+    consts = dict(BLOCK_N=block_n, SPLIT_K=2, STAGES=stages, ASM=True, PDL=True, GROUP_TMA=group_tma)
     types = dict(w_desc=f"tensordesc<i32[16, {block_n}]>", z_desc=f"tensordesc<i32[1, {block_n // 8}]>",
-                 s_desc=f"tensordesc<bf16[1, {block_n}]>", xq_ptr="*i32", xs_ptr="*fp32", out_ptr="*bf16",
-                 ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32")
+                 s_desc=f"tensordesc<fp16[1, {block_n}]>", xq_ptr="*i32", xs_ptr="*fp32", out_ptr="*bf16",
+                 ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32", qzeros_ptr="*i32", scales_ptr="*fp16",
+                 stride_zg="i32")
     sig = {n: "constexpr" if n in consts else types[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ("N", "K")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n in ("N", "K", "stride_zg")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     try:
         kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
@@ -673,5 +676,5 @@ def test_w4a16_tma_kernel_compiles_for_sm90(cfg):
     ttgir = kernel.asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for"):]
     loop = loop[:loop.index("scf.yield")]
-    assert loop.count("async_tma_copy_global_to_local") == 3 and "convert_layout" not in loop
+    assert loop.count("async_tma_copy_global_to_local") == (3 if group_tma else 1) and "convert_layout" not in loop
     assert "griddepcontrol.wait" in kernel.asm["ptx"] and "dp2a.lo.s32.u32" in kernel.asm["ptx"]

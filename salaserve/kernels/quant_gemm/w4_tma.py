@@ -1,5 +1,10 @@
 """The int4 decode GEMV with its weights streamed by TMA (`w4a16_gemv_tma`, one row of x rounded by its
-producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: not in the calibration's candidates.
+producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: not in the calibration's candidates,
+and NOT WORKING on the H200 yet: every launch tried in runs 117-118 (configs (128, 4, 4) and the
+first A/B ones, N 4096 / 8704 / 16384, PDL on and off) failed with "misaligned address", while the
+interpreter and the sm_90 compile are clean. Not yet tried there: SALASERVE_W4_TMA_GROUP=0 (only the
+weight tile through TMA) and the 128-byte-row config (32, 1, 6); `scripts/gpu_session22_e.sh` runs
+them one launch per process.
 
 Why: the dp2a GEMV keeps its weight tiles in flight in registers (1-2 tiles of 64 bytes per thread),
 which caps the bytes in flight per SM by the register file and leaves the large shapes at ~2.7 TB/s
@@ -28,6 +33,9 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _default_split_k, _
 from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, _word_dot, w4_dp2a_usable
 from salaserve.quant.formats import QuantizedLinearWeights
 
+import os
+
+_GROUP_TMA = os.environ.get("SALASERVE_W4_TMA_GROUP", "1") == "1"  # scales and zeros through TMA too (a probe switch)
 TMA_ROWS = X_TILE // 8  # packed rows per K tile: one x scale, one quantization group (128)
 # (BLOCK_N, num_warps, STAGES): the column tile (a TMA box of TMA_ROWS x BLOCK_N words, at most 256),
 # the warps that share it, and the pipeline's depth (STAGES - 1 tiles in flight per CTA)
@@ -38,13 +46,15 @@ W4_TMA_CONFIGS = (
     (64, 2, 4),
     (256, 4, 3),
     (128, 8, 8),
+    (32, 1, 6),  # a 128-byte TMA box row: the widest one a 128-byte swizzle spans (a probe for run 118's fault)
 )
 
 
 @triton.jit
-def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr, cnt_ptr, N, K,
+def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, qzeros_ptr, scales_ptr,
+                        stride_zg,
                         BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-                        ASM: tl.constexpr, PDL: tl.constexpr = False):
+                        ASM: tl.constexpr, PDL: tl.constexpr = False, GROUP_TMA: tl.constexpr = True):
     R: tl.constexpr = 16  # TMA_ROWS
     pid_n = tl.program_id(0)
     K8 = K // 8
@@ -71,9 +81,13 @@ def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr,
         sx = tl.load(xs_ptr + g)
         # the group's scales and zero words through TMA too ([1, BLOCK_N] in the tile's layout: a plain
         # load of 2-byte scales is not pipelined, one DRAM round trip per step)
-        sc = s_desc.load([g, col0]).to(tl.float32)
-        zw = z_desc.load([g, col0 // 8])  # [1, BLOCK_N / 8]
-        zq = (tl.reshape(tl.broadcast_to(zw[:, :, None], (1, BLOCK_N // 8, 8)), (1, BLOCK_N)) >> z_shift) & 0xF
+        if GROUP_TMA:
+            sc = s_desc.load([g, col0]).to(tl.float32)
+            zw = z_desc.load([g, col0 // 8])  # [1, BLOCK_N / 8]
+            zq = (tl.reshape(tl.broadcast_to(zw[:, :, None], (1, BLOCK_N // 8, 8)), (1, BLOCK_N)) >> z_shift) & 0xF
+        else:
+            sc = tl.load(scales_ptr + g * N + cols[None, :]).to(tl.float32)
+            zq = (tl.load(qzeros_ptr + g * stride_zg + cols[None, :] // 8) >> z_shift) & 0xF
         row_v = _word_dot(ones, xa, xb, xc, xd, tl.zeros((R, 1), tl.int32), ASM)  # [R, 1]
         d = _word_dot(w, xa, xb, xc, xd, -zq * row_v, ASM)  # sum (q - z) v per row and column
         acc += d.to(tl.float32) * (sc * sx)
@@ -112,7 +126,7 @@ def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights
              TensorDescriptor.from_tensor(w.qzeros, [1, block_n // 8]),
              TensorDescriptor.from_tensor(w.scales, [1, block_n]))
     _w4_gemv_tma_kernel[(tiles, split)](
-        *descs, xq, xs, out, ws, cnt, N, K,
+        *descs, xq, xs, out, ws, cnt, N, K, w.qzeros, w.scales, w.qzeros.stride(0), GROUP_TMA=_GROUP_TMA,
         BLOCK_N=block_n, SPLIT_K=split, STAGES=stages, ASM=not _INTERPRET, num_warps=warps,
         **pdl_launch_kwargs(xq.device))
     return out
