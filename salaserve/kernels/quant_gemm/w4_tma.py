@@ -1,6 +1,6 @@
 """The int4 decode GEMV with its weights streamed by TMA (`w4a16_gemv_tma`, one row of x rounded by its
 producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: not in the calibration's candidates,
-and NOT WORKING on the H200 yet: every launch tried in runs 117-118 (configs (128, 4, 4) and the
+and NOT WORKING on the H200 yet: every launch tried in runs 117-119 (configs (128, 4, 4) and the
 first A/B ones, N 4096 / 8704 / 16384, PDL on and off) failed with "misaligned address", while the
 interpreter and the sm_90 compile are clean. Not yet tried there: SALASERVE_W4_TMA_GROUP=0 (only the
 weight tile through TMA) and the 128-byte-row config (32, 1, 6); `scripts/gpu_session22_e.sh` runs
@@ -46,7 +46,7 @@ W4_TMA_CONFIGS = (
     (64, 2, 4),
     (256, 4, 3),
     (128, 8, 8),
-    (32, 1, 6),  # a 128-byte TMA box row: the widest one a 128-byte swizzle spans (a probe for run 118's fault)
+    (32, 1, 6),  # a 128-byte TMA box row: the widest one a 128-byte swizzle spans (a probe for runs 117-119's fault)
 )
 
 
