@@ -7,10 +7,11 @@ at the model's junctions at every config and order (BENCHMARKS runs 111-116; per
 twenty-second session, says why and what a next try should change). Kept, with its interpreter and
 GPU tests, as the base for that try (grid barrier, stream-K and split-K ranges, fixed-order partials).
 
-Why: at one row each int4 GEMV in the step's chain takes ~6 us more than its DRAM floor, and L2
-prefetch showed that this is not DRAM: it is the launch, the ramp of ~1000 short CTAs, the split-K
-round trip and the tail (perf-notes, runs 105-106). Here one grid of SM-count x CTAS_PER_SM CTAs,
-all resident at once, streams both weight matrices:
+Premise (refuted by runs 111-116): at one row each int4 GEMV in the step's chain takes ~6 us more
+than its DRAM floor, L2 prefetch showed that this is not DRAM, so it would be the launch, the ramp of
+~1000 short CTAs, the split-K round trip and the tail (perf-notes, runs 105-106), which one kernel per
+junction removes. Here one grid of SM-count x CTAS_PER_SM CTAs, all resident at once, streams both
+weight matrices:
 
 - phase A: x @ W_out split over the CTAs stream-K style. The (column tile, K tile) steps of the
   GEMV are numbered column-major and each CTA takes an equal contiguous range, so every CTA streams
@@ -23,8 +24,11 @@ all resident at once, streams both weight matrices:
 - phase B: each CTA reads h' back (hidden size values, L2), normalises it as fused.add_rms_norm
   does into its own scratch row, and runs the same stream-K loop over W_in.
 
-The inner loop is the dp2a GEMV's (w4_dp2a.py: x rounded to int16 per thread and K tile in the
-loop), so the numbers match w4a16_gemv_dp2a's to the split-K summation order.
+`split_order` gives each phase a split-K grid's ranges instead (column c % tiles, K split c // tiles),
+so that the CTAs running together read the same K rows of neighbouring columns. A CTA's range is cut
+at column tiles into segments; each segment runs the dp2a GEMV's inner loop (w4_dp2a.py: x rounded to
+int16 per thread and K tile in the loop, the weight tiles PREFETCH steps ahead in registers), so the
+numbers match w4a16_gemv_dp2a's to the split-K summation order.
 
 Co-residency: the barrier needs every CTA on an SM at once. The grid is the SM count times
 min(CTAS_PER_SM, the occupancy that the compiled kernel's registers, threads and shared memory
