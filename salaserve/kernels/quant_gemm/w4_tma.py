@@ -2,9 +2,9 @@
 producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: not in the calibration's candidates,
 and NOT WORKING on the H200 yet: every launch tried in runs 117-119 (configs (128, 4, 4) and the
 first A/B ones, N 4096 / 8704 / 16384, PDL on and off) failed with "misaligned address", while the
-interpreter and the sm_90 compile are clean. Not yet tried there: SALASERVE_W4_TMA_GROUP=0 (only the
-weight tile through TMA) and the 128-byte-row config (32, 1, 6); `scripts/gpu_session22_e.sh` runs
-them one launch per process.
+interpreter and the sm_90 compile are clean. Those launches streamed the scales and zero words through
+TMA too (SALASERVE_W4_TMA_GROUP=1); the default is now the untried form with only the weight tile
+through TMA (=0). `scripts/gpu_session22_e.sh` runs both, every config, one launch per process.
 
 Why: the dp2a GEMV keeps its weight tiles in flight in registers (1-2 tiles of 64 bytes per thread),
 which caps the bytes in flight per SM by the register file and leaves the large shapes at ~2.7 TB/s
@@ -35,7 +35,10 @@ from salaserve.quant.formats import QuantizedLinearWeights
 
 import os
 
-_GROUP_TMA = os.environ.get("SALASERVE_W4_TMA_GROUP", "1") == "1"  # scales and zeros through TMA too (a probe switch)
+# scales and zeros through TMA too (a probe switch; 1 faulted in runs 117-119, likely its 64-byte zero-word
+# boxes: a TMA copy's shared-memory destination must be 128-byte aligned, and the CPU compile gives
+# that buffer one 64-byte stage of its own)
+_GROUP_TMA = os.environ.get("SALASERVE_W4_TMA_GROUP", "0") == "1"
 TMA_ROWS = X_TILE // 8  # packed rows per K tile: one x scale, one quantization group (128)
 # (BLOCK_N, num_warps, STAGES): the column tile (a TMA box of TMA_ROWS x BLOCK_N words, at most 256),
 # the warps that share it, and the pipeline's depth (STAGES - 1 tiles in flight per CTA)
