@@ -88,14 +88,26 @@ def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr,
             sc = s_desc.load([g, col0]).to(tl.float32)
             zw = z_desc.load([g, col0 // 8])  # [1, BLOCK_N / 8]
             zq = (tl.reshape(tl.broadcast_to(zw[:, :, None], (1, BLOCK_N // 8, 8)), (1, BLOCK_N)) >> z_shift) & 0xF
-        else:
-            sc = tl.load(scales_ptr + g * N + cols[None, :]).to(tl.float32)
+        else:  # fp32 scales (a 2-byte load per thread is not pipelined: a DRAM round trip per step)
+            sc = tl.load(scales_ptr + g * N + cols[None, :])
             zq = (tl.load(qzeros_ptr + g * stride_zg + cols[None, :] // 8) >> z_shift) & 0xF
         row_v = _word_dot(ones, xa, xb, xc, xd, tl.zeros((R, 1), tl.int32), ASM)  # [R, 1]
         d = _word_dot(w, xa, xb, xc, xd, -zq * row_v, ASM)  # sum (q - z) v per row and column
         acc += d.to(tl.float32) * (sc * sx)
     y = tl.sum(acc, axis=0)
     _store_output(y[None, :], tl.arange(0, 1), cols, 1, N, out_ptr, N, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+
+
+_F32_SCALES: dict = {}
+
+
+def _fp32_scales(scales: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of a weight's group scales, made once per tensor (the probe's cache; the engine would
+    keep it with the weights)."""
+    key = (scales.data_ptr(), tuple(scales.shape), str(scales.device))
+    if key not in _F32_SCALES:
+        _F32_SCALES[key] = scales.float().contiguous()
+    return _F32_SCALES[key]
 
 
 def w4_tma_usable(w: QuantizedLinearWeights, block_n: int) -> bool:
@@ -129,7 +141,8 @@ def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights
              TensorDescriptor.from_tensor(w.qzeros, [1, block_n // 8]),
              TensorDescriptor.from_tensor(w.scales, [1, block_n]))
     _w4_gemv_tma_kernel[(tiles, split)](
-        *descs, xq, xs, out, ws, cnt, N, K, w.qzeros, w.scales, w.qzeros.stride(0), GROUP_TMA=_GROUP_TMA,
+        *descs, xq, xs, out, ws, cnt, N, K, w.qzeros, w.scales if _GROUP_TMA else _fp32_scales(w.scales),
+        w.qzeros.stride(0), GROUP_TMA=_GROUP_TMA,
         BLOCK_N=block_n, SPLIT_K=split, STAGES=stages, ASM=not _INTERPRET, num_warps=warps,
         **pdl_launch_kwargs(xq.device))
     return out
