@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-second session, NOT RUN (device time spent): which w4_tma launches fault. Runs 117-118: every
+# Twenty-second session, NOT RUN (device time spent): which w4_tma launches fault, then the A/B. Runs 117-118: every
 # launch tried failed with "misaligned address" (config (128, 4, 4) at N 4096 / 8704 / 16384, PDL on and
 # off). Each variant in its own process (a CUDA fault is sticky), synchronous: the scales and zeros
 # through TMA or plain loads (SALASERVE_W4_TMA_GROUP=1/0), every config. Suspects: the small TMA boxes
@@ -29,4 +29,11 @@ except Exception as e:
 PY
   done
 done
-# then, if any variant is correct: SALASERVE_W4_TMA_GROUP=<it> python3 scripts/w4_tma_ab.py --json "$OUT/w4-tma-ab.json"
+# then the A/B (run 117's, which never got to its numbers) on the form that launched correctly, if one did
+for g in 0 1; do
+  if grep -q "group=$g .*: ok" "$OUT/w4-tma-faults.log"; then
+    SALASERVE_W4_TMA_GROUP=$g timeout 300 python3 scripts/w4_tma_ab.py --json "$OUT/w4-tma-ab-group$g.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/w4-tma-ab-group$g.log"
+    break
+  fi
+done
