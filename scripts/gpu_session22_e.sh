@@ -23,16 +23,17 @@ try:
     y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=2)
     torch.cuda.synchronize()
     ref = linear_ref(x.float(), w)
-    print(f"tma group={os.environ['SALASERVE_W4_TMA_GROUP']} {cfg}: ok, rel err {float((y.float() - ref).norm() / ref.norm()):.1e}")
+    print(f"tma group={os.environ['SALASERVE_W4_TMA_GROUP']} #{sys.argv[1]} {cfg}: ok, rel err {float((y.float() - ref).norm() / ref.norm()):.1e}")
 except Exception as e:
-    print(f"tma group={os.environ['SALASERVE_W4_TMA_GROUP']} {cfg}: FAIL {str(e)[:80]}")
+    print(f"tma group={os.environ['SALASERVE_W4_TMA_GROUP']} #{sys.argv[1]} {cfg}: FAIL {str(e)[:80]}")
 PY
   done
 done
 # then the A/B (run 117's, which never got to its numbers) on the form that launched correctly, if one did
 for g in 0 1; do
-  if grep -q "group=$g .*: ok" "$OUT/w4-tma-faults.log"; then
-    SALASERVE_W4_TMA_GROUP=$g timeout 300 python3 scripts/w4_tma_ab.py --json "$OUT/w4-tma-ab-group$g.json" 2>&1 \
+  ok=$(grep "group=$g .*: ok" "$OUT/w4-tma-faults.log" | sed 's/.*#\([0-9]*\) .*/\1/' | paste -sd,)
+  if [ -n "$ok" ]; then
+    SALASERVE_W4_TMA_GROUP=$g timeout 300 python3 scripts/w4_tma_ab.py --configs "$ok" --json "$OUT/w4-tma-ab-group$g.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/w4-tma-ab-group$g.log"
     break
   fi

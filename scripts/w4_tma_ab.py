@@ -34,10 +34,12 @@ COPY_GBS = 4221.0
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default=None, help="comma list of indices into W4_TMA_CONFIGS (default all)")
     ap.add_argument("--check-only", action="store_true",
                     help="no timing: every TMA config and split against the reference, one at a time, printed "
                          "before it runs (with CUDA_LAUNCH_BLOCKING=1 a fault names its launch)")
     a = ap.parse_args()
+    configs = [T.W4_TMA_CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs else list(T.W4_TMA_CONFIGS)
     rows = []
     for name, (N, K) in G.distinct_linear_shapes(preset_config("full")).items():
         w = rtn.quantize_w4a16_rtn(torch.randn(N, K, device="cuda") * K ** -0.5, 128)
@@ -51,7 +53,7 @@ def main():
         if a.check_only:
             print(f"{name} N={N} K={K} scales {w.scales.dtype} {tuple(w.scales.shape)} zeros {tuple(w.qzeros.shape)} "
                   f"ptrs % 128: {[t.data_ptr() % 128 for t in (w.qweight, w.qzeros, w.scales, xq, xs)]}", flush=True)
-            for cfg in T.W4_TMA_CONFIGS:
+            for cfg in configs:
                 for split in (1, 2, 4, 8):
                     print(f"  {cfg} split {split}", end=" ", flush=True)
                     y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)
@@ -64,7 +66,7 @@ def main():
             w4_decode.rounded_choices(1, w, "cuda", configs=Q.W4_DP2A_CONFIGS[1]),
             lambda c, i: Q.w4a16_gemv_dp2a_rounded(xq, xs, copies[i % n], config=c[1], split_k=c[2]), n)
         tma = []
-        for cfg in T.W4_TMA_CONFIGS:
+        for cfg in configs:
             if not T.w4_tma_usable(w, cfg[0]):
                 continue
             for split in (1, 2, 4, 8):
