@@ -97,7 +97,7 @@ def test_w4_calibration_precompiles_every_candidate_of_every_bucket(monkeypatch)
     want += sum(len(w4_decode.rounded_choices(m, w, "cpu")) for m in (1, 2)) if w4_decode.w4_rounded_usable(w) else 0
     assert len(launches) == want > 0
     assert all(isinstance(f, functools.partial) for f in launches)
-    assert {f.func.__name__ for f in launches} <= {"w4a16_decode", "w4a16_gemv_dp2a_rounded"}
+    assert {f.func.__name__ for f in launches} <= {"w4a16_decode", "w4a16_decode_rounded"}
     assert {f.args[0].shape[0] for f in launches} == {1, 2, 4}  # x (or its int16 pairs) of each bucket
 
 

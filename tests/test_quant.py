@@ -519,6 +519,29 @@ def test_w4_dp2a_candidates_replace_fma_at_one_and_two_rows(monkeypatch):
     assert {c[0] for c in w4_decode._w4_candidates(1, w, "cpu")} == {"fma"}
 
 
+def test_w4_tma_is_offered_only_when_asked_and_at_one_row(monkeypatch):
+    """The experimental TMA GEMV joins the rounded-x candidates only with SALASERVE_W4_TMA=1, at one
+    row, for weights whose shape it takes (whole column tiles, group size 128), each config with the
+    calibration's splits; w4a16_decode_rounded routes a 3-element config to it."""
+    from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.quant import rtn
+
+    w = rtn.quantize_w4a16_rtn(torch.randn(512, 1024), 128)
+    assert not any(c[0] == "tma" for c in w4_decode.rounded_choices(1, w, "cpu"))
+    monkeypatch.setattr(w4_decode, "W4_TMA", True)
+    tma = [c for c in w4_decode.rounded_choices(1, w, "cpu") if c[0] == "tma"]
+    assert {c[1] for c in tma} == set(w4_decode.W4_TMA_CONFIGS) and all(c[2] >= 1 for c in tma)
+    assert not any(c[0] == "tma" for c in w4_decode.rounded_choices(2, w, "cpu"))
+    w80 = rtn.quantize_w4a16_rtn(torch.randn(80, 1024), 128)  # no column tile of the configs divides 80
+    assert not any(c[0] == "tma" for c in w4_decode.rounded_choices(1, w80, "cpu"))
+    calls = []
+    monkeypatch.setattr(w4_decode, "w4a16_gemv_tma", lambda *a, **k: calls.append(("tma", k["config"])))
+    monkeypatch.setattr(w4_decode, "w4a16_gemv_dp2a_rounded", lambda *a, **k: calls.append(("dp2a", k["config"])))
+    w4_decode.w4a16_decode_rounded(None, None, w, w4_decode.W4_TMA_CONFIGS[0], 2)
+    w4_decode.w4a16_decode_rounded(None, None, w, w4_decode.W4_DP2A_ROUNDED_CONFIGS[1][0], 2)
+    assert calls == [("tma", w4_decode.W4_TMA_CONFIGS[0]), ("dp2a", w4_decode.W4_DP2A_ROUNDED_CONFIGS[1][0])]
+
+
 def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
     """The rounded-x dp2a kernel (x rounded by its producer) is timed for the weights the dp2a kernel
     takes, not for act-order ones, not with SALASERVE_W4_ROUNDED_X=0 or SALASERVE_W4_DP2A=0; its

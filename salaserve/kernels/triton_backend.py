@@ -239,7 +239,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             from salaserve.kernels import quant_gemm
 
             xq, xs = silu_mul(rows, int16_out=True)
-            y = quant_gemm.w4a16_gemv_dp2a_rounded(xq, xs, w, config=choice[0], split_k=choice[1], out_dtype=rows.dtype)
+            y = quant_gemm.w4a16_decode_rounded(xq, xs, w, *choice, out_dtype=rows.dtype)
             return y.view(*gate_up.shape[:-1], w.out_features)
         if self._w8a8_prefill(rows, w):
             from salaserve.kernels import quant_gemm
@@ -263,7 +263,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             from salaserve.kernels import quant_gemm
 
             h, (xq, xs) = add_rms_norm(h, u, scale, norm_w, eps, int16_out=True)
-            return h, quant_gemm.w4a16_gemv_dp2a_rounded(xq, xs, w, config=choice[0], split_k=choice[1])
+            return h, quant_gemm.w4a16_decode_rounded(xq, xs, w, *choice)
         return TorchBackend.add_rms_norm_linear(self, h, u, scale, norm_w, eps, w)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,

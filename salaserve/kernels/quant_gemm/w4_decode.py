@@ -21,6 +21,7 @@ from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_MAX_M
                                                   round_x_int16, w4_dp2a_usable, w4a16_gemv_dp2a,
                                                   w4a16_gemv_dp2a_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
+from salaserve.kernels.quant_gemm.w4_tma import TMA_ROWS, W4_TMA_CONFIGS, w4_tma_usable, w4a16_gemv_tma
 from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
                                                  repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
@@ -39,11 +40,15 @@ W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
 # write it instead of bf16: w4a16_gemv_dp2a_rounded) where the calibration times it faster than the
 # pick on bf16 x; SALASERVE_W4_ROUNDED_X=0 leaves it out
 W4_ROUNDED_X = os.environ.get("SALASERVE_W4_ROUNDED_X", "1") == "1"
+# the experimental TMA-streamed GEMV (w4_tma.py) among the one-row rounded-x candidates, opt-in with
+# SALASERVE_W4_TMA=1: it faulted on the H200 in runs 117-119 and has no timing yet
+W4_TMA = os.environ.get("SALASERVE_W4_TMA", "0") == "1"
 
 # (bucket, N, K, group size, device) -> (kernel "dp2a", "fma", "mma" or "wgmma", config, split), filled by
 # calibrate_w4: the pick for bf16 x
 _W4_TABLE: dict[tuple, tuple] = {}
-# the same keys -> (config, split) of w4a16_gemv_dp2a_rounded, where it beat _W4_TABLE's pick (1-2 rows)
+# the same keys -> (config, split) of w4a16_decode_rounded (the dp2a kernel's 6-element configs or the TMA
+# kernel's 3-element ones), where it beat _W4_TABLE's pick (1-2 rows)
 _W4_ROUNDED_TABLE: dict[tuple, tuple] = {}
 
 
@@ -186,7 +191,7 @@ def _candidate_launches(work, device):
             if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
                 xq, xs = round_x_int16(x)
                 for c in rounded_choices(m, w, device):
-                    yield functools.partial(w4a16_gemv_dp2a_rounded, xq, xs, w, config=c[1], split_k=c[2])
+                    yield functools.partial(w4a16_decode_rounded, xq, xs, w, c[1], c[2])
 
 
 def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tuple:
@@ -207,11 +212,25 @@ def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tu
 
 
 def rounded_choices(m: int, w: QuantizedLinearWeights, device, configs=None) -> list[tuple]:
-    """("dp2a_rounded", config, split) for w4a16_gemv_dp2a_rounded at M bucket m: its configs (or
-    `configs`) with the calibration's split-K choices."""
+    """(kernel, config, split) for w4a16_decode_rounded at M bucket m: the rounded dp2a kernel's configs
+    (or `configs`) with the calibration's split-K choices, and with SALASERVE_W4_TMA=1 at one row the
+    TMA kernel's."""
     N, K = w.out_features, w.in_features
-    return [("dp2a_rounded", cfg, split) for cfg in (configs or W4_DP2A_ROUNDED_CONFIGS[m])
-            for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+    out = [("dp2a_rounded", cfg, split) for cfg in (configs or W4_DP2A_ROUNDED_CONFIGS[m])
+           for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
+    if W4_TMA and m == 1 and configs is None:
+        out += [("tma", cfg, split) for cfg in W4_TMA_CONFIGS if w4_tma_usable(w, cfg[0])
+                for split in _w4_splits(N, K, cfg[0], TMA_ROWS, device)]
+    return out
+
+
+def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, config: tuple, split: int,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x rounded by its producer (round_x_int16's layout) @ int4 weights through a _W4_ROUNDED_TABLE pick:
+    a TMA kernel config (3 elements, w4_tma.py, one row) or a dp2a one (6 elements)."""
+    if len(config) == len(W4_TMA_CONFIGS[0]):
+        return w4a16_gemv_tma(xq, xs, w, config=config, split_k=split, out_dtype=out_dtype)
+    return w4a16_gemv_dp2a_rounded(xq, xs, w, config=config, split_k=split, out_dtype=out_dtype)
 
 
 def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch.Tensor, best_us: float, device,
@@ -221,7 +240,7 @@ def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch
     best_us, the pick on bf16 x."""
     xq, xs = round_x_int16(x)
     best = time_choices(rounded_choices(m, w, device),
-                        lambda c, i: w4a16_gemv_dp2a_rounded(xq, xs, copies[i % len(copies)], config=c[1], split_k=c[2]),
+                        lambda c, i: w4a16_decode_rounded(xq, xs, copies[i % len(copies)], c[1], c[2]),
                         len(copies), f"w4 M={m} N={w.out_features} K={w.in_features}" if verbose else None)
     if best[3] < best_us:
         _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[1:3]

@@ -1,6 +1,6 @@
 """The int4 decode GEMV with its weights streamed by TMA (`w4a16_gemv_tma`, one row of x rounded by its
-producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: not in the calibration's candidates,
-and NOT WORKING on the H200 yet: every launch tried in runs 117-119 (configs (128, 4, 4) and the
+producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: in the calibration's one-row rounded-x
+candidates only with SALASERVE_W4_TMA=1 (w4_decode.rounded_choices), and NOT WORKING on the H200 yet: every launch tried in runs 117-119 (configs (128, 4, 4) and the
 first A/B ones, N 4096 / 8704 / 16384, PDL on and off) failed with "misaligned address", while the
 interpreter and the sm_90 compile are clean. Those launches streamed the scales and zero words through
 TMA too (SALASERVE_W4_TMA_GROUP=1); the default is now the untried form with only the weight tile
@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.quant_gemm._common import _INTERPRET, _default_split_k, _store_output, _workspace
 from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, _word_dot, w4_dp2a_usable
 from salaserve.quant.formats import QuantizedLinearWeights
@@ -119,9 +120,10 @@ def w4_tma_usable(w: QuantizedLinearWeights, block_n: int) -> bool:
 
 
 def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
-                   config: tuple = W4_TMA_CONFIGS[0], split_k: int | None = None) -> torch.Tensor:
+                   config: tuple = W4_TMA_CONFIGS[0], split_k: int | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """One row of x rounded by its producer (round_x_int16's layout: xq int32 [1, K / 2], xs fp32
-    [1, K / 128]) @ int4 weights (GPTQ layout, group size 128) -> bf16 [1, N]."""
+    [1, K / 128]) @ int4 weights (GPTQ layout, group size 128) -> [1, N] of out_dtype."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_n, warps, stages = config
@@ -135,12 +137,12 @@ def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights
         raise ValueError(f"w4a16_gemv_tma cannot take these weights with column tile {block_n}")
     tiles = N // block_n
     split = split_k or _default_split_k(tiles, K, xq.device)
-    out = torch.empty(1, N, dtype=torch.bfloat16, device=xq.device)
+    out = torch.empty(1, N, dtype=out_dtype, device=xq.device)
     ws, cnt = _workspace(xq.device, split * N if split > 1 else 0, tiles)
     descs = (TensorDescriptor.from_tensor(w.qweight, [TMA_ROWS, block_n]),
              TensorDescriptor.from_tensor(w.qzeros, [1, block_n // 8]),
              TensorDescriptor.from_tensor(w.scales, [1, block_n]))
-    _w4_gemv_tma_kernel[(tiles, split)](
+    launch_kernel(_w4_gemv_tma_kernel, (tiles, split),
         *descs, xq, xs, out, ws, cnt, N, K, w.qzeros, w.scales if _GROUP_TMA else _fp32_scales(w.scales),
         w.qzeros.stride(0), GROUP_TMA=_GROUP_TMA,
         BLOCK_N=block_n, SPLIT_K=split, STAGES=stages, ASM=not _INTERPRET, num_warps=warps,
