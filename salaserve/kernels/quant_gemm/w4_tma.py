@@ -36,9 +36,8 @@ from salaserve.quant.formats import QuantizedLinearWeights
 
 import os
 
-# scales and zeros through TMA too (a probe switch; 1 faulted in runs 117-119, likely its 64-byte zero-word
-# boxes: a TMA copy's shared-memory destination must be 128-byte aligned, and the CPU compile gives
-# that buffer one 64-byte stage of its own)
+# scales and zeros through TMA too (a probe switch; 1 faulted in runs 117-119, cause unknown: the CPU
+# compile's shared-memory offsets are all aligned; 0, the default, keeps TMA to the weight tile)
 _GROUP_TMA = os.environ.get("SALASERVE_W4_TMA_GROUP", "0") == "1"
 TMA_ROWS = X_TILE // 8  # packed rows per K tile: one x scale, one quantization group (128)
 # (BLOCK_N, num_warps, STAGES): the column tile (a TMA box of TMA_ROWS x BLOCK_N words, at most 256),
