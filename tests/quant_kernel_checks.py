@@ -536,7 +536,7 @@ def w4a16_tma_checks(gen):
                 if not torch.equal(y, qg.w4a16_gemv_dp2a_rounded(xq, xs, w, split_k=split)):
                     print(f"BAD w4a16_gemv_tma {cfg} split {split}: differs from the rounded dp2a kernel")
                     sys.exit(1)
-                if not torch.equal(y, qg.w4a16_decode_rounded(xq, xs, w, cfg, split)):  # the calibration's route
+                if not torch.equal(y, qg.w4a16_decode_rounded(xq, xs, w, ("tma", cfg, split))):  # the calibration's route
                     print(f"BAD w4a16_decode_rounded {cfg} split {split}: differs from w4a16_gemv_tma")
                     sys.exit(1)
     w = random_w4a16(256, 96, 128, False, gen)

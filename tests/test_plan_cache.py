@@ -32,7 +32,7 @@ def _fill(t, dev="cpu"):
     t["fp8_gemv"][(8, 32768, 4096, dev)] = None
     t["w8a8"][(1, 4096, 4096, dev)] = (64, 4, 4, 3)
     t["w4"][(1, 16384, 4096, 128, dev)] = ("fma", (64, 16, 4, 1), 8)
-    t["w4_rounded"][(1, 16384, 4096, 128, dev)] = ((64, 16, 2, 4, 2, False), 8)
+    t["w4_rounded"][(1, 16384, 4096, 128, dev)] = ("dp2a_rounded", (64, 16, 2, 4, 2, False), 8)
 
 
 def _snapshot(t):
@@ -56,7 +56,7 @@ def test_picks_round_trip_and_drive_the_dispatch(tables):
     assert fp8.fp8_gemv_choice(1, w, "cpu") == G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True)
     assert fp8.fp8_gemv_choice(8, w, "cpu") is None
     w4 = type("W4", (), dict(format="w4a16", out_features=16384, in_features=4096, group_size=128))()
-    assert w4_decode.w4_rounded_choice(1, w4, "cpu") == ((64, 16, 2, 4, 2, False), 8)
+    assert w4_decode.w4_rounded_choice(1, w4, "cpu") == ("dp2a_rounded", (64, 16, 2, 4, 2, False), 8)
     assert w4_decode.w4_rounded_choice(2, w4, "cpu") is None
 
 

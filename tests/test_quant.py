@@ -522,7 +522,7 @@ def test_w4_dp2a_candidates_replace_fma_at_one_and_two_rows(monkeypatch):
 def test_w4_tma_is_offered_only_when_asked_and_at_one_row(monkeypatch):
     """The experimental TMA GEMV joins the rounded-x candidates only with SALASERVE_W4_TMA=1, at one
     row, for weights whose shape it takes (whole column tiles, group size 128), each config with the
-    calibration's splits; w4a16_decode_rounded routes a 3-element config to it."""
+    calibration's splits; w4a16_decode_rounded routes a "tma" choice to it, the others to the dp2a kernel."""
     from salaserve.kernels.quant_gemm import w4_decode
     from salaserve.quant import rtn
 
@@ -537,8 +537,8 @@ def test_w4_tma_is_offered_only_when_asked_and_at_one_row(monkeypatch):
     calls = []
     monkeypatch.setattr(w4_decode, "w4a16_gemv_tma", lambda *a, **k: calls.append(("tma", k["config"])))
     monkeypatch.setattr(w4_decode, "w4a16_gemv_dp2a_rounded", lambda *a, **k: calls.append(("dp2a", k["config"])))
-    w4_decode.w4a16_decode_rounded(None, None, w, w4_decode.W4_TMA_CONFIGS[0], 2)
-    w4_decode.w4a16_decode_rounded(None, None, w, w4_decode.W4_DP2A_ROUNDED_CONFIGS[1][0], 2)
+    w4_decode.w4a16_decode_rounded(None, None, w, tma[0])
+    w4_decode.w4a16_decode_rounded(None, None, w, ("dp2a_rounded", w4_decode.W4_DP2A_ROUNDED_CONFIGS[1][0], 2))
     assert calls == [("tma", w4_decode.W4_TMA_CONFIGS[0]), ("dp2a", w4_decode.W4_DP2A_ROUNDED_CONFIGS[1][0])]
 
 
@@ -554,8 +554,8 @@ def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
     assert not w4_decode.w4_rounded_usable(dataclasses.replace(w, perm=torch.arange(1024)))
     monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", {})
     assert w4_decode.w4_rounded_choice(1, w, "cpu") is None
-    w4_decode._W4_ROUNDED_TABLE[w4_decode._w4_key(2, w, "cpu")] = ((64, 16, 2, 4, 1, False), 4)
-    assert w4_decode.w4_rounded_choice(2, w, "cpu") == ((64, 16, 2, 4, 1, False), 4)
+    w4_decode._W4_ROUNDED_TABLE[w4_decode._w4_key(2, w, "cpu")] = ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
+    assert w4_decode.w4_rounded_choice(2, w, "cpu") == ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
     assert w4_decode.w4_rounded_choice(1, w, "cpu") is None and w4_decode.w4_rounded_choice(3, w, "cpu") is None
     assert all(cfg[1] * 8 == w4_decode.X_TILE for cfgs in w4_decode.W4_DP2A_ROUNDED_CONFIGS.values() for cfg in cfgs)
     monkeypatch.setattr(w4_decode, "W4_ROUNDED_X", False)

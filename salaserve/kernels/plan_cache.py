@@ -70,8 +70,8 @@ def _tables() -> list[_Table]:
         _Table("w8a8", lambda: fp8._W8A8_TABLE, 3, list, tuple),
         _Table("w4", lambda: w4_decode._W4_TABLE, 4, lambda v: [v[0], list(v[1]), v[2]],
                lambda v: (str(v[0]), tuple(v[1]), int(v[2]))),
-        _Table("w4_rounded", lambda: w4_decode._W4_ROUNDED_TABLE, 4, lambda v: [list(v[0]), v[1]],
-               lambda v: (tuple(v[0]), int(v[1]))),
+        _Table("w4_rounded", lambda: w4_decode._W4_ROUNDED_TABLE, 4, lambda v: [v[0], list(v[1]), v[2]],
+               lambda v: (str(v[0]), tuple(v[1]), int(v[2]))),
     ]
 
 

@@ -181,8 +181,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     @staticmethod
     def _w4_rounded(rows, w):
-        """The calibrated (config, split) of the dp2a GEMV on x rounded by its producer, for bf16 rows
-        [M, K] on the GPU meeting int4 weights w, or None (the producer writes bf16 x)."""
+        """The calibrated (kernel, config, split) of quant_gemm.w4a16_decode_rounded (x rounded by its
+        producer), for bf16 rows [M, K] on the GPU meeting int4 weights w, or None (the producer writes
+        bf16 x)."""
         if not (isinstance(w, QuantizedLinearWeights) and rows.dim() == 2 and rows.dtype == torch.bfloat16
                 and rows.is_cuda):
             return None
@@ -239,7 +240,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             from salaserve.kernels import quant_gemm
 
             xq, xs = silu_mul(rows, int16_out=True)
-            y = quant_gemm.w4a16_decode_rounded(xq, xs, w, *choice, out_dtype=rows.dtype)
+            y = quant_gemm.w4a16_decode_rounded(xq, xs, w, choice, out_dtype=rows.dtype)
             return y.view(*gate_up.shape[:-1], w.out_features)
         if self._w8a8_prefill(rows, w):
             from salaserve.kernels import quant_gemm
@@ -263,7 +264,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             from salaserve.kernels import quant_gemm
 
             h, (xq, xs) = add_rms_norm(h, u, scale, norm_w, eps, int16_out=True)
-            return h, quant_gemm.w4a16_decode_rounded(xq, xs, w, *choice)
+            return h, quant_gemm.w4a16_decode_rounded(xq, xs, w, choice)
         return TorchBackend.add_rms_norm_linear(self, h, u, scale, norm_w, eps, w)
 
     def residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu: bool = False,

@@ -47,8 +47,8 @@ W4_TMA = os.environ.get("SALASERVE_W4_TMA", "0") == "1"
 # (bucket, N, K, group size, device) -> (kernel "dp2a", "fma", "mma" or "wgmma", config, split), filled by
 # calibrate_w4: the pick for bf16 x
 _W4_TABLE: dict[tuple, tuple] = {}
-# the same keys -> (config, split) of w4a16_decode_rounded (the dp2a kernel's 6-element configs or the TMA
-# kernel's 3-element ones), where it beat _W4_TABLE's pick (1-2 rows)
+# the same keys -> (kernel "dp2a_rounded" or "tma", config, split) for w4a16_decode_rounded, where it beat
+# _W4_TABLE's pick (1-2 rows)
 _W4_ROUNDED_TABLE: dict[tuple, tuple] = {}
 
 
@@ -99,8 +99,9 @@ def w4_rounded_usable(w: QuantizedLinearWeights) -> bool:
 
 
 def w4_rounded_choice(rows: int, w: QuantizedLinearWeights, device) -> Optional[tuple]:
-    """(config, split) of w4a16_gemv_dp2a_rounded where the calibration found it faster at this many
-    rows and w's shape than the pick on bf16 x; else None (the producer writes bf16 x)."""
+    """(kernel, config, split) for w4a16_decode_rounded where the calibration found x rounded by its
+    producer faster at this many rows and w's shape than the pick on bf16 x; else None (the producer
+    writes bf16 x)."""
     if not 1 <= rows <= W4_DP2A_MAX_M or getattr(w, "format", None) != "w4a16":
         return None
     return _W4_ROUNDED_TABLE.get(_w4_key(triton.next_power_of_2(rows), w, device))
@@ -191,7 +192,7 @@ def _candidate_launches(work, device):
             if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
                 xq, xs = round_x_int16(x)
                 for c in rounded_choices(m, w, device):
-                    yield functools.partial(w4a16_decode_rounded, xq, xs, w, c[1], c[2])
+                    yield functools.partial(w4a16_decode_rounded, xq, xs, w, c)
 
 
 def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tuple:
@@ -224,23 +225,24 @@ def rounded_choices(m: int, w: QuantizedLinearWeights, device, configs=None) -> 
     return out
 
 
-def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, config: tuple, split: int,
+def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, choice: tuple,
                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x rounded by its producer (round_x_int16's layout) @ int4 weights through a _W4_ROUNDED_TABLE pick:
-    a TMA kernel config (3 elements, w4_tma.py, one row) or a dp2a one (6 elements)."""
-    if len(config) == len(W4_TMA_CONFIGS[0]):
-        return w4a16_gemv_tma(xq, xs, w, config=config, split_k=split, out_dtype=out_dtype)
-    return w4a16_gemv_dp2a_rounded(xq, xs, w, config=config, split_k=split, out_dtype=out_dtype)
+    """x rounded by its producer (round_x_int16's layout) @ int4 weights through a (kernel, config, split)
+    of rounded_choices: the rounded dp2a kernel's, or the TMA kernel's (w4_tma.py, one row)."""
+    kernel, cfg, split = choice
+    if kernel == "tma":
+        return w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)
+    return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)
 
 
 def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch.Tensor, best_us: float, device,
                        verbose: bool) -> None:
-    """Time w4a16_gemv_dp2a_rounded's configs and splits on x rounded beforehand (its producer does the
-    rounding in the step, at no extra kernel) and record the fastest in _W4_ROUNDED_TABLE if it beats
-    best_us, the pick on bf16 x."""
+    """Time rounded_choices' candidates on x rounded beforehand (its producer does the rounding in the
+    step, at no extra kernel) and record the fastest in _W4_ROUNDED_TABLE if it beats best_us, the pick
+    on bf16 x."""
     xq, xs = round_x_int16(x)
     best = time_choices(rounded_choices(m, w, device),
-                        lambda c, i: w4a16_decode_rounded(xq, xs, copies[i % len(copies)], c[1], c[2]),
+                        lambda c, i: w4a16_decode_rounded(xq, xs, copies[i % len(copies)], c),
                         len(copies), f"w4 M={m} N={w.out_features} K={w.in_features}" if verbose else None)
     if best[3] < best_us:
-        _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[1:3]
+        _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[:3]

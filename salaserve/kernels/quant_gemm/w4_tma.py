@@ -103,11 +103,12 @@ _F32_SCALES: dict = {}
 
 def _fp32_scales(scales: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of a weight's group scales, made once per tensor (the probe's cache; the engine would
-    keep it with the weights)."""
+    keep it with the weights). The entry holds the source tensor too, so its address cannot be freed and
+    handed to another tensor while the key is in use."""
     key = (scales.data_ptr(), tuple(scales.shape), str(scales.device))
     if key not in _F32_SCALES:
-        _F32_SCALES[key] = scales.float().contiguous()
-    return _F32_SCALES[key]
+        _F32_SCALES[key] = (scales, scales.float().contiguous())
+    return _F32_SCALES[key][1]
 
 
 def w4_tma_usable(w: QuantizedLinearWeights, block_n: int) -> bool:
