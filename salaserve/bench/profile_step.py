@@ -171,8 +171,7 @@ def linear_breakdown(sequence: list[dict], mixer_kinds: list[str]) -> list[dict]
 
 
 def _mixer_kinds(cfg) -> list[str]:
-    sparse = set(cfg.sparse_layers)
-    return ["sparse" if i in sparse else "lightning" for i in range(cfg.num_hidden_layers)]
+    return ["sparse" if cfg.is_sparse_layer(i) else "lightning" for i in range(cfg.num_hidden_layers)]
 
 
 def _print_rows(rows: list[dict], top: int) -> float:
