@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-second session, NOT RUN (device time spent): which w4_tma launches fault, then the A/B. Runs 117-118: every
+# Run 120 (twenty-third session, at 3-element configs and the then SALASERVE_W4_TMA_GROUP switch): which w4_tma launches fault, then the A/B. Runs 117-118: every
 # launch tried failed with "misaligned address" (config (128, 4, 4) at N 4096 / 8704 / 16384, PDL on and
 # off). Each variant in its own process (a CUDA fault is sticky), synchronous: the scales and zeros
 # through TMA or plain loads (SALASERVE_W4_TMA_GROUP=1/0), every config. Suspects: the small TMA boxes

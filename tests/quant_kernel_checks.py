@@ -6,6 +6,7 @@ imported, which a shared pytest process cannot guarantee):
 Exits non-zero with a message on the first mismatch.
 """
 
+import functools
 import os
 import sys
 
@@ -542,6 +543,9 @@ def w4a16_tma_checks(gen):
     w = random_w4a16(256, 96, 128, False, gen)
     refused("N not a multiple of the column tile", T.w4a16_gemv_tma, xq[:, :128], xs[:, :2], w)
     refused("bf16 x", T.w4a16_gemv_tma, torch.zeros(1, 128, dtype=torch.bfloat16), xs[:, :2], w)
+    w = random_w4a16(256, 128, 128, False, gen)
+    refused("scales through TMA at 128 columns", functools.partial(T.w4a16_gemv_tma, config=(128, 4, 4, True)),
+            xq[:, :128], xs[:, :2], w)
     counters_rearmed()
 
 

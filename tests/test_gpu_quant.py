@@ -374,8 +374,6 @@ def test_w4_junction_every_config(junction):
     assert not J.barrier_error(torch.device("cuda"))
 
 
-@pytest.mark.xfail(reason="w4_tma faults with 'misaligned address' on the H200 (runs 117-119), cause not found; "
-                          "scripts/gpu_session22_e.sh narrows it down", strict=False)
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_w4a16_tma_every_config(name):
     """The TMA-streamed GEMV (experimental) at the model's shapes, every config at splits 1 and 4: within

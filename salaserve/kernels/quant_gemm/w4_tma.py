@@ -1,10 +1,13 @@
 """The int4 decode GEMV with its weights streamed by TMA (`w4a16_gemv_tma`, one row of x rounded by its
-producer, as w4a16_gemv_dp2a_rounded takes it). EXPERIMENTAL: in the calibration's one-row rounded-x
-candidates only with SALASERVE_W4_TMA=1 (w4_decode.rounded_choices), and NOT WORKING on the H200 yet: every launch tried in runs 117-119 (configs (128, 4, 4) and the
-first A/B ones, N 4096 / 8704 / 16384, PDL on and off) failed with "misaligned address", while the
-interpreter and the sm_90 compile are clean. Those launches streamed the scales and zero words through
-TMA too (SALASERVE_W4_TMA_GROUP=1); the default is now the untried form with only the weight tile
-through TMA (=0). `scripts/gpu_session22_e.sh` runs both, every config, one launch per process.
+producer, as w4a16_gemv_dp2a_rounded takes it), one of the calibration's one-row rounded-x candidates
+(w4_decode.rounded_choices; SALASERVE_W4_TMA=0 leaves it out).
+
+Which launches work on the H200 (run 120, scripts/gpu_session23_a.sh, Triton 3.6): with only the
+weight tile through TMA, every config; with the group's scales and zero words through TMA too, only
+the 256-column tiles. Every narrower one faulted with "misaligned address" (runs 117-120), and the
+difference is the zero words' box: [1, BLOCK_N / 8] int32, 128 bytes at 256 columns, 16-64 below.
+Minimal descriptor loads with 128-byte rows (scripts/tma_probe.py) all worked, so a box row under
+128 bytes is the likely cause (not proven); GROUP_TMA configs are therefore refused below 256 columns.
 
 Why: the dp2a GEMV keeps its weight tiles in flight in registers (1-2 tiles of 64 bytes per thread),
 which caps the bytes in flight per SM by the register file and leaves the large shapes at ~2.7 TB/s
@@ -34,30 +37,30 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _default_split_k, _
 from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, _word_dot, w4_dp2a_usable
 from salaserve.quant.formats import QuantizedLinearWeights
 
-import os
-
-# scales and zeros through TMA too (a probe switch; 1 faulted in runs 117-119, cause unknown: the CPU
-# compile's shared-memory offsets are all aligned; 0, the default, keeps TMA to the weight tile)
-_GROUP_TMA = os.environ.get("SALASERVE_W4_TMA_GROUP", "0") == "1"
 TMA_ROWS = X_TILE // 8  # packed rows per K tile: one x scale, one quantization group (128)
-# (BLOCK_N, num_warps, STAGES): the column tile (a TMA box of TMA_ROWS x BLOCK_N words, at most 256),
-# the warps that share it, and the pipeline's depth (STAGES - 1 tiles in flight per CTA)
+# (BLOCK_N, num_warps, STAGES, GROUP_TMA): the column tile (a TMA box of TMA_ROWS x BLOCK_N words, at
+# most 256), the warps that share it, the pipeline's depth (STAGES - 1 tiles in flight per CTA), and
+# whether the group's bf16 scales and zero words come through TMA too (else fp32 scales, plain loads).
+# Run 120's A/B (every shape, splits 1-8, configs of 32-256 columns): (256, 4, 3) won every shape, so
+# the list is now mostly 256-column variants around it.
 W4_TMA_CONFIGS = (
-    (128, 4, 4),
-    (256, 8, 4),
-    (128, 4, 6),
-    (64, 2, 4),
-    (256, 4, 3),
-    (128, 8, 8),
-    (32, 1, 6),  # a 128-byte TMA box row: the widest one a 128-byte swizzle spans (a probe for runs 117-119's fault)
+    (256, 4, 3, False),
+    (256, 4, 3, True),
+    (256, 4, 4, False),
+    (256, 4, 4, True),
+    (256, 2, 3, False),
+    (256, 8, 4, False),
+    (128, 4, 4, False),
+    (128, 4, 6, False),
 )
+GROUP_TMA_MIN_N = 256  # narrower zero-word boxes (under 128 bytes) faulted on the H200 (runs 117-120)
 
 
 @triton.jit
 def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, qzeros_ptr, scales_ptr,
                         stride_zg,
                         BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-                        ASM: tl.constexpr, PDL: tl.constexpr = False, GROUP_TMA: tl.constexpr = True):
+                        ASM: tl.constexpr, PDL: tl.constexpr = False, GROUP_TMA: tl.constexpr = False):
     R: tl.constexpr = 16  # TMA_ROWS
     pid_n = tl.program_id(0)
     K8 = K // 8
@@ -126,7 +129,10 @@ def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights
     [1, K / 128]) @ int4 weights (GPTQ layout, group size 128) -> [1, N] of out_dtype."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    block_n, warps, stages = config
+    block_n, warps, stages, group_tma = config
+    if group_tma and block_n < GROUP_TMA_MIN_N:
+        raise ValueError(f"w4a16_gemv_tma: scales and zeros through TMA need a column tile of at least "
+                         f"{GROUP_TMA_MIN_N} (narrower zero-word boxes faulted on the H200), got {config}")
     K, N = w.in_features, w.out_features
     if xq.shape != (1, K // 2) or xq.dtype != torch.int32 or xs.shape != (1, K // X_TILE) or xs.dtype != torch.float32:
         raise ValueError(f"w4a16_gemv_tma takes xq int32 [1, {K // 2}] and xs fp32 [1, {K // X_TILE}], got "
@@ -143,8 +149,8 @@ def w4a16_gemv_tma(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights
              TensorDescriptor.from_tensor(w.qzeros, [1, block_n // 8]),
              TensorDescriptor.from_tensor(w.scales, [1, block_n]))
     launch_kernel(_w4_gemv_tma_kernel, (tiles, split),
-        *descs, xq, xs, out, ws, cnt, N, K, w.qzeros, w.scales if _GROUP_TMA else _fp32_scales(w.scales),
-        w.qzeros.stride(0), GROUP_TMA=_GROUP_TMA,
+        *descs, xq, xs, out, ws, cnt, N, K, w.qzeros, w.scales if group_tma else _fp32_scales(w.scales),
+        w.qzeros.stride(0), GROUP_TMA=group_tma,
         BLOCK_N=block_n, SPLIT_K=split, STAGES=stages, ASM=not _INTERPRET, num_warps=warps,
         **pdl_launch_kwargs(xq.device))
     return out
