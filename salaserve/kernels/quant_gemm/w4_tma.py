@@ -57,6 +57,36 @@ GROUP_TMA_MIN_N = 256  # narrower zero-word boxes (under 128 bytes) faulted on t
 
 
 @triton.jit
+def _tma_group(z_desc, s_desc, qzeros_ptr, scales_ptr, g, col0, cols, z_shift, N, stride_zg,
+               BLOCK_N: tl.constexpr, GROUP_TMA: tl.constexpr):
+    """Group g's scales (fp32) and zero points ([1, BLOCK_N] in the tile's layout)."""
+    if GROUP_TMA:  # bf16 scales and zero words through TMA too
+        sc = s_desc.load([g, col0]).to(tl.float32)
+        zw = z_desc.load([g, col0 // 8])  # [1, BLOCK_N / 8]
+        zq = (tl.reshape(tl.broadcast_to(zw[:, :, None], (1, BLOCK_N // 8, 8)), (1, BLOCK_N)) >> z_shift) & 0xF
+    else:  # fp32 scales (a 2-byte load per thread is not pipelined: a DRAM round trip per step)
+        sc = tl.load(scales_ptr + g * N + cols[None, :])
+        zq = (tl.load(qzeros_ptr + g * stride_zg + cols[None, :] // 8) >> z_shift) & 0xF
+    return sc, zq
+
+
+@triton.jit
+def _tma_tile_dot(w, sc, zq, xq_ptr, xs_ptr, r0, rows, ones, ASM: tl.constexpr):
+    """One K tile's contribution to the [R, BLOCK_N] fp32 accumulator: sum (q - z) v per row and column
+    (integers), times the group's scale and x's tile scale."""
+    R: tl.constexpr = 16
+    xw = xq_ptr + (r0 + rows) * 4
+    xa = tl.load(xw)[:, None]
+    xb = tl.load(xw + 1)[:, None]
+    xc = tl.load(xw + 2)[:, None]
+    xd = tl.load(xw + 3)[:, None]
+    sx = tl.load(xs_ptr + r0 // R)  # the tile's group (group size 128) is its x scale's too
+    row_v = _word_dot(ones, xa, xb, xc, xd, tl.zeros((R, 1), tl.int32), ASM)  # [R, 1]
+    d = _word_dot(w, xa, xb, xc, xd, -zq * row_v, ASM)
+    return d.to(tl.float32) * (sc * sx)
+
+
+@triton.jit
 def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, qzeros_ptr, scales_ptr,
                         stride_zg,
                         BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
@@ -71,32 +101,26 @@ def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr,
     cols = col0 + tl.arange(0, BLOCK_N)
     z_shift = ((tl.arange(0, BLOCK_N) % 8) * 4)[None, :]
     rows = tl.arange(0, R)
+    ones = tl.full((R, 1), 0x11111111, tl.int32)  # a word of 8 codes 1: _word_dot then sums a row's 8 v
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    # the first tile's weights, scales and zeros before the dependency wait (they never depend on the
+    # previous kernel): in the step every call follows a short norm or silu kernel, and without this
+    # the first DRAM round trip came after it (run 121: the step 2.504 -> 2.666 ms with this kernel in,
+    # while it won the back-to-back A/B); the pipelined loop takes the second tile on
+    w_first = w_desc.load([r_begin, col0])
+    sc_first, zq_first = _tma_group(z_desc, s_desc, qzeros_ptr, scales_ptr, tl.minimum(r_begin, K8 - R) // R, col0,
+                                    cols, z_shift, N, stride_zg, BLOCK_N, GROUP_TMA)
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    ones = tl.full((R, 1), 0x11111111, tl.int32)  # a word of 8 codes 1: _word_dot then sums a row's 8 v
     acc = tl.zeros((R, BLOCK_N), dtype=tl.float32)
-    for r0 in tl.range(r_begin, r_end, R, num_stages=STAGES):
+    if r_begin < r_end:  # an empty split (r_begin past K / 8) adds nothing
+        acc += _tma_tile_dot(w_first, sc_first, zq_first, xq_ptr, xs_ptr, r_begin, rows, ones, ASM)
+    for r0 in tl.range(r_begin + R, r_end, R, num_stages=STAGES):
         w = w_desc.load([r0, col0])  # [R, BLOCK_N] int32, through the TMA pipeline
-        xw = xq_ptr + (r0 + rows) * 4
-        xa = tl.load(xw)[:, None]
-        xb = tl.load(xw + 1)[:, None]
-        xc = tl.load(xw + 2)[:, None]
-        xd = tl.load(xw + 3)[:, None]
-        g = r0 // R  # the tile's group (group size 128) and x scale
-        sx = tl.load(xs_ptr + g)
-        # the group's scales and zero words through TMA too ([1, BLOCK_N] in the tile's layout: a plain
-        # load of 2-byte scales is not pipelined, one DRAM round trip per step)
-        if GROUP_TMA:
-            sc = s_desc.load([g, col0]).to(tl.float32)
-            zw = z_desc.load([g, col0 // 8])  # [1, BLOCK_N / 8]
-            zq = (tl.reshape(tl.broadcast_to(zw[:, :, None], (1, BLOCK_N // 8, 8)), (1, BLOCK_N)) >> z_shift) & 0xF
-        else:  # fp32 scales (a 2-byte load per thread is not pipelined: a DRAM round trip per step)
-            sc = tl.load(scales_ptr + g * N + cols[None, :])
-            zq = (tl.load(qzeros_ptr + g * stride_zg + cols[None, :] // 8) >> z_shift) & 0xF
-        row_v = _word_dot(ones, xa, xb, xc, xd, tl.zeros((R, 1), tl.int32), ASM)  # [R, 1]
-        d = _word_dot(w, xa, xb, xc, xd, -zq * row_v, ASM)  # sum (q - z) v per row and column
-        acc += d.to(tl.float32) * (sc * sx)
+        sc, zq = _tma_group(z_desc, s_desc, qzeros_ptr, scales_ptr, r0 // R, col0, cols, z_shift, N, stride_zg,
+                            BLOCK_N, GROUP_TMA)
+        acc += _tma_tile_dot(w, sc, zq, xq_ptr, xs_ptr, r0, rows, ones, ASM)
     y = tl.sum(acc, axis=0)
     _store_output(y[None, :], tl.arange(0, 1), cols, 1, N, out_ptr, N, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
