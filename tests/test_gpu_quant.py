@@ -9,6 +9,8 @@ fp32 summation-order differences (~1e-6). The dense prefill path rounds W to bf1
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -387,6 +389,11 @@ def test_w4a16_tma_every_config(name):
     x = torch.randn(1, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)).to(torch.bfloat16)
     xq, xs = Q.round_x_int16(x)
     ref = linear_ref(x.float(), w)
+    from salaserve.kernels.compile_ahead import precompile
+
+    # every variant's compile in threads first (one by one, the five shapes took over 200 s in run 122)
+    precompile(functools.partial(T.w4a16_gemv_tma, xq, xs, w, config=cfg, split_k=split)
+               for cfg in T.W4_TMA_CONFIGS for split in (1, 4))
     for cfg in T.W4_TMA_CONFIGS:
         for split in (1, 4):
             y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)
