@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-second session, NOT RUN: after scripts/gpu_session22_e.sh, if the TMA GEMV launches and wins
+# Twenty-second session, NEVER RUN: superseded by scripts/gpu_session23_b.sh and _c.sh (runs 121-122), which did this step comparison; SALASERVE_W4_TMA_GROUP no longer exists (the choice is in each config).
 # its A/B: the w4a16 decode step at 4K, batch 1, with the TMA kernel among the rounded-x candidates
 # (SALASERVE_W4_TMA=1, the form that launched in SALASERVE_W4_TMA_GROUP) against without, one call, then
 # the GPU engine tests with it on (graph == eager). Plans off: each run calibrates for itself.

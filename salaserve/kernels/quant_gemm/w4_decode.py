@@ -41,7 +41,8 @@ W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
 # pick on bf16 x; SALASERVE_W4_ROUNDED_X=0 leaves it out
 W4_ROUNDED_X = os.environ.get("SALASERVE_W4_ROUNDED_X", "1") == "1"
 # the experimental TMA-streamed GEMV (w4_tma.py) among the one-row rounded-x candidates, opt-in with
-# SALASERVE_W4_TMA=1: it faulted on the H200 in runs 117-119 and has no timing yet
+# SALASERVE_W4_TMA=1: correct on the H200, faster back to back under PDL, slower in the decode step
+# (runs 121-124, w4_tma.py's docstring)
 W4_TMA = os.environ.get("SALASERVE_W4_TMA", "0") == "1"
 
 # (bucket, N, K, group size, device) -> (kernel "dp2a", "fma", "mma" or "wgmma", config, split), filled by

@@ -1,6 +1,11 @@
 """The int4 decode GEMV with its weights streamed by TMA (`w4a16_gemv_tma`, one row of x rounded by its
-producer, as w4a16_gemv_dp2a_rounded takes it), one of the calibration's one-row rounded-x candidates
-(w4_decode.rounded_choices; SALASERVE_W4_TMA=0 leaves it out).
+producer, as w4a16_gemv_dp2a_rounded takes it). OPT-IN: SALASERVE_W4_TMA=1 adds it to the
+calibration's one-row rounded-x candidates (w4_decode.rounded_choices).
+
+Why it is off (runs 121-124, BENCHMARKS): back to back with PDL it beats the dp2a kernel at gate_up
+(22.0 vs 24.8 us) and qkvz (13.1 vs 14.5), but the decode step is slower with it picked (2.612-2.666
+against 2.504 ms). With PDL off the calibration picks it at no shape: its win is overlap with its own
+next launch, which the step does not give it.
 
 Which launches work on the H200 (run 120, scripts/gpu_session23_a.sh, Triton 3.6): with only the
 weight tile through TMA, every config; with the group's scales and zero words through TMA too, only
