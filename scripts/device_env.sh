@@ -1,4 +1,4 @@
-# Sourced by the device scripts (scripts/gpu_*.sh): installs the carried wheels (.whl, see README),
+# Sourced by the device scripts (scripts/device_runs/gpu_*.sh): installs the carried wheels (.whl, see README),
 # puts them and the checkout on PYTHONPATH, and makes $OUT.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
