@@ -7,7 +7,7 @@ Why it is off (runs 121-124, BENCHMARKS): back to back with PDL it beats the dp2
 against 2.504 ms). With PDL off the calibration picks it at no shape: its win is overlap with its own
 next launch, which the step does not give it.
 
-Which launches work on the H200 (run 120, scripts/gpu_session23_a.sh, Triton 3.6): with only the
+Which launches work on the H200 (run 120, scripts/device_runs/gpu_session23_a.sh, Triton 3.6): with only the
 weight tile through TMA, every config; with the group's scales and zero words through TMA too, only
 the 256-column tiles. Every narrower one faulted with "misaligned address" (runs 117-120), and the
 difference is the zero words' box: [1, BLOCK_N / 8] int32, 128 bytes at 256 columns, 16-64 below.
