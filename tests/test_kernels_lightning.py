@@ -97,6 +97,29 @@ def test_decode_kernels_compile_with_pdl(name):
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
+@pytest.mark.parametrize("name", ["decode_bv16", "decode_bv64", "output", "rms_norm", "add_rms_norm", "add_rms_norm_fp8"])
+def test_pdl_kernels_load_what_no_kernel_writes_before_the_wait(name):
+    """With PDL, what no kernel of the forward writes is loaded before griddepcontrol.wait, so its DRAM
+    round trip overlaps the previous kernel: the norms' weight; the Lightning step's slot number, state
+    tile and decay. Nothing else is: the loads before the wait are exactly those (the weight's
+    elements per thread; one 8-byte slot, the tile's 16-byte vectors per thread, one 4-byte decay), and
+    the activations are loaded after it."""
+    from kernel_checks import compile_sm90_without_spills
+
+    fn, ptrs, constexprs, warps = _compile_cases()[name]
+    ptx = compile_sm90_without_spills(fn, ptrs, dict(constexprs, PDL=True), warps).asm["ptx"]
+    body = ptx[ptx.index("griddepcontrol.launch_dependents"):]
+    wait = body.index("griddepcontrol.wait")
+    before = [ln.split("ld.global")[1].split()[0] for ln in body[:wait].splitlines() if "ld.global" in ln]
+    threads = 32 * warps
+    if name.startswith("decode"):
+        tile_vectors = 2 * constexprs["HALF"] * constexprs["BLOCK_V"] * 4 // 16 // threads
+        assert sorted(before) == sorted([".b64"] + [".v4.b32"] * tile_vectors + [".b32"]), before
+    else:
+        assert len(before) == constexprs["BLOCK"] // threads, before  # one bf16 weight element per load
+    assert "ld.global" in body[wait:]  # the activations, after the wait
+
+
 # ---------------------------------------------------------------------------------------------
 # gla_prefill glue on CPU, with fla replaced by reference-based fakes
 # ---------------------------------------------------------------------------------------------

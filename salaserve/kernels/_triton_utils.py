@@ -158,3 +158,23 @@ def pdl_wait_first(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_next(PDL: tl.constexpr):
+    """The first half of pdl_wait_first: let the next PDL kernel launch. A kernel that splits the two
+    loads what no kernel of the running forward writes (weights, norm weights; see pdl_wait) in
+    between, so that its DRAM round trip overlaps the previous kernel instead of following it."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """The second half of pdl_wait_first: wait until the previous kernels' writes are visible.
+    Before it, a kernel may be running while ANY earlier PDL kernel still runs (each one lets the next
+    launch at its start), so only data that no kernel of the forward writes may be read: weights,
+    or state written by earlier forwards, each of which ends before the next one starts (a forward
+    begins with plain-launched torch ops, which wait for all earlier work, or a graph launch)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

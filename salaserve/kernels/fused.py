@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_wait_first, promote,
-                                             round_to, rsqrt_rn, silu_mul_rounded, tl_dtype)
+from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_launch_next,
+                                             pdl_wait, pdl_wait_first, promote, round_to, rsqrt_rn, silu_mul_rounded,
+                                             tl_dtype)
 from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, x_int16_tiles
 from salaserve.quant.formats import FP8_MAX
 
@@ -71,23 +72,26 @@ def _norm_warps(block: int) -> int:
 
 
 @triton.jit
-def _normalize(h, w_ptr, cols, mask, n_cols, eps, H_DT: tl.constexpr, OUT_DT: tl.constexpr):
-    """reference.rms_norm of a row h (fp32 values of H_DT): fp32 stats, normalised value rounded to
-    H_DT, times the weight, rounded to OUT_DT = promote(H_DT, weight dtype)."""
+def _normalize(h, w, n_cols, eps, H_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    """reference.rms_norm of a row h (fp32 values of H_DT) with weight values w (fp32): fp32 stats,
+    normalised value rounded to H_DT, times the weight, rounded to OUT_DT = promote(H_DT, weight dtype)."""
     rstd = rsqrt_rn(tl.sum(h * h, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return round_to(round_to(h * rstd, H_DT) * w, OUT_DT)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
                      BLOCK: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait_first(PDL)
+    pdl_launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # the norm weight before the dependency wait: no kernel writes it, and after the wait its DRAM
+    # round trip would follow the row's (at batch 1 the layer's weights have left L2 since last step)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DT, OUT_DT)
+    y = _normalize(x, w, n_cols, eps, X_DT, OUT_DT)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,16 +122,18 @@ def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, s_ptr, stride_r, s
     (s_ptr), exactly quant_gemm.quantize_rows_fp8 of the OUT_DT output, for a w8a8 linear.
     INT16_OUT: as the dp2a GEMV's rounded x (out_ptr int32 words, s_ptr X_TILE scales per row,
     round_x_int16 of the OUT_DT output), for an int4 linear."""
-    pdl_wait_first(PDL)
+    pdl_launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before the wait, as _rms_norm_kernel
+    pdl_wait(PDL)
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     # HF's two roundings: the branch times r in its own dtype, then the add in the residual dtype.
     h = round_to(r + round_to(u * scale, U_DT), H_DT)
     tl.store(h_ptr + row * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
-    y = _normalize(h, w_ptr, cols, mask, n_cols, eps, H_DT, OUT_DT)
+    y = _normalize(h, w, n_cols, eps, H_DT, OUT_DT)
     if FP8_OUT:
         sx, inv = fp8_row_scale(tl.max(tl.abs(y), axis=0), _FP8_MAX)
         tl.store(out_ptr + row * stride_out + cols, fp8_codes(y, inv, out_ptr, _FP8_MAX, INTERPRET), mask=mask)

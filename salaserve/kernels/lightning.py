@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import (NO_FMA, pdl_launch_kwargs, pdl_wait_first, promote, round_to, rsqrt_rn,
-                                             tl_dtype)
+from salaserve.kernels._triton_utils import (NO_FMA, pdl_launch_kwargs, pdl_launch_next, pdl_wait, promote, round_to,
+                                             rsqrt_rn, tl_dtype)
 
 # ---------------------------------------------------------------------------------------------
 # RoPE frequencies
@@ -98,7 +98,7 @@ def _decode_step_kernel(
     SLOT_MAJOR: tl.constexpr = True,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
-    pdl_wait_first(PDL)
+    pdl_launch_next(PDL)
     # B * H * (D // BLOCK_V) programs: each owns a [D, BLOCK_V] column block of one head's state,
     # so B=1 x 32 heads still spreads over >100 SMs. Every program recomputes the (cheap) full
     # normalised q and k of its head. SLOT_MAJOR numbers them column block fastest, then head, then
@@ -118,6 +118,11 @@ def _decode_step_kernel(
     # Issue the state loads first: their latency then overlaps the norm/RoPE arithmetic.
     # The tile of this (slot, head, value block) is split into its key-dim halves [HALF, BLOCK_V],
     # matching the two RoPE halves of q and k.
+    # Before the dependency wait (with PDL): the slot numbers, the state and the decay, which no
+    # kernel of this forward writes (_triton_utils.pdl_wait). The slots are copied in before the
+    # forward; the state is written by this kernel in earlier forwards, and by prefill, verify-commit
+    # and prefix-cache copies, which are plain launches or torch ops. The slot -> state chain is two
+    # dependent DRAM round trips, which then overlap the qkv GEMV instead of following it.
     slot = tl.load(slot_ptr + b).to(tl.int64)
     rows = tl.arange(0, HALF)
     cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -125,8 +130,9 @@ def _decode_step_kernel(
     p2 = p1 + HALF * stride_sk
     s1 = tl.load(p1)
     s2 = tl.load(p2)
-    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols).to(tl.float32)
     gamma = tl.exp(tl.load(log_decay_ptr + h).to(tl.float32))
+    pdl_wait(PDL)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols).to(tl.float32)
 
     cos, sin = _rope_cos_sin(pos_ptr, b, inv_freq_ptr, HALF)
     q1, q2 = _norm_rope_row(q_ptr + b * stride_qb + h * stride_qh, qw_ptr, cos, sin, eps, HALF, X_DT, QN_DT)
@@ -298,13 +304,15 @@ def _output_kernel(
     OUT_DT: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
-    pdl_wait_first(PDL)
+    pdl_launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 in long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # the norm weight before the dependency wait (no kernel writes it; _triton_utils.pdl_wait)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = round_to(tl.load(o_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32), O_DT)
     rstd = rsqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = round_to(round_to(x * rstd, O_DT) * w, NORM_DT)
     z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
     gate = round_to(tl.sigmoid(z), Z_DT)  # torch.sigmoid(z) is stored in z's dtype
