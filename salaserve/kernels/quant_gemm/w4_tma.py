@@ -112,7 +112,8 @@ def _w4_gemv_tma_kernel(w_desc, z_desc, s_desc, xq_ptr, xs_ptr, out_ptr, ws_ptr,
     # the first tile's weights, scales and zeros before the dependency wait (they never depend on the
     # previous kernel): in the step every call follows a short norm or silu kernel, and without this
     # the first DRAM round trip came after it (run 121: the step 2.504 -> 2.666 ms with this kernel in,
-    # while it won the back-to-back A/B); the pipelined loop takes the second tile on
+    # while it won the back-to-back A/B; with this, run 122: 2.612, still slower); the pipelined loop
+    # takes the second tile on
     w_first = w_desc.load([r_begin, col0])
     sc_first, zq_first = _tma_group(z_desc, s_desc, qzeros_ptr, scales_ptr, tl.minimum(r_begin, K8 - R) // R, col0,
                                     cols, z_shift, N, stride_zg, BLOCK_N, GROUP_TMA)
