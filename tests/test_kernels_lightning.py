@@ -334,6 +334,71 @@ def test_gpu_decode_step_in_cuda_graph():
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_lightning_chain_with_pdl_in_a_graph_changes_no_bit():
+    """With PDL the decode step loads its slot, state tile and decay, and the output kernel its norm
+    weight, before griddepcontrol.wait (they overlap the previous kernel). A Lightning layer's batch-1
+    chain (qkvz GEMV -> decode step -> output -> o_proj GEMV), captured with PDL and replayed step after
+    step (the state carried from replay to replay, new inputs each time), equals the same steps run
+    eagerly without PDL, bit for bit: outputs and state. Where the GPU cannot launch with PDL, both
+    runs are plain."""
+    from salaserve.kernels import _triton_utils as U
+    from salaserve.kernels import gemv as G
+    from salaserve.kernels.lightning import lightning_decode_step, lightning_output
+
+    dev, dtype, hd = "cuda", torch.bfloat16, H_REAL * D_REAL
+    gen = torch.Generator().manual_seed(11)
+    qw, kw, log_decay = _real_weights(dtype, gen, dev)
+    o_norm = (1 + 0.2 * torch.randn(hd, generator=gen)).to(dev, dtype)
+    w_qkvz = (torch.randn(4 * hd, 4096, generator=gen) / 64).to(dev, dtype)
+    w_o = (torch.randn(4096, hd, generator=gen) / 64).to(dev, dtype)
+    x = torch.zeros(1, 4096, dtype=dtype, device=dev)
+    positions = torch.zeros(1, dtype=torch.int64, device=dev)
+    slots = torch.tensor([2], dtype=torch.int64, device=dev)
+    pool = StatePool(4, 2, H_REAL, D_REAL, torch.float32, dev)
+    pool.state.copy_(0.05 * torch.randn(pool.state.shape, generator=gen))
+    start = pool.state.clone()
+
+    def run():
+        qkvz = G.gemv(x, w_qkvz)
+        q, k, v, z = (t.view(1, H_REAL, D_REAL) for t in qkvz.split(hd, dim=-1))
+        o = lightning_decode_step(q, k, v, qw, kw, positions, pool.state, slots, 1, log_decay, D_REAL ** -0.5,
+                                  EPS, THETA)
+        y = lightning_output(o, o_norm, z.reshape(1, hd), EPS, dtype)
+        return o, y, G.gemv(y, w_o)
+
+    inputs = [(torch.randn(1, 4096, generator=gen).to(dev, dtype), 1000 + 7 * i) for i in range(4)]
+    before = U._PDL
+    try:
+        U.set_pdl(False)
+        eager = []
+        for xi, pos in inputs:
+            x.copy_(xi)
+            positions.fill_(pos)
+            eager.append([t.clone() for t in run()] + [pool.state.clone()])
+        U.set_pdl(True)
+        pool.state.copy_(start)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # compile and warm up with PDL (this step's state update is undone below)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = run()
+        pool.state.copy_(start)
+        for (xi, pos), want in zip(inputs, eager):
+            x.copy_(xi)
+            positions.fill_(pos)
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, exp in zip(list(outs) + [pool.state], want):
+                assert torch.equal(got, exp)
+    finally:
+        U.set_pdl(before)
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("N", [1, 8, 64, 300])
 def test_gpu_lightning_output_and_qk_norm_rope(N):
     from salaserve.kernels.lightning import lightning_output, qk_norm_rope
