@@ -80,7 +80,8 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_s
     with the specialisations the JIT would pick at the real shapes (pointers and strides divisible
     by 16). Catches what the interpreter lets through (types, constexpr branches, layouts) and
     reports register use. Arguments named *_ptr are pointers (`ptr_types` overrides the default
-    *fp32), scale/eps are fp32, other non-constexpr arguments i32. fp_fusion: as the kernel's
+    *fp32, and gives the type of any other argument it names, e.g. a tensordesc), scale/eps are
+    fp32, other non-constexpr arguments i32. fp_fusion: as the kernel's
     launches (False for the NO_FMA elementwise kernels). divisible: more integer arguments the JIT
     would see as multiples of 16 (e.g. N and K at the model's shapes). maxnreg: the launch's
     register cap, where it sets one. floats: more fp32 arguments."""
@@ -92,6 +93,8 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_s
     for n in names:
         if n in constexprs:
             sig[n] = "constexpr"
+        elif n in ptr_types:
+            sig[n] = ptr_types[n]
         elif n.endswith("_ptr"):
             sig[n] = ptr_types.get(n, "*fp32")
         elif n in ("scale", "eps") or n in floats:

@@ -381,6 +381,7 @@ def test_w4a16_tma_every_config(name):
     """The TMA-streamed GEMV (opt-in) at the model's shapes, every config at splits 1 and 4: within TOL
     of dequantize-then-matmul, and reproducible call to call."""
     from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.compile_ahead import precompile
     from salaserve.kernels.quant_gemm import w4_tma as T
 
     N, K = SHAPES[name]
@@ -388,8 +389,6 @@ def test_w4a16_tma_every_config(name):
     x = torch.randn(1, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)).to(torch.bfloat16)
     xq, xs = Q.round_x_int16(x)
     ref = linear_ref(x.float(), w)
-    from salaserve.kernels.compile_ahead import precompile
-
     # every variant's compile in threads first (one by one, the five shapes took over 200 s in run 122)
     precompile(functools.partial(T.w4a16_gemv_tma, xq, xs, w, config=cfg, split_k=split)
                for cfg in T.W4_TMA_CONFIGS for split in (1, 4))
@@ -399,6 +398,6 @@ def test_w4a16_tma_every_config(name):
             assert _rel(y, ref) < TOL, (cfg, split, _rel(y, ref))
             # the same call again gives the same bits (fixed-order split-K partials). Not asserted here:
             # bit-equality with the rounded dp2a kernel, which holds in the interpreter (tests/
-            # quant_kernel_checks.py) but not compiled: run 125 found it off at split 4, its fp32 sums
+            # quant_kernel_checks.py) but not compiled: run 126 found it off at split 4, its fp32 sums
             # contracted and ordered differently
             assert torch.equal(y, T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)), (cfg, split)

@@ -667,34 +667,16 @@ def test_w4a16_tma_kernel_compiles_for_sm90(cfg):
     there (a conversion goes through shared memory with a barrier, every step: what sank the
     seventeenth session's cp.async FMA kernel)."""
     sys.path.insert(0, str(REPO / "tests"))
-    from kernel_checks import cubin_resources
+    from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels.quant_gemm import w4_tma as T
 
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, compile as triton_compile
-    except ImportError as e:
-        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
     block_n, warps, stages, group_tma = cfg
-    fn = T._w4_gemv_tma_kernel
-    names = fn.arg_names
     consts = dict(BLOCK_N=block_n, SPLIT_K=2, STAGES=stages, ASM=True, PDL=True, GROUP_TMA=group_tma)
     types = dict(w_desc=f"tensordesc<i32[16, {block_n}]>", z_desc=f"tensordesc<i32[1, {block_n // 8}]>",
                  s_desc=f"tensordesc<fp16[1, {block_n}]>", xq_ptr="*i32", xs_ptr="*fp32", out_ptr="*bf16",
-                 ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32", qzeros_ptr="*i32",
-                 scales_ptr="*fp16" if group_tma else "*fp32", stride_zg="i32")
-    sig = {n: "constexpr" if n in consts else types[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n.endswith("_ptr") or n in ("N", "K", "stride_zg")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-    try:
-        kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
-    except (ImportError, FileNotFoundError, TypeError, AttributeError) as e:
-        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
-    res = cubin_resources(kernel)
-    if res is not None:
-        assert res.get("STACK", 0) == 0 and res.get("LOCAL", 0) == 0, res
+                 ws_ptr="*fp32", cnt_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16" if group_tma else "*fp32")
+    kernel = compile_sm90_without_spills(T._w4_gemv_tma_kernel, types, consts, warps, num_stages=stages,
+                                         fp_fusion=True, divisible=("N", "K"))
     ttgir = kernel.asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for"):]
     loop = loop[:loop.index("scf.yield")]
