@@ -54,6 +54,14 @@ def check(name, y, ref, rtol):
         sys.exit(1)
 
 
+def same_bits(name, y, y2):
+    """y2 must equal y bit for bit (the same arithmetic on the same values, loaded at another time)."""
+    if not torch.equal(y, y2):
+        print(f"BAD {name}: differs (max {(y.float() - y2.float()).abs().max().item():.3g})")
+        sys.exit(1)
+    print(f"ok  {name}: bit-equal")
+
+
 def tol(dtype):
     # fp32: summation order only; fp16: the output rounding plus fp16 weight tiles on the dot path
     return 2e-5 if dtype == torch.float32 else 4e-3
@@ -179,6 +187,17 @@ def w4a16_dp2a_checks(gen):
                     y = qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
                     # within the bf16 output's rounding (the interpreter truncates where the GPU rounds)
                     check(f"w4a16_gemv_dp2a K={K} N={N} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+                    if split in (1, 4):
+                        same_bits(f"w4a16_gemv_dp2a sz_ahead K={K} N={N} M={M} cfg={cfg} split={split}", y,
+                                  qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, sz_ahead=True))
+    # a group of two K tiles (the scales and zero points of a step ahead are those of its own group)
+    w = random_w4a16(512, 64, 256, False, gen)
+    x = torch.randn(1, 512, generator=gen).to(torch.bfloat16)
+    for cfg in qg.W4_DP2A_CONFIGS[1]:
+        y = qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=2)
+        check(f"w4a16_gemv_dp2a group 256 cfg={cfg}", y, linear_ref(x.float(), w), 2 ** -7)
+        same_bits(f"w4a16_gemv_dp2a sz_ahead group 256 cfg={cfg}", y,
+                  qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=2, sz_ahead=True))
     # channel scales spread over ~4 orders of magnitude (lognormal, as LLM activations' outlier
     # channels): the small channels of a tile keep only 2^-16 of its largest as their step
     w = random_w4a16(512, 128, 128, False, gen)
@@ -229,8 +248,10 @@ def w4a16_dp2a_rounded_checks(gen):
         ref = linear_ref(x.float(), w)
         for cfg in qg.W4_DP2A_ROUNDED_CONFIGS[M]:
             for split in (1, 3):
-                check(f"w4a16_gemv_dp2a_rounded M={M} cfg={cfg} split={split}",
-                      qg.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split), ref, 2 ** -7)
+                y = qg.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split)
+                check(f"w4a16_gemv_dp2a_rounded M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+                same_bits(f"w4a16_gemv_dp2a_rounded sz_ahead M={M} cfg={cfg} split={split}", y,
+                          qg.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, sz_ahead=True))
     w = random_w4a16(512, 128, 128, False, gen)
     x = (torch.randn(2, 512, generator=gen) * torch.exp(2 * torch.randn(512, generator=gen))).to(torch.bfloat16)
     check("w4a16_gemv_dp2a_rounded lognormal channels",

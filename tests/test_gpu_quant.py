@@ -60,6 +60,32 @@ def test_w4a16_dp2a_every_config(name, M):
                 assert _rel(Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
 
 
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_w4a16_dp2a_sz_ahead_changes_no_bit(name):
+    """SZ_AHEAD (the group scales and zero points loaded with their weight tile, the first before the
+    PDL wait) at one row: every config on bf16 x and on rounded x, at the heuristic split, none and
+    the calibration's largest, equals the default loop bit for bit (and so dequantize-then-matmul
+    within TOL), on two calls in turn."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
+
+    N, K = SHAPES[name]
+    w = _weights("w4a16", N, K, 7)
+    for x in (torch.randn(1, K, device="cuda").to(torch.bfloat16) for _ in range(2)):
+        ref = linear_ref(x, w)
+        xq, xs = Q.round_x_int16(x)
+        for rounded, configs in ((False, Q.W4_DP2A_CONFIGS[1]), (True, Q.W4_DP2A_ROUNDED_CONFIGS[1])):
+            for cfg in configs:
+                for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
+                    if rounded:
+                        y0, y1 = (Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, sz_ahead=a)
+                                  for a in (False, True))
+                    else:
+                        y0, y1 = (Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, sz_ahead=a) for a in (False, True))
+                    assert torch.equal(y0, y1), (rounded, cfg, split)
+                    assert _rel(y1, ref) < TOL, (rounded, cfg, split)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])

@@ -361,7 +361,7 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
                 ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
                       **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=even, ASM=True, PREFETCH=prefetch,
-                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True)
+                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True, SZ_AHEAD=False)
     kernel = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     ptx = kernel.asm["ptx"]
@@ -371,6 +371,38 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
     # a column's int32 sum becomes a float once per tile: 4 * SLABS dp2a per conversion
     dp2a, cvt = ptx.count("dp2a.lo.s32.u32") + ptx.count("dp2a.hi.s32.u32"), ptx.count("cvt.rn.f32.s32")
     assert dp2a >= 4 * slabs * cvt > 0, (dp2a, cvt)
+
+
+@pytest.mark.parametrize("bucket,cfg,given", [(b, c, g) for b, c, even, g in _w4_dp2a_cases() if even and b == 1])
+def test_w4a16_dp2a_sz_ahead_loads_scales_and_zeros_before_the_wait(bucket, cfg, given):
+    """SZ_AHEAD (W4_SZ_AHEAD, one-row launches): with PDL, the first tiles' group scales and zero points are loaded
+    before griddepcontrol.wait together with the weight tiles (the scales of a thread's 4 columns as
+    one 8-byte load, their zero words as 4-byte loads, per column vector and tile in flight), and
+    nothing else is; without it only the weight tiles' 16-byte vectors are. No spills either way."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from kernel_checks import compile_sm90_without_spills
+    from salaserve.kernels import quant_gemm as qg
+
+    block_n, block_r, warps, slabs, prefetch, prep = cfg
+    layout = qg.w4_dp2a_layout(block_n, block_r, warps, slabs)
+    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
+                ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
+    for sz_ahead in (False, True):
+        constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4, **layout,
+                          EVEN=True, ASM=True, PREFETCH=prefetch, X_PREP=prep and not given, PREP_TILES=8,
+                          X_GIVEN=given, PDL=True, SZ_AHEAD=sz_ahead)
+        ptx = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
+                                          divisible=("N", "K")).asm["ptx"]
+        body = ptx[ptx.index("griddepcontrol.launch_dependents"):]
+        wait = body.index("griddepcontrol.wait")
+        before = [ln.split("ld.global")[1].split()[0] for ln in body[:wait].splitlines() if "ld.global" in ln]
+        tiles = prefetch * layout["VECS"]  # column vectors x tiles in flight
+        assert before.count(".v4.b32") == slabs * tiles, before
+        if sz_ahead:
+            assert before.count(".v2.b32") == tiles and before.count(".b32") >= tiles, before
+            assert len(before) == (slabs + 1) * tiles + before.count(".b32"), before
+        else:
+            assert len(before) == slabs * tiles, before
 
 
 @pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_WGMMA_CONFIGS])

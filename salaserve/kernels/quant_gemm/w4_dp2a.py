@@ -32,6 +32,7 @@ ASM=False (the Triton interpreter) computes the same integers with plain shifts 
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -45,6 +46,12 @@ from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_
 from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
+# SZ_AHEAD: a tile's group scales and zero points are loaded with the tile, PREFETCH tiles ahead, the
+# first ones before the PDL wait, instead of at the step that consumes them (a DRAM round trip after the
+# wait that nothing hid in the short splits of the decode step). Same values, same arithmetic: the
+# results are bit-identical either way. SALASERVE_W4_SZ_AHEAD=1 turns it on for one-row launches
+# (measurement pending; at two rows the PREFETCH-2 rounded config would spill on sm_90).
+W4_SZ_AHEAD = os.environ.get("SALASERVE_W4_SZ_AHEAD", "0") == "1"
 X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
 X_TILE = 128  # channels per x scale of w4a16_gemv_dp2a_rounded's input (BLOCK_R * 8 of its configs)
 
@@ -187,6 +194,21 @@ def _w4_dp2a_tile(w_ptr, r0, r_end, N, rr, cols, RS: tl.constexpr, SLABS: tl.con
 
 
 @triton.jit
+def _w4_group_sz(s_cols, z_cols, z_shift, r0, r_end, cols, N, stride_zg, GROUP_SIZE: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """The scales (fp32) and zero points of the group of packed row r0, for SZ_AHEAD; r0 past the
+    split's end (a prefetch never consumed) reads its last row's group, which exists."""
+    g = (tl.minimum(r0, r_end - 1) * 8) // GROUP_SIZE
+    if EVEN:
+        s = tl.load(s_cols + g * N).to(tl.float32)
+        zq = (tl.load(z_cols + g * stride_zg) >> z_shift) & 0xF
+    else:
+        s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
+        zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
+    return s, zq
+
+
+@triton.jit
 def _w4_dp2a_row(x_pairs, r0, rr, r_end, w0, w1, w2, w3, zq, sz, RS: tl.constexpr, SLABS: tl.constexpr,
                  EVEN: tl.constexpr, ASM: tl.constexpr):
     """One x row's contribution of a tile to the float accumulator: sum (q - z) x * s per column,
@@ -304,6 +326,7 @@ def _w4_gemv_dp2a_kernel(
     PREP_TILES: tl.constexpr = 8,  # _x_prep's tiles per step
     X_GIVEN: tl.constexpr = False,  # xq/xs already hold x in _x_prep's layout (written by x's producer)
     PDL: tl.constexpr = False,
+    SZ_AHEAD: tl.constexpr = False,  # a tile's group scales and zero points loaded with it (W4_SZ_AHEAD)
 ):
     # the FMA kernel's split and slab coordinates (w4_fma.py), written out again: a shared helper
     # reorders the code and ptxas then schedules the measured loops differently
@@ -334,6 +357,14 @@ def _w4_gemv_dp2a_kernel(
     p0, p1, p2, p3 = w0, w1, w2, w3  # PREFETCH 2: the tile after the next
     if PREFETCH >= 2:
         p0, p1, p2, p3 = _w4_dp2a_tile(w_ptr, r_begin + BLOCK_R, r_end, N, rr, cols, RS, SLABS, EVEN)
+    # SZ_AHEAD: each tile's scales and zero points travel with it (ws, wz; ps, pz for PREFETCH 2), so the
+    # first tile's arrive before the wait too, and no step waits on a DRAM round trip of its own for them
+    if SZ_AHEAD:
+        ws, wz = _w4_group_sz(s_cols, z_cols, z_shift, r_begin, r_end, cols, N, stride_zg, GROUP_SIZE, EVEN)
+        ps, pz = ws, wz
+        if PREFETCH >= 2:
+            ps, pz = _w4_group_sz(s_cols, z_cols, z_shift, r_begin + BLOCK_R, r_end, cols, N, stride_zg,
+                                  GROUP_SIZE, EVEN)
     if PDL:
         tl.extra.cuda.gdc_wait()
     n_tiles = tl.cdiv(K8, BLOCK_R)
@@ -351,13 +382,19 @@ def _w4_gemv_dp2a_kernel(
     for r0 in tl.range(r_begin, r_end, BLOCK_R, loop_unroll_factor=2):
         # the tile PREFETCH ahead is issued before this one is consumed
         n0, n1, n2, n3 = _w4_dp2a_tile(w_ptr, r0 + PREFETCH * BLOCK_R, r_end, N, rr, cols, RS, SLABS, EVEN)
-        g = (r0 * 8) // GROUP_SIZE
-        if EVEN:
-            s = tl.load(s_cols + g * N).to(tl.float32)
-            zq = (tl.load(z_cols + g * stride_zg) >> z_shift) & 0xF
+        if SZ_AHEAD:
+            ns, nz = _w4_group_sz(s_cols, z_cols, z_shift, r0 + PREFETCH * BLOCK_R, r_end, cols, N, stride_zg,
+                                  GROUP_SIZE, EVEN)
+            s = ws
+            zq = wz
         else:
-            s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
-            zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
+            g = (r0 * 8) // GROUP_SIZE
+            if EVEN:
+                s = tl.load(s_cols + g * N).to(tl.float32)
+                zq = (tl.load(z_cols + g * stride_zg) >> z_shift) & 0xF
+            else:
+                s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
+                zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
         if X_PREP or X_GIVEN:
             acc0 += _w4_dp2a_row_prepped(xq0_pairs, xs_ptr, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
             if BLOCK_M >= 2:
@@ -370,8 +407,13 @@ def _w4_gemv_dp2a_kernel(
         if PREFETCH >= 2:
             w0, w1, w2, w3 = p0, p1, p2, p3
             p0, p1, p2, p3 = n0, n1, n2, n3
+            if SZ_AHEAD:
+                ws, wz = ps, pz
+                ps, pz = ns, nz
         else:
             w0, w1, w2, w3 = n0, n1, n2, n3
+            if SZ_AHEAD:
+                ws, wz = ns, nz
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y = tl.where(offs_m[:, None] == 0, tl.reshape(tl.sum(acc0, axis=1), (BLOCK_N,))[None, :], 0.0)
@@ -429,10 +471,10 @@ def w4_dp2a_usable(w: QuantizedLinearWeights) -> bool:
 
 
 def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
-                    split_k: Optional[int] = None) -> torch.Tensor:
+                    split_k: Optional[int] = None, sz_ahead: Optional[bool] = None) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
-    default the bucket's first."""
+    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default W4_SZ_AHEAD; same results)."""
     K = w.in_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -444,15 +486,16 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
     block_m = 1 if M == 1 else 2
     cfg = config or W4_DP2A_CONFIGS[block_m][0]
     xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, cfg[1]))
-    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype)
+    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype, sz_ahead=sz_ahead)
 
 
 def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
                             config: Optional[tuple] = None, split_k: Optional[int] = None,
-                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                            out_dtype: torch.dtype = torch.bfloat16, sz_ahead: Optional[bool] = None) -> torch.Tensor:
     """The dp2a GEMV on x already rounded by its producer (round_x_int16's layout: xq int32 [M, K / 2],
     xs fp32 [M, K / X_TILE], contiguous): the loop of the X_PREP configs without their prologue.
-    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE)."""
+    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE); sz_ahead as
+    there."""
     K = w.in_features
     if K % X_TILE:  # one scale per whole tile: a partial last tile would read a scale past xs
         raise ValueError(f"w4a16_gemv_dp2a_rounded takes K a multiple of {X_TILE}, got {K}")
@@ -466,7 +509,7 @@ def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLine
     cfg = config or W4_DP2A_ROUNDED_CONFIGS[1 if M == 1 else 2][0]
     if cfg[1] * 8 != X_TILE:
         raise ValueError(f"config {cfg}: its K tile must be X_TILE = {X_TILE} channels")
-    return _launch(xq, xq, xs, M, w, cfg, split_k, x_given=True, out_dtype=out_dtype)
+    return _launch(xq, xq, xs, M, w, cfg, split_k, x_given=True, out_dtype=out_dtype, sz_ahead=sz_ahead)
 
 
 def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
@@ -479,7 +522,7 @@ def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
         raise ValueError("qweight too large for the kernel's int32 offsets")
 
 
-def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype) -> torch.Tensor:
+def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: Optional[bool]) -> torch.Tensor:
     K, N = w.in_features, w.out_features
     block_m = 1 if M == 1 else 2
     block_n, block_r, warps, slabs, prefetch, prep = cfg
@@ -492,7 +535,8 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype) -> torch.Te
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
-        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given, num_warps=warps,
+        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
+        SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), num_warps=warps,
         **pdl_launch_kwargs(x.device))
     return out
 
