@@ -49,9 +49,10 @@ W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators
 # SZ_AHEAD: a tile's group scales and zero points are loaded with the tile, PREFETCH tiles ahead, the
 # first ones before the PDL wait, instead of at the step that consumes them (a DRAM round trip after the
 # wait that nothing hid in the short splits of the decode step). Same values, same arithmetic: the
-# results are bit-identical either way. SALASERVE_W4_SZ_AHEAD=1 turns it on for one-row launches
-# (measurement pending; at two rows the PREFETCH-2 rounded config would spill on sm_90).
-W4_SZ_AHEAD = os.environ.get("SALASERVE_W4_SZ_AHEAD", "0") == "1"
+# results are bit-identical either way. On for one-row launches (the w4a16 step at 4K, batch 1: 2.432 ->
+# 2.397 ms, BENCHMARKS run 129); SALASERVE_W4_SZ_AHEAD=0 turns it off. Not at two rows: the PREFETCH-2
+# rounded config would spill on sm_90.
+W4_SZ_AHEAD = os.environ.get("SALASERVE_W4_SZ_AHEAD", "1") == "1"
 X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
 X_TILE = 128  # channels per x scale of w4a16_gemv_dp2a_rounded's input (BLOCK_R * 8 of its configs)
 
