@@ -222,10 +222,43 @@ def w4a16_dp2a_checks(gen):
         print(f"ok  w4a16_gemv_dp2a zero and NaN x {cfg}")
     refused("fp32 x", qg.w4a16_gemv_dp2a, torch.randn(1, 256), w)
     w4a16_dp2a_rounded_checks(gen)
+    w4a16_dp2a_silu_out_checks(gen)
     refused("3 rows", qg.w4a16_gemv_dp2a, torch.randn(3, 256).to(torch.bfloat16), w)
     refused("act-order weights", qg.w4a16_gemv_dp2a, torch.randn(1, 256).to(torch.bfloat16),
             random_w4a16(256, 64, 128, True, gen))
     counters_rearmed()
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """TorchBackend.silu_mul: silu(gate) * up on bf16 [M, 2F], rounded after the silu and the product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def w4a16_dp2a_silu_out_checks(gen):
+    """silu_out (the gate_up GEMV writes silu_mul of its output): every one- and two-row config, on bf16
+    x and on rounded x, split-K 1 and 3, whole tiles and a ragged F (36: masked halves), against
+    silu_mul of dequantize-then-matmul (not against the GEMV followed by the silu_mul kernel: the
+    interpreter's bf16 store truncates where the epilogue rounds; the GPU test compares the two bit for
+    bit); SZ_AHEAD with it changes no bit. Refuses an odd N."""
+    for K, F in ((256, 64), (384, 36)):
+        w = random_w4a16(K, 2 * F, 128, False, gen)
+        for M in (1, 2):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            ref = silu_mul_ref(linear_ref(x.float(), w).to(torch.bfloat16))
+            xq, xs = qg.round_x_int16(x)
+            for cfg in qg.W4_DP2A_CONFIGS[M]:
+                for split in (1, 3):
+                    y = qg.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=True)
+                    check(f"w4a16_gemv_dp2a silu_out K={K} F={F} M={M} cfg={cfg} split={split}", y, ref, 2 ** -7)
+            for cfg in qg.W4_DP2A_ROUNDED_CONFIGS[M]:
+                y = qg.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=3, silu_out=True)
+                check(f"w4a16_gemv_dp2a_rounded silu_out K={K} F={F} M={M} cfg={cfg}", y, ref, 2 ** -7)
+                same_bits(f"w4a16_gemv_dp2a_rounded silu_out sz_ahead K={K} F={F} M={M} cfg={cfg}", y,
+                          qg.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=3, silu_out=True,
+                                                     sz_ahead=True))
+    refused("silu_out with an odd N", functools.partial(qg.w4a16_gemv_dp2a, silu_out=True),
+            torch.randn(1, 256).to(torch.bfloat16), random_w4a16(256, 72 + 1, 128, False, gen))
 
 
 def w4a16_dp2a_rounded_checks(gen):

@@ -86,6 +86,35 @@ def test_w4a16_dp2a_sz_ahead_changes_no_bit(name):
                     assert _rel(y1, ref) < TOL, (rounded, cfg, split)
 
 
+@pytest.mark.parametrize("M", [1, 2])
+def test_w4a16_dp2a_silu_out_equals_the_gemv_then_silu_mul(M):
+    """silu_out (the int4 gate_up GEMV writing silu_mul of its output) at the model's gate_up shape: every
+    dp2a config, on bf16 x and on rounded x, at the heuristic split, none and the calibration's largest,
+    equals the GEMV followed by the silu_mul kernel bit for bit (the same bf16 output rounded the same
+    way, fused.silu_mul's roundings), and silu_mul of dequantize-then-matmul within TOL."""
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.fused import silu_mul
+    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
+
+    N, K = SHAPES["gate_up"]
+    w = _weights("w4a16", N, K, 11 + M)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    g, u = linear_ref(x, w).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(g) * u
+    xq, xs = Q.round_x_int16(x)
+    for rounded, configs in ((False, Q.W4_DP2A_CONFIGS[M]), (True, Q.W4_DP2A_ROUNDED_CONFIGS[M])):
+        for cfg in configs:
+            for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
+                if rounded:
+                    fused, plain = (Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, silu_out=s)
+                                    for s in (True, False))
+                else:
+                    fused, plain = (Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=s) for s in (True, False))
+                assert fused.shape == (M, N // 2)
+                assert torch.equal(fused, silu_mul(plain)), (rounded, cfg, split)
+                assert _rel(fused, ref) < TOL, (rounded, cfg, split)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])

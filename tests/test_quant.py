@@ -361,7 +361,7 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
                 ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
                       **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=even, ASM=True, PREFETCH=prefetch,
-                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True, SZ_AHEAD=False)
+                      X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True, SZ_AHEAD=False, SILU_OUT=False, Y_DT=None)
     kernel = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     ptx = kernel.asm["ptx"]
@@ -390,7 +390,8 @@ def test_w4a16_dp2a_sz_ahead_loads_scales_and_zeros_before_the_wait(bucket, cfg,
     for sz_ahead in (False, True):
         constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4, **layout,
                           EVEN=True, ASM=True, PREFETCH=prefetch, X_PREP=prep and not given, PREP_TILES=8,
-                          X_GIVEN=given, PDL=True, SZ_AHEAD=sz_ahead)
+                          X_GIVEN=given, PDL=True, SZ_AHEAD=sz_ahead, SILU_OUT=False,
+                          Y_DT=None)
         ptx = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                           divisible=("N", "K")).asm["ptx"]
         body = ptx[ptx.index("griddepcontrol.launch_dependents"):]
@@ -403,6 +404,32 @@ def test_w4a16_dp2a_sz_ahead_loads_scales_and_zeros_before_the_wait(bucket, cfg,
             assert len(before) == (slabs + 1) * tiles + before.count(".b32"), before
         else:
             assert len(before) == slabs * tiles, before
+
+
+@pytest.mark.parametrize("bucket,cfg,given", [(b, c, g) for b, c, even, g in _w4_dp2a_cases() if even])
+def test_w4a16_dp2a_silu_out_keeps_the_vector_loads(bucket, cfg, given):
+    """SILU_OUT (the gate_up GEMV writing silu_mul of its output) compiles for sm_90 without spills and
+    loads the weights exactly as the plain kernel does: its tile's gate and up halves are two column
+    ranges, and the column map must not cost the 16-byte loads (a select there did: 32 -> 12)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import triton.language as tl
+    from kernel_checks import compile_sm90_without_spills
+    from salaserve.kernels import quant_gemm as qg
+
+    block_n, block_r, warps, slabs, prefetch, prep = cfg
+    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
+                ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32")
+    loads = []
+    for silu in (False, True):
+        constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
+                          **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=True, ASM=True, PREFETCH=prefetch,
+                          X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True, SZ_AHEAD=bucket == 1,
+                          SILU_OUT=silu, Y_DT=tl.bfloat16 if silu else None)
+        ptx = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
+                                          divisible=("N", "K")).asm["ptx"]
+        loads.append((ptx.count("ld.global.v4.b32"), ptx.count("ld.global")))
+        assert ("ex2.approx" in ptx) == silu  # the silu's exp only in the epilogue
+    assert loads[0] == loads[1], loads
 
 
 @pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_WGMMA_CONFIGS])

@@ -83,6 +83,21 @@ def silu_mul_rounded(gate, up, ACT_DT: tl.constexpr, OUT_DT: tl.constexpr):
 
 
 @triton.jit
+def write_silu_tile(y, offs_m, m_mask, pid_n, F, out_ptr, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    """A GEMV's silu_mul epilogue: y [BM, BN] (fp32) holds the tile's BN/2 gate columns, then the same
+    BN/2 columns' up values (the SILU_OUT column maps of gemv._gemv_kernel and the int4 dp2a GEMV) ->
+    silu(gate) * up for outputs [pid_n * BN/2, +BN/2) of [M, F], with fused.silu_mul's roundings on
+    the linear's output rounded to Y_DT."""
+    y = round_to(y, Y_DT)  # gate_up as x @ w.t() stores it
+    gate, up = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+    out = silu_mul_rounded(gate, up, Y_DT, OUT_DT)  # F.silu's output stored in Y_DT
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & (cols < F)[None, :])
+
+
+@triton.jit
 def bf16_pair(u):
     """int32 words each holding two bf16 values (memory order: low half first) -> both as fp32:
     bf16 -> fp32 is a 16-bit shift, or a mask for the high half."""

@@ -101,7 +101,7 @@ import triton
 import triton.language as tl
 
 from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn,
-                                             silu_mul_rounded, tl_dtype)
+                                             silu_mul_rounded, tl_dtype, write_silu_tile)
 from salaserve.kernels.compile_ahead import launch_kernel, precompile
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
@@ -392,20 +392,6 @@ def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scal
 
 
 @triton.jit
-def _write_silu(y, offs_m, m_mask, pid_n, F, out_ptr, stride_om,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
-    """The silu_mul epilogue: y [BM, BN] holds the tile's BN/2 gate columns, then the same BN/2
-    columns' up values (`_gemv_kernel`'s SILU_OUT row map) -> silu(gate) * up for those BN/2
-    outputs, with fused.silu_mul's roundings on the linear's rounded output."""
-    y = round_to(y, Y_DT)  # gate_up as x @ w.t() stores it
-    gate, up = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
-    out = silu_mul_rounded(gate, up, Y_DT, OUT_DT)  # F.silu's output stored in Y_DT
-    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & (cols < F)[None, :])
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr, w_scale_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
@@ -421,7 +407,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs only
     W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA path)
-    SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F rows): write silu_mul(y) [M, F] (_write_silu)
+    SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F rows): write silu_mul(y) [M, F] (write_silu_tile)
     FP8_ASM: tl.constexpr = True,  # fp8 codes -> fp32 by cvt instructions (_e4m3_words_to_f32); False: bit ops
     X_WORDS: tl.constexpr = False,  # fp8 path: bf16 x read as int64 words of 4 values (_x_quads)
     FP8_STREAM: tl.constexpr = False,  # fp8 path: all rows' tiles through the cp.async pipeline (_fp8_stream_sums)
@@ -526,7 +512,7 @@ def _gemv_kernel(
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if SILU_OUT:
-            _write_silu(y, offs_m, m_mask, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT, OUT_DT)
+            write_silu_tile(y, offs_m, m_mask, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT, OUT_DT)
         else:
             _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL, Y_DT, OUT_DT)
     else:
@@ -540,7 +526,7 @@ def _gemv_kernel(
             for s in range(SPLIT_K):  # fixed order: deterministic whichever split came last
                 total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             if SILU_OUT:
-                _write_silu(total, offs_m, m_mask, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT,
+                write_silu_tile(total, offs_m, m_mask, pid_n, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT,
                             OUT_DT)
             else:
                 _write(total, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scale, RESIDUAL,

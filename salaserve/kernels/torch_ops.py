@@ -61,9 +61,14 @@ class TorchBackend:
         if norm_w is None:
             return h + u * scale, None
         if silu_out:
-            h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
-            return h, self.silu_linear(normed, w_in)
+            return self.add_rms_norm_silu_linear(h, u, scale, norm_w, eps, w_in)
         return self.add_rms_norm_linear(h, u, scale, norm_w, eps, w_in)
+
+    def add_rms_norm_silu_linear(self, h, u, scale, norm_w, eps, w):
+        """(h + u * scale, silu_mul(linear(its RMSNorm, w))) for a [gate | up] weight w: the norm side
+        of the silu_out junction (a backend may quantize the normed rows as it computes them)."""
+        h, normed = self.add_rms_norm(h, u, scale, norm_w, eps)
+        return h, self.silu_linear(normed, w)
 
     def add_rms_norm_linear(self, h, u, scale, norm_w, eps, w):
         """(h + u * scale, linear(its RMSNorm, w)): the norm side of a junction (a backend may

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # epilogue there, with the RMSNorm prologue on gate_up, measured 5.838 vs 5.779 ms at batch 8,
 # run 33). SALASERVE_SILU_EPILOGUE=0: the separate kernel at one row.
 SILU_EPILOGUE = os.environ.get("SALASERVE_SILU_EPILOGUE", "1") == "1"
+# The same for int4 MLPs: the dp2a gate_up GEMV writes silu_mul of its output (silu_out), and down
+# reads it as bf16 x, instead of the silu_mul kernel writing down's x rounded to int16. SALASERVE_W4_SILU_OUT=1
+# turns it on (measurement pending).
+W4_SILU_OUT = os.environ.get("SALASERVE_W4_SILU_OUT", "0") == "1"
 
 
 def _has_verify(batch) -> bool:
@@ -94,8 +98,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         from salaserve.kernels import quant_gemm as Q
         from salaserve.kernels.quant_gemm import w4_decode
 
-        self._silu_before_down = any(Q.w4_rounded_usable(layer["down"]) for layer in params["layers"]
-                                     if isinstance(layer["down"], QuantizedLinearWeights))
+        self._silu_before_down = not (W4_SILU_OUT and all(Q.w4_silu_out_usable(layer["gate_up"])
+                                                          for layer in params["layers"])) and any(
+            Q.w4_rounded_usable(layer["down"]) for layer in params["layers"]
+            if isinstance(layer["down"], QuantizedLinearWeights))
 
         wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
         added = 0
@@ -212,13 +218,45 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     def silu_linear(self, x, w):
         """silu_mul(linear(x, w)) with the activation written by the gate_up GEMV itself where it
-        can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones; else the
-        linear and the silu_mul kernel."""
+        can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones, the dp2a GEMV's
+        silu_out for int4 ones (W4_SILU_OUT); else the linear and the silu_mul kernel."""
         if self._silu_epilogue(x, w):
             return gemv_ops.gemv_silu_out(x, w)
         if (cfg := self._fp8_silu_config(x, w)) is not None:
             return gemv_ops.gemv_fp8(x, w.weight, w.scale, cfg, silu_out=True)
+        if (choice := self._w4_silu_choice(x, w)) is not None:
+            from salaserve.kernels import quant_gemm
+
+            return quant_gemm.w4a16_decode(x, w, choice, silu_out=True)
         return TorchBackend.silu_linear(self, x, w)
+
+    @staticmethod
+    def _w4_silu_choice(x, w):
+        """The calibrated dp2a (kernel, config, split) for bf16 x [1-2, K] on the GPU meeting a [gate | up]
+        int4 weight that takes silu_out, with W4_SILU_OUT on; else None."""
+        if not (W4_SILU_OUT and isinstance(w, QuantizedLinearWeights) and x.dim() == 2 and x.is_cuda
+                and x.dtype == torch.bfloat16):
+            return None
+        from salaserve.kernels import quant_gemm
+
+        if not (x.shape[0] <= quant_gemm.W4_DP2A_MAX_M and quant_gemm.w4_silu_out_usable(w)):
+            return None
+        choice = quant_gemm.w4_decode_choice(x, w)
+        return choice if choice is not None and choice[0] == "dp2a" else None
+
+    def add_rms_norm_silu_linear(self, h, u, scale, norm_w, eps, w):
+        """int4 [gate | up] weights at 1-2 rows whose calibration picked x rounded by its producer: the
+        add + RMSNorm kernel writes it, the dp2a GEMV's silu_out epilogue the activation; else
+        TorchBackend's (add + RMSNorm, then silu_linear)."""
+        if (W4_SILU_OUT and h.dim() == 2 and isinstance(w, QuantizedLinearWeights)
+                and promote(promote(h.dtype, u.dtype), norm_w.dtype) == torch.bfloat16
+                and (choice := self._w4_rounded(h, w)) is not None and choice[0] == "dp2a_rounded"):
+            from salaserve.kernels import quant_gemm
+
+            if quant_gemm.w4_silu_out_usable(w):
+                h, (xq, xs) = add_rms_norm(h, u, scale, norm_w, eps, int16_out=True)
+                return h, quant_gemm.w4a16_decode_rounded(xq, xs, w, choice, silu_out=True)
+        return TorchBackend.add_rms_norm_silu_linear(self, h, u, scale, norm_w, eps, w)
 
     @staticmethod
     def _w8a8_prefill(rows, w) -> bool:

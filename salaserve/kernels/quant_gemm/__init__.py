@@ -70,8 +70,8 @@ from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
 from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, W4_DP2A, W4_MMA, W4_ROUNDED_X,
                                                     _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
-                                                    w4_rounded_choice, w4_rounded_usable, w4a16_decode,
-                                                    w4a16_decode_rounded)
+                                                    w4_rounded_choice, w4_rounded_usable, w4_silu_out_usable,
+                                                    w4a16_decode, w4a16_decode_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,
                                                  W4_MAGIC_LO, _w4_gemv_fma_kernel, w4_fma_layout, w4a16_gemv_fma)
 from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M,

@@ -120,9 +120,20 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
     return hit
 
 
-def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple) -> torch.Tensor:
-    """x @ int4 weights through a (kernel, config, split) of calibrate_w4."""
+def w4_silu_out_usable(w: QuantizedLinearWeights) -> bool:
+    """Whether a [gate | up] int4 weight can take the dp2a GEMV's silu_mul epilogue (silu_out): the
+    dp2a kernel takes it, and F = N/2 is a multiple of 4 (16-byte column vectors in each half)."""
+    return getattr(w, "format", None) == "w4a16" and w4_dp2a_usable(w) and w.out_features % 8 == 0
+
+
+def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu_out: bool = False) -> torch.Tensor:
+    """x @ int4 weights through a (kernel, config, split) of calibrate_w4. silu_out (the dp2a kernel's
+    choices only): w is [gate | up] and the result silu_mul of the product (w4a16_gemv_dp2a)."""
     kernel, cfg, split = choice
+    if silu_out:
+        if kernel != "dp2a":
+            raise ValueError(f"silu_out needs the dp2a kernel, not {kernel}")
+        return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=True)
     if kernel == "wgmma":
         return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
     if kernel == "mma":
@@ -227,10 +238,15 @@ def rounded_choices(m: int, w: QuantizedLinearWeights, device, configs=None) -> 
 
 
 def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, choice: tuple,
-                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                         out_dtype: torch.dtype = torch.bfloat16, silu_out: bool = False) -> torch.Tensor:
     """x rounded by its producer (round_x_int16's layout) @ int4 weights through a (kernel, config, split)
-    of rounded_choices: the rounded dp2a kernel's, or the TMA kernel's (w4_tma.py, one row)."""
+    of rounded_choices: the rounded dp2a kernel's, or the TMA kernel's (w4_tma.py, one row). silu_out as
+    w4a16_decode's (the dp2a kernel only)."""
     kernel, cfg, split = choice
+    if silu_out:
+        if kernel == "tma":
+            raise ValueError("silu_out needs the dp2a kernel, not tma")
+        return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype, silu_out=True)
     if kernel == "tma":
         return w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)
     return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)

@@ -39,10 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs
+from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs, tl_dtype
 from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.device_buffers import Want, persistent_buffers
-from salaserve.kernels.quant_gemm._common import _INTERPRET, _check_x, _default_split_k, _store_output, _workspace
+from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _store_output,
+                                                  _store_silu_output, _workspace)
 from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
@@ -328,6 +329,8 @@ def _w4_gemv_dp2a_kernel(
     X_GIVEN: tl.constexpr = False,  # xq/xs already hold x in _x_prep's layout (written by x's producer)
     PDL: tl.constexpr = False,
     SZ_AHEAD: tl.constexpr = False,  # a tile's group scales and zero points loaded with it (W4_SZ_AHEAD)
+    SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F): write silu_mul of the output, [M, F]
+    Y_DT: tl.constexpr = None,  # SILU_OUT: the linear's output dtype (its rounding before the silu)
 ):
     # the FMA kernel's split and slab coordinates (w4_fma.py), written out again: a shared helper
     # reorders the code and ptxas then schedules the measured loops differently
@@ -341,7 +344,17 @@ def _w4_gemv_dp2a_kernel(
     rr = tl.arange(0, RS)[None, :, None, None]
     lane = tl.arange(0, NV // 4)[None, None, :, None]
     k4 = tl.arange(0, 4)[None, None, None, :]
-    vec0 = pid_n * BLOCK_N + (tl.arange(0, VECS) * NV)[:, None, None, None] + lane * 4  # [V, 1, NV/4, 1]
+    jv = (tl.arange(0, VECS) * NV)[:, None, None, None] + lane * 4  # column vectors in the tile: [V, 1, NV/4, 1]
+    if SILU_OUT:
+        # tile pid_n owns outputs [pid_n * BN/2, +BN/2): its first BN/2 columns are those gate columns,
+        # the rest the matching up columns F + n, so its epilogue has both halves of every output
+        # (as arithmetic, not a select, and with F = N/2 a multiple of 4, which the launch checks: so the
+        # compiler still sees 16-byte aligned column vectors and keeps the weights' vector loads)
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        F = tl.multiple_of(N // 2, 4)
+        vec0 = pid_n * HALF_N + jv + (jv >= HALF_N).to(tl.int32) * (F - HALF_N)
+    else:
+        vec0 = pid_n * BLOCK_N + jv
     cols = vec0 + k4
     w_ptr = qweight_ptr + rr * N + cols
     rows0 = rr * 0  # per-column loads broadcast over the rows keep the weights' layout (w4_fma.py)
@@ -420,7 +433,11 @@ def _w4_gemv_dp2a_kernel(
     y = tl.where(offs_m[:, None] == 0, tl.reshape(tl.sum(acc0, axis=1), (BLOCK_N,))[None, :], 0.0)
     if BLOCK_M >= 2:
         y = tl.where(offs_m[:, None] == 1, tl.reshape(tl.sum(acc1, axis=1), (BLOCK_N,))[None, :], y)
-    _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
+    if SILU_OUT:
+        _store_silu_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K, BLOCK_M,
+                           BLOCK_N, Y_DT)
+    else:
+        _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA) per M bucket: a thread
@@ -472,10 +489,13 @@ def w4_dp2a_usable(w: QuantizedLinearWeights) -> bool:
 
 
 def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
-                    split_k: Optional[int] = None, sz_ahead: Optional[bool] = None) -> torch.Tensor:
+                    split_k: Optional[int] = None, sz_ahead: Optional[bool] = None,
+                    silu_out: bool = False) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
-    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default W4_SZ_AHEAD; same results)."""
+    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default W4_SZ_AHEAD; same results).
+    silu_out: w is a [gate | up] weight (N = 2F) and the result is silu_mul of the output, [M, F]:
+    fused.silu_mul's values on the bf16 output, written by the GEMV's epilogue (no silu_mul kernel)."""
     K = w.in_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -487,16 +507,18 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
     block_m = 1 if M == 1 else 2
     cfg = config or W4_DP2A_CONFIGS[block_m][0]
     xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, cfg[1]))
-    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype, sz_ahead=sz_ahead)
+    return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype, sz_ahead=sz_ahead,
+                   silu_out=silu_out)
 
 
 def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
                             config: Optional[tuple] = None, split_k: Optional[int] = None,
-                            out_dtype: torch.dtype = torch.bfloat16, sz_ahead: Optional[bool] = None) -> torch.Tensor:
+                            out_dtype: torch.dtype = torch.bfloat16, sz_ahead: Optional[bool] = None,
+                            silu_out: bool = False) -> torch.Tensor:
     """The dp2a GEMV on x already rounded by its producer (round_x_int16's layout: xq int32 [M, K / 2],
     xs fp32 [M, K / X_TILE], contiguous): the loop of the X_PREP configs without their prologue.
-    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE); sz_ahead as
-    there."""
+    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE); sz_ahead and
+    silu_out as there."""
     K = w.in_features
     if K % X_TILE:  # one scale per whole tile: a partial last tile would read a scale past xs
         raise ValueError(f"w4a16_gemv_dp2a_rounded takes K a multiple of {X_TILE}, got {K}")
@@ -510,7 +532,8 @@ def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLine
     cfg = config or W4_DP2A_ROUNDED_CONFIGS[1 if M == 1 else 2][0]
     if cfg[1] * 8 != X_TILE:
         raise ValueError(f"config {cfg}: its K tile must be X_TILE = {X_TILE} channels")
-    return _launch(xq, xq, xs, M, w, cfg, split_k, x_given=True, out_dtype=out_dtype, sz_ahead=sz_ahead)
+    return _launch(xq, xq, xs, M, w, cfg, split_k, x_given=True, out_dtype=out_dtype, sz_ahead=sz_ahead,
+                   silu_out=silu_out)
 
 
 def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
@@ -523,22 +546,27 @@ def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
         raise ValueError("qweight too large for the kernel's int32 offsets")
 
 
-def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: Optional[bool]) -> torch.Tensor:
+def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: Optional[bool],
+            silu_out: bool) -> torch.Tensor:
     K, N = w.in_features, w.out_features
     block_m = 1 if M == 1 else 2
     block_n, block_r, warps, slabs, prefetch, prep = cfg
+    if silu_out and (N % 8 or block_n % 8):
+        # each tile's halves are whole 4-column vectors of gate and of up columns, aligned to 16 bytes
+        raise ValueError(f"silu_out takes N = 2F ([gate | up]) with F a multiple of 4 and BLOCK_N a multiple of 8, "
+                         f"got N={N}, {cfg}")
     tiles = triton.cdiv(N, block_n)
     split = split_k or _default_split_k(tiles, K, x.device)
-    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
+    out = torch.empty(M, N // 2 if silu_out else N, dtype=out_dtype, device=x.device)
+    ws, cnt = _workspace(x.device, split * M * tiles * block_n if split > 1 else 0, tiles)
     launch_kernel(_w4_gemv_dp2a_kernel, (tiles, split),
         x, w.qweight, w.qzeros, w.scales, out, ws, cnt, xq, xs,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
         ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
-        SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), num_warps=warps,
-        **pdl_launch_kwargs(x.device))
+        SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
+        Y_DT=tl_dtype(out_dtype) if silu_out else None, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out
 
 
