@@ -99,10 +99,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         from salaserve.kernels import quant_gemm as Q
         from salaserve.kernels.quant_gemm import w4_decode
 
-        self._silu_before_down = not (W4_SILU_OUT and all(Q.w4_silu_out_usable(layer["gate_up"])
-                                                          for layer in params["layers"])) and any(
-            Q.w4_rounded_usable(layer["down"]) for layer in params["layers"]
-            if isinstance(layer["down"], QuantizedLinearWeights))
+        self._silu_before_down = self.keeps_silu_before_down(params["layers"])
 
         wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
         added = 0
@@ -119,6 +116,19 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
             log.info("int4 weights: repacked copies for the decode GEMVs, %.2f GiB (SALASERVE_W4_WGMMA=0 "
                      "skips the wgmma kernel's)", added / 2**30)
+
+    @staticmethod
+    def keeps_silu_before_down(layers) -> bool:
+        """Whether one-row steps keep silu_mul before down (a kernel writing down's x rounded to int16)
+        rather than in the gate_up GEMV's epilogue: for int4 MLPs whose down takes rounded x, unless
+        W4_SILU_OUT is on and every gate_up can take the dp2a GEMV's silu_out."""
+        from salaserve.kernels import quant_gemm as Q
+
+        if W4_SILU_OUT and all(isinstance(layer["gate_up"], QuantizedLinearWeights)
+                               and Q.w4_silu_out_usable(layer["gate_up"]) for layer in layers):
+            return False
+        return any(isinstance(layer["down"], QuantizedLinearWeights) and Q.w4_rounded_usable(layer["down"])
+                   for layer in layers)
 
     def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
