@@ -7,7 +7,7 @@ set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 export SALASERVE_PLAN_CACHE=0
 for nw in 8 4 8 4; do
-  timeout 70 python3 -c "import runpy, salaserve.kernels.fused as f; f._norm_warps = lambda block: $nw if block >= 4096 else 4; runpy.run_module('salaserve.bench.profile_step', run_name='__main__')" \
+  timeout 70 python3 -c "import runpy, salaserve.kernels.fused as f; f._norm_warps = lambda block: $nw if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1; runpy.run_module('salaserve.bench.profile_step', run_name='__main__')" \
     --graph --context 4096 --quantization w4a16 --top 8 2>&1 | grep -v -i warn | tee -a "$OUT/step-w4a16-normwarps$nw.log" \
     | grep "replay" | sed "s/^/norm warps $nw: /"
 done
