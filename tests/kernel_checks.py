@@ -73,6 +73,13 @@ def assert_rope_within_ulps(a, b, max_ulps: int = 2, max_frac: float = 0.0):
     assert frac <= max_frac, f"{frac:.2e} of the elements differ (allowed {max_frac:.1e})"
 
 
+def constexpr_defaults(fn) -> dict:
+    """{name: default} of a @triton.jit kernel's constexpr parameters that declare one."""
+    import inspect
+
+    return {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+
+
 def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_stages: int = 3,
                  fp_fusion: bool = False, divisible: tuple = (), maxnreg: int | None = None,
                  floats: tuple = ()):
@@ -84,10 +91,12 @@ def compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int, *, num_s
     fp32, other non-constexpr arguments i32. fp_fusion: as the kernel's
     launches (False for the NO_FMA elementwise kernels). divisible: more integer arguments the JIT
     would see as multiples of 16 (e.g. N and K at the model's shapes). maxnreg: the launch's
-    register cap, where it sets one. floats: more fp32 arguments."""
+    register cap, where it sets one. floats: more fp32 arguments. Constexpr parameters not in
+    `constexprs` take their declared defaults, as at a launch that does not pass them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
+    constexprs = {**constexpr_defaults(fn), **constexprs}
     names = fn.arg_names
     sig = {}
     for n in names:

@@ -537,15 +537,26 @@ def dense_prefill_attention(q: torch.Tensor, kv_pool, layer: int, batch, scale: 
 
 
 @triton.jit
+def _gated(out, g_ptrs, mask, O_DT: tl.constexpr):
+    """The sparse layers' output gate on an attention output: out rounded to O_DT (as stored), times
+    sigmoid(gate) rounded to O_DT, the product rounded to O_DT: fused.sigmoid_mul's values on the stored
+    output (gate in O_DT, as the engine's views into the q/k/v/gate projection are)."""
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return round_to(round_to(out, O_DT) * round_to(tl.sigmoid(g), O_DT), O_DT)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K_pool, V_pool, block_table, block_count, seq_lens, Out, O_part, LSE_part, K_scale, V_scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_bth, stride_bcb, stride_bch,
     stride_kp, stride_kt, stride_kh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    scale_log2,
+    scale_log2, G_ptr, stride_gb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+    GATED: tl.constexpr = False,  # one split: the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
+    O_DT: tl.constexpr = None,  # GATED: the output dtype
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
@@ -599,6 +610,8 @@ def _decode_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
+        if GATED:
+            out = _gated(out, G_ptr + b * stride_gb + head[:, None] * HEAD_DIM + d[None, :], row_ok[:, None], O_DT)
         tl.store(Out + b * stride_ob + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -611,9 +624,11 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     O_part, LSE_part, Out,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, G_ptr, stride_gb,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+    GATED: tl.constexpr = False,  # the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
+    O_DT: tl.constexpr = None,  # GATED: the output dtype
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hq): merge the splits of one (sequence, head) by their log2-sum-exp weights.
@@ -630,12 +645,15 @@ def _decode_reduce_kernel(
                 mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    if GATED:
+        out = _gated(out, G_ptr + b * stride_gb + h * HEAD_DIM + d, d < HEAD_DIM, O_DT)
     tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: torch.Tensor,
                            block_count: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int = 1, config: dict | None = None) -> torch.Tensor:
+                           num_splits: int = 1, config: dict | None = None,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over a list of pages per (sequence, KV head).
 
     q: [B, Hq, d] (d contiguous). block_table: [B, Hkv, max_sel] int32 page ids (any strides, e.g.
@@ -647,6 +665,9 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     satisfies it. The order of the others does not matter.
     num_splits programs share each (sequence, KV head)'s list (flash-decoding); with num_splits > 1
     a second kernel merges them. Grid (B, Hkv, num_splits) + (B, Hq): CUDA-graph capturable.
+    gate: [B, Hq * d] in q.dtype, unit last-dim stride (rows may be strided: a view into the q/k/v/gate
+    projection): the output comes back times sigmoid(gate), fused.sigmoid_mul's values on the stored
+    output, written by the last kernel instead of a sigmoid_mul kernel after it.
     Returns [B, Hq, d] in q.dtype.
     """
     cfg = dict(DECODE_CONFIG, **(config or {}))
@@ -657,6 +678,11 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     assert block_table.shape[:2] == (B, hkv) and block_table.stride(2) == 1
     assert block_count.shape == (B, hkv)
     group = hq // hkv
+    if gate is not None and (gate.shape != (B, hq * d) or gate.dtype != q.dtype or gate.stride(-1) != 1):
+        raise ValueError(f"gate must be [{B}, {hq * d}] {q.dtype} with a unit last-dim stride, got "
+                         f"{tuple(gate.shape)} {gate.dtype} strides {gate.stride()}")
+    gated = dict(GATED=True, O_DT=tl_dtype(q.dtype)) if gate is not None else {}
+    g_args = (gate, gate.stride(0)) if gate is not None else (q, 0)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty((B, hq, d), dtype=q.dtype, device=q.device)
@@ -675,18 +701,18 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         block_table.stride(0), block_table.stride(1), block_count.stride(0), block_count.stride(1),
         kp.stride(0), kp.stride(1), kp.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        scale * LOG2E,
+        scale * LOG2E, *g_args,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
-        COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
+        COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, **(gated if num_splits == 1 else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, hq)](
             o_part, lse_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
+            out.stride(0), out.stride(1), *g_args,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, **gated,
             num_warps=4 if d >= 128 else 1, **pdl_launch_kwargs(out.device),
         )
     return out

@@ -175,6 +175,13 @@ class TorchBackend:
                     entry = keys[j * stride: j * stride + kernel].float().mean(0).to(pool.dtype)
                     pool[layer, pages[j // per_page], j % per_page] = entry
 
+    def sparse_attention_gated(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
+                               cfg: ModelConfig, gate):
+        """sparse_attention times the output gate: sigmoid_mul(o as [N, Hq*d], gate [N, Hq*d]), the
+        sparse mixer's output (a backend may apply the gate in the attention's last kernel)."""
+        o = self.sparse_attention(q, kv, comp, layer, batch, cfg)
+        return self.sigmoid_mul(o.reshape(q.shape[0], -1), gate)
+
     def sparse_attention(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
                          cfg: ModelConfig):
         """Per sequence: dense causal attention while its total length < dense_len, else InfLLM-v2

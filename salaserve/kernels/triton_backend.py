@@ -44,6 +44,10 @@ SILU_EPILOGUE = os.environ.get("SALASERVE_SILU_EPILOGUE", "1") == "1"
 # reads it as bf16 x, instead of the silu_mul kernel writing down's x rounded to int16: the w4a16
 # step at 4K, batch 1, 2.41 -> 2.35 ms (BENCHMARKS runs 130-131). SALASERVE_W4_SILU_OUT=0: the kernel.
 W4_SILU_OUT = os.environ.get("SALASERVE_W4_SILU_OUT", "1") == "1"
+# Decode steps apply the sparse layers' output gate (sigmoid_mul) in the attention's last kernel
+# (attention.paged_decode_attention(gate=)) instead of a sigmoid_mul kernel after it: 8 kernels fewer
+# per step. SALASERVE_GATED_DECODE=1 turns it on (interpreter-tested; GPU test and measurement pending).
+GATED_DECODE = os.environ.get("SALASERVE_GATED_DECODE", "0") == "1"
 
 
 def _has_verify(batch) -> bool:
@@ -383,6 +387,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         # graph batches: a fixed grid (the kernel loops over however many entries were born)
         attn.update_compressed(kv, comp, layer, batch, max_new_entries=1 if batch.decode_mode else None)
 
+    def sparse_attention_gated(self, q, kv, comp, layer, batch, cfg, gate):
+        """Decode steps (GATED_DECODE): the gate in the decode attention's last kernel; else TorchBackend's
+        (the attention, then the sigmoid_mul kernel)."""
+        if (GATED_DECODE and batch.is_decode and not _has_verify(batch) and q.is_cuda and gate.dtype == q.dtype
+                and gate.stride(-1) == 1):
+            return self._decode_attention(q, kv, comp, layer, batch, cfg, gate=gate).reshape(q.shape[0], -1)
+        return TorchBackend.sparse_attention_gated(self, q, kv, comp, layer, batch, cfg, gate)
+
     def sparse_attention(self, q, kv, comp, layer, batch, cfg):
         if _has_verify(batch):
             return self._verify_attention(q, kv, comp, layer, batch, cfg)
@@ -412,14 +424,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
         return sparse_ops.sparse_attention(q, kv, comp, layer, batch, cfg)
 
-    def _decode_attention(self, q, kv, comp, layer, batch, cfg):
+    def _decode_attention(self, q, kv, comp, layer, batch, cfg, gate=None):
         """One token per sequence over a page list: all pages for dense sequences, the InfLLM-v2
-        selection for sparse ones. Graph-safe."""
+        selection for sparse ones. Graph-safe. gate: the output gate, applied in the last kernel."""
         sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
         return self._query_attention(q, kv, comp, layer, batch.page_table, batch.seq_lens, sparse, batch.derived,
-                                     "dense_table", cfg)
+                                     "dense_table", cfg, gate)
 
-    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg):
+    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg, gate=None):
         """Each row of q is a decode query: the last token of a sequence of length lens[row] with
         page_table[row]. `sparse` says whether any row is at or past dense_len (then the InfLLM-v2
         selection runs, which lists every block for the rows below it)."""
@@ -434,7 +446,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             table, count = derived[table_key]
         # the split count depends only on static sizes, so eager and graph runs use the same kernels
         splits = attn.choose_num_splits(q.shape[0], hkv, self.max_decode_blocks(cfg))
-        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits)
+        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits, gate=gate)
 
     def _verify_attention(self, q, kv, comp, layer, batch, cfg):
         """Verify and plain-decode tokens as decode queries of their own (length position + 1);

@@ -109,9 +109,8 @@ class SalaModel:
         v = v.reshape(n, cfg.num_key_value_heads, d)
         ops.store_kv(caches.kv, idx, k, v, batch)
         ops.update_compressed(caches.kv, caches.compressed, idx, batch)
-        o = ops.sparse_attention(q.reshape(n, cfg.num_attention_heads, d), caches.kv, caches.compressed,
-                                 idx, batch, cfg)
-        return ops.sigmoid_mul(o.reshape(n, cfg.q_size), gate)
+        return ops.sparse_attention_gated(q.reshape(n, cfg.num_attention_heads, d), caches.kv, caches.compressed,
+                                          idx, batch, cfg, gate)
 
     def _lightning_mixer(self, idx, layer, qkvz, batch, caches):
         """qkvz: the layer's fused q/k/v/z projection -> the gated, normed GLA output (the o_proj
