@@ -402,6 +402,62 @@ def test_profile_step_graph_mode_needs_captured_graphs(tmp_path):
         main(["--model", str(model), "--batch", "1", "--context", "100,150", "--graph"])
 
 
+def test_profile_step_ab_parses_switches_and_refuses_bad_ones(tmp_path):
+    """--ab module:ATTR=v1,v2: values take the attribute's type (bools from 0/1); a malformed spec, an
+    unknown module or attribute, a value of the wrong type, one value, or --ab without --graph give
+    a CLI message."""
+    from salaserve.bench.profile_step import main, parse_ab
+    from salaserve.kernels import triton_backend
+
+    module, attr, values = parse_ab("salaserve.kernels.triton_backend:GATED_DECODE=0,1")
+    assert module is triton_backend and attr == "GATED_DECODE" and values == [False, True]
+    assert parse_ab("salaserve.kernels.quant_gemm._common:SPLIT_K_CTAS_PER_SM=4, 8")[2] == [4, 8]
+    for bad, msg in (("GATED_DECODE=0,1", "module:ATTR"), ("no.such.module:X=0,1", "cannot import"),
+                     ("salaserve.kernels.triton_backend:NOPE=0,1", "no attribute"),
+                     ("salaserve.kernels.triton_backend:GATED_DECODE=0,2", "not 0/1"),
+                     ("salaserve.kernels.quant_gemm._common:SPLIT_K_CTAS_PER_SM=4,x", "is int"),
+                     ("salaserve.kernels.triton_backend:GATED_DECODE=1", "two distinct values"),
+                     ("salaserve.kernels.triton_backend:GATED_DECODE=1,true", "two distinct values")):
+        with pytest.raises(ValueError, match=msg):
+            parse_ab(bad)
+    with pytest.raises(SystemExit):
+        main(["--ab", "salaserve.kernels.triton_backend:GATED_DECODE=0,1"])  # no --graph
+
+
+def test_profile_step_ab_times_each_value_with_its_own_graphs(monkeypatch):
+    """ab_graph_replays captures one set of graphs per value (the switch set while capturing), then times
+    the variants in interleaved rounds, each replayed with its own graphs and its switch value; the
+    switch is restored afterwards and the runner keeps the first value's graphs."""
+    import types
+
+    from salaserve.bench import profile_step as ps
+
+    module = types.SimpleNamespace(SWITCH=False)
+    calls = []
+
+    class Runner:
+        graphs = None
+
+        def _capture_graphs(self):
+            self.graphs = ("graphs captured with", module.SWITCH)
+
+        def build_batch(self, work):
+            return "batch"
+
+    def timer(runner, batch):
+        assert runner.graphs == ("graphs captured with", module.SWITCH) and batch == "batch"
+        calls.append(module.SWITCH)
+        return (2.0 if module.SWITCH else 3.0) + len(calls) / 1000, True
+
+    monkeypatch.setattr(ps, "fake_decoding_requests", lambda runner, b, ctx: [])
+    monkeypatch.setattr(ps, "release", lambda runner, reqs: None)
+    runner = Runner()
+    times = ps.ab_graph_replays(runner, 1, 4096, module, "SWITCH", [False, True], rounds=3, timer=timer)
+    assert calls == [False, True] * 3
+    assert times == {False: [3.001, 3.003, 3.005], True: [2.002, 2.004, 2.006]}
+    assert module.SWITCH is False and runner.graphs == ("graphs captured with", False)
+
+
 def test_micro_engine_decode_timing_returns_every_resource(tiny_model_dir):
     """micro's engine-loop timing (fake prefilled requests driven by Engine.step, overlap on and
     off) runs on the CPU too and gives back every page, slot and compressed entry."""

@@ -5,6 +5,7 @@
                                            [--quantization {fp8,w4a16} [--quantize-lm-head]]
                                            [--json OUT.json]
     python -m salaserve.bench.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
+    python -m salaserve.bench.profile_step --graph --ab MODULE:ATTR=V1,V2 [--rounds 5] [...]
 
 Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
 default one step runs eagerly under torch.profiler: the kernels are the ones the CUDA graph
@@ -14,7 +15,9 @@ read back: its span, the time no kernel runs (gaps), the largest gaps with their
 the kernels by total time. Prints the kernels by total device time, with call counts, and the
 total. With --prefill N it profiles one whole N-token prompt instead, chunked as the engine
 chunks it (the micro-benchmark's prefill): kernels by total time over all chunks. Without a GPU it
-profiles the CPU ops instead (for tests of the tool).
+profiles the CPU ops instead (for tests of the tool). With --ab it compares a module switch's values
+instead, in one process: graphs captured per value, replays timed in interleaved rounds (machine
+starts differ by ~0.05 ms per step, more than most changes: BENCHMARKS run 132).
 """
 
 from __future__ import annotations
@@ -149,6 +152,80 @@ def profile_graph_replay(runner: ModelRunner, batch: int, context: int) -> dict:
     return {**tl, "device_ms_events": device_ms, "rows": rows}
 
 
+def parse_ab(spec: str) -> tuple[object, str, list]:
+    """--ab "module:ATTR=v1,v2[,...]" -> (the imported module, ATTR, the values converted to the type of
+    the attribute's current value: bools from 0/1/true/false, ints, floats, else strings). Raises
+    ValueError (a CLI message) on a malformed spec, a missing module or attribute, or a bad value."""
+    import importlib
+
+    try:
+        target, values = spec.split("=", 1)
+        module_name, attr = target.split(":", 1)
+    except ValueError:
+        raise ValueError(f"--ab wants module:ATTR=v1,v2, got {spec!r}") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--ab: cannot import {module_name!r}: {e}") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"--ab: {module_name} has no attribute {attr!r}")
+    current = getattr(module, attr)
+    out = []
+    for v in values.split(","):
+        v = v.strip()
+        if isinstance(current, bool):
+            if v.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"--ab: {attr} is a bool; {v!r} is not 0/1/true/false")
+            out.append(v.lower() in ("1", "true"))
+        elif isinstance(current, (int, float)):
+            try:
+                out.append(type(current)(v))
+            except ValueError:
+                raise ValueError(f"--ab: {attr} is {type(current).__name__}; {v!r} is not") from None
+        else:
+            out.append(v)
+    if len(set(out)) < len(out) or len(out) < 2:
+        raise ValueError("--ab needs at least two distinct values to compare")
+    return module, attr, out
+
+
+def ab_graph_replays(runner: ModelRunner, batch: int, context: int, module, attr: str, values: list,
+                     rounds: int = 5, timer=None) -> dict:
+    """The decode step's graph replay with a module attribute (a switch read when the forward runs)
+    set to each of `values`, in one process: one set of graphs captured per value, then `rounds`
+    rounds timing each variant in turn (interleaved, the same calibration and machine for all).
+    Returns {value: [device ms per round]}. timer(runner, batch) -> (ms, graph ran): micro's
+    step_device_ms by default. The attribute is restored, and the runner keeps the first value's
+    graphs. Switches consumed at start-up (calibration tables, weight preparation) need fresh starts."""
+    from salaserve.bench.micro import step_device_ms
+
+    timer = timer or step_device_ms
+    original = getattr(module, attr)
+    graphs = {}
+    try:
+        for v in values:
+            setattr(module, attr, v)
+            runner._capture_graphs()
+            graphs[v] = runner.graphs
+        reqs = fake_decoding_requests(runner, batch, context)
+        b = runner.build_batch([ScheduledWork(r, 1) for r in reqs])
+        times = {v: [] for v in values}
+        for _ in range(rounds):
+            for v in values:
+                setattr(module, attr, v)
+                runner.graphs = graphs[v]
+                ms, ran = timer(runner, b)
+                if not ran:
+                    raise SystemExit("--ab: no captured decode graph fits this batch")
+                times[v].append(ms)
+        release(runner, reqs)
+    finally:
+        setattr(module, attr, original)
+        if graphs:
+            runner.graphs = graphs[values[0]]
+    return times
+
+
 # kernels that are a linear layer's GEMV (the Triton GEMVs, int4 and fp8 ones included) or its cuBLAS GEMM
 _LINEAR_KERNELS = ("gemv", "nvjet", "gemm", "w8a16", "w8a8")
 _LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")
@@ -197,6 +274,11 @@ def main(argv=None) -> int:
                          "SALASERVE_PDL=0 it keeps the plan cache's fingerprint, so the PDL run's picks are reused")
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
+    ap.add_argument("--ab", default=None, metavar="MODULE:ATTR=V1,V2",
+                    help="with --graph: time the replay with a module switch at each value, interleaved in this "
+                         "process (e.g. salaserve.kernels.triton_backend:GATED_DECODE=0,1); switches read when the "
+                         "forward runs, not at start-up")
+    ap.add_argument("--rounds", type=int, default=5, help="--ab: rounds of the interleaved timing")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -207,6 +289,14 @@ def main(argv=None) -> int:
         ap.error("--prefill profiles a prompt; drop --graph / --verify-k")
     if a.quantize_lm_head and not a.quantization:
         ap.error("--quantize-lm-head needs --quantization")
+    ab = None
+    if a.ab:
+        if not a.graph:
+            ap.error("--ab compares graph replays; add --graph")
+        try:
+            ab = parse_ab(a.ab)
+        except ValueError as e:
+            ap.error(str(e))
     if a.no_pdl:
         from salaserve.kernels._triton_utils import set_pdl
 
@@ -241,6 +331,21 @@ def main(argv=None) -> int:
                                     kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization,
                                     quantize_lm_head=a.quantize_lm_head), model_dir)
     print(f"start-up phases: {runner.describe_startup()}")
+    if ab is not None:
+        module, attr, values = ab
+        out = {}
+        for context in contexts:
+            times = ab_graph_replays(runner, a.batch, context, module, attr, values, a.rounds)
+            for v, ms in times.items():
+                med = sorted(ms)[len(ms) // 2]
+                print(f"batch {a.batch}, context {context}, {attr}={v}: median {med:.3f} ms over {len(ms)} rounds "
+                      f"({', '.join(f'{t:.3f}' for t in ms)})")
+            out[str(context)] = {str(v): ms for v, ms in times.items()}
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"batch": a.batch, "ab": a.ab, "rounds": a.rounds, "device_ms": out,
+                           "startup_phases": runner.startup_phases}, f, indent=2)
+        return 0
     results = []
     for context in contexts:
         if a.graph:
