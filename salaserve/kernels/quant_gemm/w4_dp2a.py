@@ -198,8 +198,8 @@ def _w4_dp2a_tile(w_ptr, r0, r_end, N, rr, cols, RS: tl.constexpr, SLABS: tl.con
 @triton.jit
 def _w4_group_sz(s_cols, z_cols, z_shift, r0, r_end, cols, N, stride_zg, GROUP_SIZE: tl.constexpr,
                  EVEN: tl.constexpr):
-    """The scales (fp32) and zero points of the group of packed row r0, for SZ_AHEAD; r0 past the
-    split's end (a prefetch never consumed) reads its last row's group, which exists."""
+    """The scales (fp32) and zero points of the group of packed row r0; r0 past the split's end (an
+    SZ_AHEAD prefetch never consumed) reads its last row's group, which exists."""
     g = (tl.minimum(r0, r_end - 1) * 8) // GROUP_SIZE
     if EVEN:
         s = tl.load(s_cols + g * N).to(tl.float32)
@@ -401,14 +401,8 @@ def _w4_gemv_dp2a_kernel(
                                   GROUP_SIZE, EVEN)
             s = ws
             zq = wz
-        else:
-            g = (r0 * 8) // GROUP_SIZE
-            if EVEN:
-                s = tl.load(s_cols + g * N).to(tl.float32)
-                zq = (tl.load(z_cols + g * stride_zg) >> z_shift) & 0xF
-            else:
-                s = tl.load(s_cols + g * N, mask=cols < N, other=0.0).to(tl.float32)
-                zq = (tl.load(z_cols + g * stride_zg, mask=cols < N, other=0) >> z_shift) & 0xF
+        else:  # loaded at the step that uses them
+            s, zq = _w4_group_sz(s_cols, z_cols, z_shift, r0, r_end, cols, N, stride_zg, GROUP_SIZE, EVEN)
         if X_PREP or X_GIVEN:
             acc0 += _w4_dp2a_row_prepped(xq0_pairs, xs_ptr, r0, rr, r_end, w0, w1, w2, w3, zq, s, RS, SLABS, EVEN, ASM)
             if BLOCK_M >= 2:
