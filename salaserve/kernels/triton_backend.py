@@ -350,7 +350,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         in bf16 or, where w_in's calibration picked rounded x, as that; None where it does not apply
         (the caller's route then)."""
         if not (W4_NORM_EPILOGUE and not silu and norm_w is not None and isinstance(w_out, QuantizedLinearWeights)
-                and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.dtype == torch.bfloat16
+                and w_out.format == "w4a16" and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.dtype == torch.bfloat16
                 and h.dtype == torch.bfloat16 and h.is_contiguous() and norm_w.dtype == torch.bfloat16
                 and norm_w.is_contiguous()):
             return None
