@@ -681,6 +681,24 @@ def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row(monkeypatch)
     assert tb.TritonBackend._w4_silu_choice(torch.randn(1, 512).to(torch.bfloat16), int4[0]["gate_up"]) is None
 
 
+def test_int4_norm_junction_applies_only_where_it_can(monkeypatch):
+    """The one-row int4 norm junction (SALASERVE_W4_NORM_EPILOGUE) is off by default and, on, declines
+    (None: the caller's route) off the GPU. (Its GPU route: the engine test in
+    scripts/device_runs/gpu_session24_f.sh.)"""
+    from salaserve.kernels import triton_backend as tb
+    from salaserve.quant import rtn
+
+    assert not tb.W4_NORM_EPILOGUE
+    monkeypatch.setattr(tb, "W4_NORM_EPILOGUE", True)
+    w_out = rtn.quantize_w4a16_rtn(torch.randn(512, 256), 128)
+    w_in = rtn.quantize_w4a16_rtn(torch.randn(1024, 512), 128)
+    h = torch.randn(1, 512).to(torch.bfloat16)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    nw = torch.ones(512, dtype=torch.bfloat16)
+    junction = tb.TritonBackend()._w4_norm_junction
+    assert junction(h, x, w_out, 0.5, nw, 1e-6, w_in, False, False) is None  # CPU tensors
+
+
 def test_w4_mma_candidates_follow_the_switch(monkeypatch):
     """The w4 calibration times the mma configs only with SALASERVE_W4_MMA=1 (off by default: slower
     at every shape, runs 86-88), only up to 8 rows and only where the weights carry its copy."""
