@@ -60,30 +60,40 @@ def test_w4a16_dp2a_every_config(name, M):
                 assert _rel(Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split), ref) < TOL, (cfg, split)
 
 
+def _dp2a_calls(x, w):
+    """((rounded, config, split), call) for every dp2a config at x's row count, on bf16 x and on x rounded
+    beforehand (round_x_int16, as x's producers write it), at the heuristic split, none and the
+    calibration's largest; call(**options) runs that GEMV with extra options (sz_ahead, silu_out, norm)."""
+    import functools
+
+    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
+
+    M, K = x.shape
+    N = w.out_features
+    xq, xs = Q.round_x_int16(x)
+    for rounded, configs in ((False, Q.W4_DP2A_CONFIGS[M]), (True, Q.W4_DP2A_ROUNDED_CONFIGS[M])):
+        for cfg in configs:
+            for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
+                gemv = (functools.partial(Q.w4a16_gemv_dp2a_rounded, xq, xs) if rounded
+                        else functools.partial(Q.w4a16_gemv_dp2a, x))
+                yield (rounded, cfg, split), functools.partial(gemv, w, config=cfg, split_k=split)
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_w4a16_dp2a_sz_ahead_changes_no_bit(name):
     """SZ_AHEAD (the group scales and zero points loaded with their weight tile, the first before the
     PDL wait) at one row: every config on bf16 x and on rounded x, at the heuristic split, none and
     the calibration's largest, equals the default loop bit for bit (and so dequantize-then-matmul
     within TOL), on two calls in turn."""
-    from salaserve.kernels import quant_gemm as Q
-    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
-
     N, K = SHAPES[name]
     w = _weights("w4a16", N, K, 7)
     for x in (torch.randn(1, K, device="cuda").to(torch.bfloat16) for _ in range(2)):
         ref = linear_ref(x, w)
-        xq, xs = Q.round_x_int16(x)
-        for rounded, configs in ((False, Q.W4_DP2A_CONFIGS[1]), (True, Q.W4_DP2A_ROUNDED_CONFIGS[1])):
-            for cfg in configs:
-                for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
-                    if rounded:
-                        y0, y1 = (Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, sz_ahead=a)
-                                  for a in (False, True))
-                    else:
-                        y0, y1 = (Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, sz_ahead=a) for a in (False, True))
-                    assert torch.equal(y0, y1), (rounded, cfg, split)
-                    assert _rel(y1, ref) < TOL, (rounded, cfg, split)
+        for case, gemv in _dp2a_calls(x, w):
+            y0, y1 = gemv(sz_ahead=False), gemv(sz_ahead=True)
+            assert torch.equal(y0, y1), case
+            assert _rel(y1, ref) < TOL, case
 
 
 @pytest.mark.parametrize("M", [1, 2])
@@ -92,27 +102,18 @@ def test_w4a16_dp2a_silu_out_equals_the_gemv_then_silu_mul(M):
     dp2a config, on bf16 x and on rounded x, at the heuristic split, none and the calibration's largest,
     equals the GEMV followed by the silu_mul kernel bit for bit (the same bf16 output rounded the same
     way, fused.silu_mul's roundings), and silu_mul of dequantize-then-matmul within TOL."""
-    from salaserve.kernels import quant_gemm as Q
     from salaserve.kernels.fused import silu_mul
-    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
 
     N, K = SHAPES["gate_up"]
     w = _weights("w4a16", N, K, 11 + M)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     g, u = linear_ref(x, w).chunk(2, dim=-1)
     ref = torch.nn.functional.silu(g) * u
-    xq, xs = Q.round_x_int16(x)
-    for rounded, configs in ((False, Q.W4_DP2A_CONFIGS[M]), (True, Q.W4_DP2A_ROUNDED_CONFIGS[M])):
-        for cfg in configs:
-            for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
-                if rounded:
-                    fused, plain = (Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, silu_out=s)
-                                    for s in (True, False))
-                else:
-                    fused, plain = (Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=s) for s in (True, False))
-                assert fused.shape == (M, N // 2)
-                assert torch.equal(fused, silu_mul(plain)), (rounded, cfg, split)
-                assert _rel(fused, ref) < TOL, (rounded, cfg, split)
+    for case, gemv in _dp2a_calls(x, w):
+        fused = gemv(silu_out=True)
+        assert fused.shape == (M, N // 2)
+        assert torch.equal(fused, silu_mul(gemv())), case
+        assert _rel(fused, ref) < TOL, case
 
 
 @pytest.mark.parametrize("name", ["o_proj", "down"])
@@ -128,37 +129,27 @@ def test_w4a16_dp2a_norm_epilogue_equals_the_gemv_then_add_rms_norm(name):
 
     sys.path.insert(0, str(Path(__file__).parent))
     from kernel_checks import assert_within_ulps, int16_values
-    from salaserve.kernels import quant_gemm as Q
     from salaserve.kernels.fused import add_rms_norm, rms_norm
     from salaserve.kernels.quant_gemm.w4_dp2a import NormEpilogue
-    from salaserve.kernels.quant_gemm.w4_decode import _w4_splits
 
     N, K = SHAPES[name]
     w = _weights("w4a16", N, K, 21)
     x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
     res = torch.randn(1, N, device="cuda").to(torch.bfloat16)
     nw = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
-    xq, xs = Q.round_x_int16(x)
-    for rounded, configs in ((False, Q.W4_DP2A_CONFIGS[1]), (True, Q.W4_DP2A_ROUNDED_CONFIGS[1])):
-        for cfg in configs:
-            for split in (None, 1, max(_w4_splits(N, K, cfg[0], cfg[1], x.device))):
-                for int16 in (False, True):
-                    norm = NormEpilogue(res, 0.5, nw, 1e-6, int16)
-                    for _ in range(3):
-                        if rounded:
-                            y = Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split)
-                            h, normed = Q.w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, norm=norm)
-                        else:
-                            y = Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
-                            h, normed = Q.w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, norm=norm)
-                        h_ref, _ = add_rms_norm(res, y, 0.5, nw, 1e-6)
-                        assert torch.equal(h, h_ref), (rounded, cfg, split)
-                        n_ref = rms_norm(h, nw, 1e-6)
-                        if int16:
-                            err = (int16_values(*normed) - n_ref.float()).abs().max().item()
-                            assert err <= 2 ** -8 * n_ref.float().abs().max().item(), (rounded, cfg, split, err)
-                        else:
-                            assert_within_ulps(normed, n_ref, max_ulps=1, max_frac=1e-2)
+    for case, gemv in _dp2a_calls(x, w):
+        for int16 in (False, True):
+            for _ in range(3):
+                y = gemv()
+                h, normed = gemv(norm=NormEpilogue(res, 0.5, nw, 1e-6, int16))
+                h_ref, _ = add_rms_norm(res, y, 0.5, nw, 1e-6)
+                assert torch.equal(h, h_ref), case
+                n_ref = rms_norm(h, nw, 1e-6)
+                if int16:
+                    err = (int16_values(*normed) - n_ref.float()).abs().max().item()
+                    assert err <= 2 ** -8 * n_ref.float().abs().max().item(), (case, err)
+                else:
+                    assert_within_ulps(normed, n_ref, max_ulps=1, max_frac=1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
