@@ -103,7 +103,8 @@ def test_triton_kernels_on_fp8_pages_under_interpreter():
 
 
 def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
-    """The block-sparse prefill kernel with fp8 pages compiles for the H200 without spills."""
+    """The block-sparse prefill kernel (bf16 and fp8 pages) compiles for the H200 without spills, as it
+    is launched: the pool dtype's warps (_PER_TOKEN_WARPS), after the window kernel or on its own."""
     import sys
     from pathlib import Path
 
@@ -115,10 +116,14 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
 
     for pool, fp8 in (("*bf16", False), ("*fp8e4nv", True)):
         ptrs = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32",
-                    page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32", page_idx_ptr="*i32")
-        compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
-                                    dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
-                                         COMPUTE_DT=tl.bfloat16, HKV=2, PAGE_LIST=S.SPARSE_ATTN_PAGE_LIST), 4)
+                    page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32", page_idx_ptr="*i32",
+                    m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32")
+        for after_window in (False, True):
+            compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
+                                        dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
+                                             COMPUTE_DT=tl.bfloat16, HKV=2, PAGE_LIST=S.SPARSE_ATTN_PAGE_LIST,
+                                             AFTER_WINDOW=after_window, INIT=1, LOCAL=32),
+                                        S._PER_TOKEN_WARPS[fp8])
 
 
 @pytest.mark.gpu
