@@ -24,27 +24,12 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_launch_next,
                                              pdl_wait, pdl_wait_first, promote, round_to, rsqrt_rn, silu_mul_rounded,
                                              tl_dtype)
-from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, x_int16_tiles
+from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, store_x_int16
 from salaserve.quant.formats import FP8_MAX
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _FP8_MAX = tl.constexpr(FP8_MAX)  # a global the kernels may read
 _X_TILE = tl.constexpr(X_TILE)
-
-
-@triton.jit
-def _store_int16_x(y, col0, n_cols, xq_row, xs_row, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """A row's fp32 values y of channels [col0, col0 + BLOCK) (col0 and BLOCK multiples of X_TILE,
-    zeros past n_cols) as the dp2a GEMV's rounded x: X_TILE channels per scale (xs_row, one fp32
-    each), int16 pairs (xq_row, int32 words); quant_gemm.round_x_int16's layout and values."""
-    if INTERPRET:  # plain Triton for the interpreter, inline PTX on the GPU
-        words, scales = x_int16_tiles(tl.reshape(y, (BLOCK // _X_TILE, _X_TILE)), BLOCK // _X_TILE, _X_TILE, False)
-    else:
-        words, scales = x_int16_tiles(tl.reshape(y, (BLOCK // _X_TILE, _X_TILE)), BLOCK // _X_TILE, _X_TILE, True)
-    w = col0 // 2 + tl.arange(0, BLOCK // 2)
-    tl.store(xq_row + w, words, mask=w < n_cols // 2)
-    t = col0 // _X_TILE + tl.arange(0, BLOCK // _X_TILE)
-    tl.store(xs_row + t, scales, mask=t < n_cols // _X_TILE)
 
 
 def _int16_x_buffers(n_rows: int, n_cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +124,8 @@ def _add_rms_norm_kernel(r_ptr, u_ptr, w_ptr, h_ptr, out_ptr, s_ptr, stride_r, s
         tl.store(out_ptr + row * stride_out + cols, fp8_codes(y, inv, out_ptr, _FP8_MAX, INTERPRET), mask=mask)
         tl.store(s_ptr + row, sx)
     elif INT16_OUT:
-        _store_int16_x(y, 0, n_cols, out_ptr + row * stride_out, s_ptr + row * (n_cols // _X_TILE), BLOCK, INTERPRET)
+        store_x_int16(y, 0, n_cols, out_ptr + row * stride_out, s_ptr + row * (n_cols // _X_TILE), BLOCK,
+                      not INTERPRET)
     else:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -200,8 +186,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, s_ptr, stride_x, stride_out, n_cols,
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     out = silu_mul_rounded(gate, up, DT, DT)
     if INT16_OUT:
-        _store_int16_x(out, tl.program_id(1) * BLOCK, n_cols, out_ptr + row * stride_out,
-                       s_ptr + row * (n_cols // _X_TILE), BLOCK, INTERPRET)
+        store_x_int16(out, tl.program_id(1) * BLOCK, n_cols, out_ptr + row * stride_out,
+                       s_ptr + row * (n_cols // _X_TILE), BLOCK, not INTERPRET)
     else:
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -66,6 +66,25 @@ def _store_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr
 
 
 @triton.jit
+def _split_k_total(acc, part, part_stride, mask, cnt_ptr, tile, SPLIT_K: tl.constexpr):
+    """_store_output's split-K reduction for an epilogue that does more than store: every split writes
+    acc to part + its index * part_stride and bumps the tile's counter; returns (last, total): last is
+    true in the split that arrived last, whose total is all splits' partials added in split order (the
+    counter re-armed for the next launch); elsewhere total is the split's own acc, not to be used."""
+    tl.store(part + tl.program_id(1) * part_stride, acc, mask=mask)
+    tl.debug_barrier()  # all threads' partials are written before the release below
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.zeros_like(acc)
+        for s in range(SPLIT_K):
+            total += tl.load(part + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch
+    return last, total
+
+
+@triton.jit
 def _store_silu_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, tile, SPLIT_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr):
     """_store_output for a [gate | up] weight whose tile `tile` holds BLOCK_N/2 gate columns, then the
@@ -73,23 +92,16 @@ def _store_silu_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cn
     Y_DT first, as the linear would store them) goes to out [M, N/2] (write_silu_tile); with split-K
     the partials go to the workspace under the tile's own positions offs_n (pid_n * BLOCK_N + j, whole
     tiles: [SPLIT_K, M, tiles * BLOCK_N], as a ragged last tile's up half lies past N) and the last
-    split reduces in split order, as _store_output."""
+    split reduces (_split_k_total)."""
     m_mask = offs_m < M
     if SPLIT_K == 1:
         write_silu_tile(acc, offs_m, m_mask, tile, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT, Y_DT)
     else:
         NP = tl.cdiv(N, BLOCK_N) * BLOCK_N
-        mask = m_mask[:, None] & (offs_n[None, :] < NP)
-        part = ws_ptr + offs_m[:, None] * NP + offs_n[None, :]
-        tl.store(part + tl.program_id(1) * M * NP, acc, mask=mask)
-        tl.debug_barrier()  # all threads' partials are written before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in range(SPLIT_K):
-                total += tl.load(part + s * M * NP, mask=mask, other=0.0, cache_modifier=".cg")
+        last, total = _split_k_total(acc, ws_ptr + offs_m[:, None] * NP + offs_n[None, :], M * NP,
+                                     m_mask[:, None] & (offs_n[None, :] < NP), cnt_ptr, tile, SPLIT_K)
+        if last:
             write_silu_tile(total, offs_m, m_mask, tile, N // 2, out_ptr, stride_om, BLOCK_M, BLOCK_N, Y_DT, Y_DT)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch
 
 
 @triton.jit

@@ -246,13 +246,11 @@ def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearW
     of rounded_choices: the rounded dp2a kernel's, or the TMA kernel's (w4_tma.py, one row). silu_out as
     w4a16_decode's (the dp2a kernel only)."""
     kernel, cfg, split = choice
-    if silu_out:
-        if kernel == "tma":
-            raise ValueError("silu_out needs the dp2a kernel, not tma")
-        return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype, silu_out=True)
     if kernel == "tma":
+        if silu_out:
+            raise ValueError("silu_out needs the dp2a kernel, not tma")
         return w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)
-    return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)
+    return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype, silu_out=silu_out)
 
 
 def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch.Tensor, best_us: float, device,

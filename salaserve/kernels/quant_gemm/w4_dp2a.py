@@ -43,8 +43,8 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs, promote, round_to, rsqrt_rn, tl_dtype
 from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.device_buffers import Want, persistent_buffers
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _store_output,
-                                                  _store_silu_output, _workspace)
+from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _split_k_total,
+                                                  _store_output, _store_silu_output, _workspace)
 from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
@@ -57,6 +57,7 @@ W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators
 W4_SZ_AHEAD = os.environ.get("SALASERVE_W4_SZ_AHEAD", "1") == "1"
 X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
 X_TILE = 128  # channels per x scale of w4a16_gemv_dp2a_rounded's input (BLOCK_R * 8 of its configs)
+_X_TILE = tl.constexpr(X_TILE)  # the same, for the kernels
 
 
 @triton.jit
@@ -297,6 +298,19 @@ def x_int16_tiles(x, TILES: tl.constexpr, TILE: tl.constexpr, ASM: tl.constexpr)
 
 
 @triton.jit
+def store_x_int16(y, col0, n_cols, xq_row, xs_row, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    """A row's fp32 values y of channels [col0, col0 + BLOCK) (col0 and BLOCK multiples of X_TILE,
+    zeros past n_cols) as the dp2a GEMV's rounded x: X_TILE channels per scale (xs_row, one fp32
+    each), int16 pairs (xq_row, int32 words); round_x_int16's layout and values. x's producers (the add
+    + RMSNorm and silu_mul kernels, the norm epilogue) write it through this."""
+    words, scales = x_int16_tiles(tl.reshape(y, (BLOCK // _X_TILE, _X_TILE)), BLOCK // _X_TILE, _X_TILE, ASM)
+    w = col0 // 2 + tl.arange(0, BLOCK // 2)
+    tl.store(xq_row + w, words, mask=w < n_cols // 2)
+    t = col0 // _X_TILE + tl.arange(0, BLOCK // _X_TILE)
+    tl.store(xs_row + t, scales, mask=t < n_cols // _X_TILE)
+
+
+@triton.jit
 def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_TILES: tl.constexpr,
             ASM: tl.constexpr):
     """x's channels of packed rows [r_begin, r_end) as int16 pairs in _word_dot's order (4 int32 per
@@ -340,11 +354,7 @@ def _norm_tile(y, offs_n, N, tile, tiles, ss_ptr, row_cnt, res_ptr, h_ptr, nw_pt
             w = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
             x = round_to(round_to(hc * rstd, H_DT) * w, OUT_DT)
             if INT16_OUT:
-                words, scales = x_int16_tiles(tl.reshape(x, (NORM_CHUNK // 128, 128)), NORM_CHUNK // 128, 128, ASM)
-                wi = c // 2 + tl.arange(0, NORM_CHUNK // 2)
-                tl.store(xo_ptr + wi, words, mask=wi < N // 2)
-                ti = c // 128 + tl.arange(0, NORM_CHUNK // 128)
-                tl.store(xso_ptr + ti, scales, mask=ti < N // 128)
+                store_x_int16(x, c, N, xo_ptr, xso_ptr, NORM_CHUNK, ASM)
             else:
                 tl.store(xo_ptr + cols, x.to(xo_ptr.dtype.element_ty), mask=ok)
         tl.atomic_xchg(row_cnt, 0)  # re-armed for the next launch
@@ -355,8 +365,8 @@ def _store_norm_output(acc, offs_n, N, tile, ws_ptr, cnt_ptr, res_ptr, h_ptr, nw
                        SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, H_DT: tl.constexpr,
                        OUT_DT: tl.constexpr, INT16_OUT: tl.constexpr, TILES_P2: tl.constexpr,
                        NORM_COLS: tl.constexpr, NORM_CHUNK: tl.constexpr, ASM: tl.constexpr):
-    """_store_output for NORM_OUT (one row): the split-K reduction as there (partials [SPLIT_K, tiles *
-    BLOCK_N], the last split sums them in split order), then _norm_tile on the tile's outputs. The
+    """_store_output for NORM_OUT (one row): the split-K reduction (_split_k_total, partials [SPLIT_K,
+    tiles * BLOCK_N]), then _norm_tile on the tile's outputs. The
     tiles' sums of squares follow the partials in the workspace; the row's counter follows the tiles'."""
     tiles = tl.num_programs(0)
     NP = tiles * BLOCK_N
@@ -364,17 +374,10 @@ def _store_norm_output(acc, offs_n, N, tile, ws_ptr, cnt_ptr, res_ptr, h_ptr, nw
         _norm_tile(acc, offs_n, N, tile, tiles, ws_ptr, cnt_ptr + tiles, res_ptr, h_ptr, nw_ptr, xo_ptr, xso_ptr,
                    scale, eps, Y_DT, H_DT, OUT_DT, INT16_OUT, TILES_P2, NORM_COLS, NORM_CHUNK, ASM)
     else:
-        part = ws_ptr + offs_n
-        tl.store(part + tl.program_id(1) * NP, acc)
-        tl.debug_barrier()  # all threads' partials are written before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in range(SPLIT_K):
-                total += tl.load(part + s * NP, cache_modifier=".cg")
-            _norm_tile(total, offs_n, N, tile, tiles, ws_ptr + SPLIT_K * NP, cnt_ptr + tiles, res_ptr, h_ptr, nw_ptr, xo_ptr,
-                       xso_ptr, scale, eps, Y_DT, H_DT, OUT_DT, INT16_OUT, TILES_P2, NORM_COLS, NORM_CHUNK, ASM)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch
+        last, total = _split_k_total(acc, ws_ptr + offs_n, NP, offs_n < NP, cnt_ptr, tile, SPLIT_K)
+        if last:
+            _norm_tile(total, offs_n, N, tile, tiles, ws_ptr + SPLIT_K * NP, cnt_ptr + tiles, res_ptr, h_ptr, nw_ptr,
+                       xo_ptr, xso_ptr, scale, eps, Y_DT, H_DT, OUT_DT, INT16_OUT, TILES_P2, NORM_COLS, NORM_CHUNK, ASM)
 
 
 @triton.jit
@@ -653,7 +656,7 @@ def _norm_args(norm: NormEpilogue, M: int, N: int, tiles: int, out_dtype, device
     else:
         normed = xo = torch.empty(1, N, dtype=norm_dt, device=device)
         xso = xo
-    args = dict(NORM_OUT=2 if norm.int16_out else 1, Y_DT=tl_dtype(out_dtype), H_DT=tl_dtype(h_dt),
+    args = dict(NORM_OUT=2 if norm.int16_out else 1, H_DT=tl_dtype(h_dt),
                 NORM_DT=tl_dtype(norm_dt), TILES_P2=triton.next_power_of_2(tiles),
                 NORM_COLS=triton.cdiv(N, NORM_CHUNK) * NORM_CHUNK, NORM_CHUNK=NORM_CHUNK, res_ptr=r, h_ptr=h,
                 nw_ptr=nw, xo_ptr=xo, xso_ptr=xso, norm_scale=float(norm.scale), eps=float(norm.eps))
@@ -686,7 +689,7 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: O
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
         ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
         SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
-        **(norm_args or dict(Y_DT=tl_dtype(out_dtype) if silu_out else None)), num_warps=warps,
+        Y_DT=tl_dtype(out_dtype) if silu_out or norm is not None else None, **norm_args, num_warps=warps,
         **pdl_launch_kwargs(x.device))
     return out if result is None else result
 
