@@ -9,9 +9,9 @@
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 export SALASERVE_PLAN_CACHE=0
-timeout 240 $GPU_PYTEST "tests/test_gpu_quant.py::test_w4a16_dp2a_norm_epilogue_equals_the_gemv_then_add_rms_norm" \
+timeout 220 $GPU_PYTEST "tests/test_gpu_quant.py::test_w4a16_dp2a_norm_epilogue_equals_the_gemv_then_add_rms_norm" \
   2>&1 | tail -4 | tee "$OUT/pytest-norm-epilogue.log"
-SALASERVE_W4_NORM_EPILOGUE=1 timeout 220 $GPU_PYTEST \
+SALASERVE_W4_NORM_EPILOGUE=1 timeout 200 $GPU_PYTEST \
   "tests/test_gpu_engine.py::test_w4a16_decode_batches_through_calibrated_kernels_equal_eager_without" 2>&1 \
   | tail -6 | tee "$OUT/pytest-norm-epilogue-engine.log"
 timeout 150 python3 -m salaserve.bench.profile_step --graph --context 4096 --quantization w4a16 \
