@@ -9,7 +9,7 @@
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 step() {
-  SALASERVE_PLAN_CACHE=$OUT/plans$1 timeout 150 python3 -m salaserve.bench.profile_step --graph --context 4096 \
+  SALASERVE_PLAN_CACHE=$OUT/plans$1 timeout 200 python3 -m salaserve.bench.profile_step --graph --context 4096 \
     --quantization w4a16 --top 8 2>&1 | grep -v -i warn | tee -a "$OUT/step-plans$1.log" | grep "replay\|start-up" \
     | sed "s/^/plans$1 ($2): /"
 }
