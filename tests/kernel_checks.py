@@ -193,12 +193,3 @@ def run_interpreter_cases(case_file) -> None:
     assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
-
-def int16_values(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-    """The values round_x_int16's (xq, xs) stand for, in channel order: code * scale."""
-    M, W = xq.shape
-    lo = (xq << 16) >> 16
-    hi = xq >> 16
-    v = torch.stack([lo, hi], -1).reshape(M, W // 4, 4, 2)  # (pair 2c + a, half b) per packed row
-    v = v.reshape(M, W // 4, 2, 2, 2).permute(0, 1, 3, 4, 2).reshape(M, W * 2)  # channel 4a + 2b + c
-    return v.float() * xs.repeat_interleave(128, dim=1)

@@ -432,36 +432,6 @@ def test_w4a16_dp2a_silu_out_keeps_the_vector_loads(bucket, cfg, given):
     assert loads[0] == loads[1], loads
 
 
-@pytest.mark.parametrize("cfg,given", [(c, g) for b, c, even, g in _w4_dp2a_cases() if even and b == 1])
-@pytest.mark.parametrize("norm_out", [1, 2])
-def test_w4a16_dp2a_norm_epilogue_compiles_for_sm90(cfg, given, norm_out):
-    """NORM_OUT (the residual add and the next RMSNorm in the one-row GEMV's epilogue, bf16 or int16 out)
-    compiles for sm_90 without spills, keeps every 16-byte load of the plain kernel (the epilogue adds
-    its own: the norm weight's), and takes its tile counter and the row's with acq_rel atomics."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import triton.language as tl
-    from kernel_checks import compile_sm90_without_spills
-    from salaserve.kernels import quant_gemm as qg
-
-    block_n, block_r, warps, slabs, prefetch, prep = cfg
-    ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
-                ws_ptr="*fp32", cnt_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32", res_ptr="*bf16", h_ptr="*bf16",
-                nw_ptr="*bf16", xo_ptr="*i32" if norm_out == 2 else "*bf16", xso_ptr="*fp32")
-    loads = []
-    for norm in (0, norm_out):
-        constexprs = dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
-                          **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=True, ASM=True, PREFETCH=prefetch,
-                          X_PREP=False, X_GIVEN=given, PDL=True, SZ_AHEAD=True, NORM_OUT=norm,
-                          Y_DT=tl.bfloat16, H_DT=tl.bfloat16, NORM_DT=tl.bfloat16, TILES_P2=32, NORM_COLS=4096,
-                          NORM_CHUNK=qg.w4_dp2a.NORM_CHUNK)
-        ptx = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
-                                          divisible=("N", "K"), floats=("norm_scale",)).asm["ptx"]
-        loads.append(ptx.count("ld.global.v4.b32"))
-        if norm:
-            assert ptx.count("atom.global.gpu.acq_rel.add") >= 2, "the tile's and the row's counters"
-    assert loads[1] >= loads[0], loads
-
-
 @pytest.mark.parametrize("cfg", [c for c in __import__("salaserve.kernels.quant_gemm", fromlist=["x"]).W4_WGMMA_CONFIGS])
 def test_w4a16_wgmma_kernel_compiles_for_sm90(cfg):
     """Every config of the wgmma decode GEMV compiles for the H200 without spills, as what makes
@@ -679,24 +649,6 @@ def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row(monkeypatch)
     assert tb.TritonBackend.keeps_silu_before_down(int4)
     monkeypatch.setattr(tb, "W4_SILU_OUT", True)
     assert tb.TritonBackend._w4_silu_choice(torch.randn(1, 512).to(torch.bfloat16), int4[0]["gate_up"]) is None
-
-
-def test_int4_norm_junction_applies_only_where_it_can(monkeypatch):
-    """The one-row int4 norm junction (SALASERVE_W4_NORM_EPILOGUE) is off by default and, on, declines
-    (None: the caller's route) off the GPU. (Its GPU route: the engine test in
-    scripts/device_runs/gpu_session24_f.sh.)"""
-    from salaserve.kernels import triton_backend as tb
-    from salaserve.quant import rtn
-
-    assert not tb.W4_NORM_EPILOGUE
-    monkeypatch.setattr(tb, "W4_NORM_EPILOGUE", True)
-    w_out = rtn.quantize_w4a16_rtn(torch.randn(512, 256), 128)
-    w_in = rtn.quantize_w4a16_rtn(torch.randn(1024, 512), 128)
-    h = torch.randn(1, 512).to(torch.bfloat16)
-    x = torch.randn(1, 256).to(torch.bfloat16)
-    nw = torch.ones(512, dtype=torch.bfloat16)
-    junction = tb.TritonBackend()._w4_norm_junction
-    assert junction(h, x, w_out, 0.5, nw, 1e-6, w_in, False, False) is None  # CPU tensors
 
 
 def test_w4_mma_candidates_follow_the_switch(monkeypatch):

@@ -46,13 +46,9 @@ SILU_EPILOGUE = os.environ.get("SALASERVE_SILU_EPILOGUE", "1") == "1"
 W4_SILU_OUT = os.environ.get("SALASERVE_W4_SILU_OUT", "1") == "1"
 # Decode steps apply the sparse layers' output gate (sigmoid_mul) in the attention's last kernel
 # (attention.paged_decode_attention(gate=)) instead of a sigmoid_mul kernel after it: 8 kernels fewer
-# per step. SALASERVE_GATED_DECODE=1 turns it on (interpreter-tested; GPU test and measurement pending).
+# per step. Bit-equal on the H200, but no faster (w4a16 step at 4K, batch 1: 2.351 -> 2.349 ms, BENCHMARKS
+# run 133), so off; SALASERVE_GATED_DECODE=1 turns it on. Read when the forward runs (profile_step --ab).
 GATED_DECODE = os.environ.get("SALASERVE_GATED_DECODE", "0") == "1"
-# One-row int4 junctions: the o_proj / down dp2a GEMV's epilogue does the residual add and the next
-# RMSNorm (w4_dp2a.NormEpilogue: the tile that completes the row normalizes it), instead of the add +
-# RMSNorm kernel: 63 kernels fewer per step. SALASERVE_W4_NORM_EPILOGUE=1 turns it on (interpreter- and
-# compile-tested; GPU test and measurement pending). Read when the forward runs (profile_step --ab).
-W4_NORM_EPILOGUE = os.environ.get("SALASERVE_W4_NORM_EPILOGUE", "0") == "1"
 
 
 def _has_verify(batch) -> bool:
@@ -331,8 +327,6 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         the down GEMV's prologue), the next RMSNorm in the following GEMV's prologue: 2 kernels
         per junction instead of 3-4. silu_out (one-row steps, silu_after_gate_up): the gate_up
         GEMV writes silu_mul of its output (silu_linear)."""
-        if (fused := self._w4_norm_junction(h, x, w_out, scale, norm_w, eps, w_in, silu, silu_out)) is not None:
-            return fused
         # silu_out (one row): nothing rides on o_proj there (_gemv_fuses), gate_up takes silu_linear
         if silu_out or not (self._gemv_fuses(h, w_out) and h.dtype == x.dtype):
             return TorchBackend.residual_norm_linear(self, h, x, w_out, scale, norm_w, eps, w_in, silu, silu_out)
@@ -343,30 +337,6 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if norm_w is None:
             return h, None
         return h, self.norm_linear(h, norm_w, eps, w_in)
-
-    def _w4_norm_junction(self, h, x, w_out, scale, norm_w, eps, w_in, silu, silu_out):
-        """W4_NORM_EPILOGUE at one row: (h', the next linear of RMSNorm(h')) with the residual add and the
-        norm in the epilogue of w_out's dp2a GEMV (its calibrated pick on bf16 x), the normed row written
-        in bf16 or, where w_in's calibration picked rounded x, as that; None where it does not apply
-        (the caller's route then)."""
-        if not (W4_NORM_EPILOGUE and not silu and norm_w is not None and isinstance(w_out, QuantizedLinearWeights)
-                and w_out.format == "w4a16" and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.dtype == torch.bfloat16
-                and h.dtype == torch.bfloat16 and h.is_contiguous() and norm_w.dtype == torch.bfloat16
-                and norm_w.is_contiguous()):
-            return None
-        from salaserve.kernels import quant_gemm
-        from salaserve.kernels.quant_gemm.w4_dp2a import NormEpilogue
-
-        choice = quant_gemm.w4_decode_choice(x, w_out)
-        if choice is None or choice[0] != "dp2a" or w_out.out_features != h.shape[-1]:
-            return None
-        rounded = self._w4_rounded(h, w_in) if isinstance(w_in, QuantizedLinearWeights) else None
-        int16 = (rounded is not None and rounded[0] == "dp2a_rounded" and w_in.in_features % quant_gemm.X_TILE == 0
-                 and (not silu_out or quant_gemm.w4_silu_out_usable(w_in)))
-        h, normed = quant_gemm.w4a16_decode(x, w_out, choice, norm=NormEpilogue(h, scale, norm_w, eps, int16))
-        if int16:
-            return h, quant_gemm.w4a16_decode_rounded(*normed, w_in, rounded, silu_out=silu_out)
-        return h, (self.silu_linear(normed, w_in) if silu_out else self.linear(normed, w_in))
 
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-fourth session, NOT RUN (device time spent): the sparse layers' output gate in the decode
+# Twenty-fourth session, written then; its tests and --ab ran in the twenty-fifth as part of gpu_session25_a.sh (run 133): the sparse layers' output gate in the decode
 # attention's last kernel (attention.paged_decode_attention(gate=), SALASERVE_GATED_DECODE=1): 8 kernels
 # fewer per step. GPU tests by node id first (gated == the attention then sigmoid_mul, bit for bit, at 1
 # and 8 sequences, one split and the engine's split count, dense and sparse; the engine's graph == eager

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-fourth session, NOT RUN (device time spent): the one-row int4 junction's residual add and RMSNorm
+# Twenty-fourth session, written then; run in the twenty-fifth as run 134 (tests passed; 2.408 -> 2.602 ms, so removed): the one-row int4 junction's residual add and RMSNorm
 # in the o_proj / down dp2a GEMV's epilogue (w4_dp2a.NormEpilogue, SALASERVE_W4_NORM_EPILOGUE=1): 63 kernels
 # fewer per w4a16 step. GPU tests by node id first (the new residual bit-equal to add_rms_norm on the GEMV's
 # output, the normed row within an ulp, every one-row config and split, three calls in a row; the engine's

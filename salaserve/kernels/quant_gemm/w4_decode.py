@@ -126,17 +126,14 @@ def w4_silu_out_usable(w: QuantizedLinearWeights) -> bool:
     return getattr(w, "format", None) == "w4a16" and w4_dp2a_usable(w) and w.out_features % 8 == 0
 
 
-def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu_out: bool = False,
-                 norm=None):
+def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu_out: bool = False) -> torch.Tensor:
     """x @ int4 weights through a (kernel, config, split) of calibrate_w4. silu_out (the dp2a kernel's
-    choices only): w is [gate | up] and the result silu_mul of the product; norm (a w4_dp2a.NormEpilogue,
-    the dp2a kernel at one row): the result is (h, normed) of the residual add and RMSNorm that follow
-    (w4a16_gemv_dp2a)."""
+    choices only): w is [gate | up] and the result silu_mul of the product (w4a16_gemv_dp2a)."""
     kernel, cfg, split = choice
-    if silu_out or norm is not None:
+    if silu_out:
         if kernel != "dp2a":
-            raise ValueError(f"silu_out and norm need the dp2a kernel, not {kernel}")
-        return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=silu_out, norm=norm)
+            raise ValueError(f"silu_out needs the dp2a kernel, not {kernel}")
+        return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=True)
     if kernel == "wgmma":
         return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
     if kernel == "mma":

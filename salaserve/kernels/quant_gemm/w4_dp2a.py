@@ -32,7 +32,6 @@ ASM=False (the Triton interpreter) computes the same integers with plain shifts 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 
@@ -40,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs, promote, round_to, rsqrt_rn, tl_dtype
+from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs, tl_dtype
 from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.device_buffers import Want, persistent_buffers
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _split_k_total,
-                                                  _store_output, _store_silu_output, _workspace)
+from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _store_output,
+                                                  _store_silu_output, _workspace)
 from salaserve.quant.formats import QuantizedLinearWeights
 
 W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators)
@@ -302,7 +301,7 @@ def store_x_int16(y, col0, n_cols, xq_row, xs_row, BLOCK: tl.constexpr, ASM: tl.
     """A row's fp32 values y of channels [col0, col0 + BLOCK) (col0 and BLOCK multiples of X_TILE,
     zeros past n_cols) as the dp2a GEMV's rounded x: X_TILE channels per scale (xs_row, one fp32
     each), int16 pairs (xq_row, int32 words); round_x_int16's layout and values. x's producers (the add
-    + RMSNorm and silu_mul kernels, the norm epilogue) write it through this."""
+    + RMSNorm and silu_mul kernels) write it through this."""
     words, scales = x_int16_tiles(tl.reshape(y, (BLOCK // _X_TILE, _X_TILE)), BLOCK // _X_TILE, _X_TILE, ASM)
     w = col0 // 2 + tl.arange(0, BLOCK // 2)
     tl.store(xq_row + w, words, mask=w < n_cols // 2)
@@ -328,59 +327,6 @@ def _x_prep(x_row, xq_row, xs_row, r_begin, r_end, BLOCK_R: tl.constexpr, PREP_T
 
 
 @triton.jit
-def _norm_tile(y, offs_n, N, tile, tiles, ss_ptr, row_cnt, res_ptr, h_ptr, nw_ptr, xo_ptr, xso_ptr, scale, eps,
-               Y_DT: tl.constexpr, H_DT: tl.constexpr, OUT_DT: tl.constexpr, INT16_OUT: tl.constexpr,
-               TILES_P2: tl.constexpr, NORM_COLS: tl.constexpr, NORM_CHUNK: tl.constexpr, ASM: tl.constexpr):
-    """NORM_OUT's epilogue of one column tile's reduced outputs y [BLOCK_N] (one row): the residual add
-    h = r + y * scale with fused.add_rms_norm's roundings, h stored, and the tile's sum of squares of h;
-    the tile that completes the row then normalizes all of it (fp32 statistics, the tiles' sums added in
-    a fixed order) into xo (bf16) or, INT16_OUT, into round_x_int16's layout (xo words, xso scales)."""
-    n_ok = offs_n < N
-    u = round_to(y, Y_DT)  # the linear's output as stored
-    r = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    h = round_to(r + round_to(u * scale, Y_DT), H_DT)
-    tl.store(h_ptr + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
-    tl.store(ss_ptr + tile, tl.sum(tl.where(n_ok, h * h, 0.0), axis=0))
-    tl.debug_barrier()  # this tile's h and sum are written before the release below
-    arrived = tl.atomic_add(row_cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == tiles - 1:  # every tile's h and sum are visible: normalize the row
-        t = tl.arange(0, TILES_P2)
-        total = tl.sum(tl.load(ss_ptr + t, mask=t < tiles, other=0.0, cache_modifier=".cg"), axis=0)
-        rstd = rsqrt_rn(total / N + eps)
-        for c in tl.static_range(0, NORM_COLS, NORM_CHUNK):
-            cols = c + tl.arange(0, NORM_CHUNK)
-            ok = cols < N
-            hc = tl.load(h_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            x = round_to(round_to(hc * rstd, H_DT) * w, OUT_DT)
-            if INT16_OUT:
-                store_x_int16(x, c, N, xo_ptr, xso_ptr, NORM_CHUNK, ASM)
-            else:
-                tl.store(xo_ptr + cols, x.to(xo_ptr.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(row_cnt, 0)  # re-armed for the next launch
-
-
-@triton.jit
-def _store_norm_output(acc, offs_n, N, tile, ws_ptr, cnt_ptr, res_ptr, h_ptr, nw_ptr, xo_ptr, xso_ptr, scale, eps,
-                       SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, H_DT: tl.constexpr,
-                       OUT_DT: tl.constexpr, INT16_OUT: tl.constexpr, TILES_P2: tl.constexpr,
-                       NORM_COLS: tl.constexpr, NORM_CHUNK: tl.constexpr, ASM: tl.constexpr):
-    """_store_output for NORM_OUT (one row): the split-K reduction (_split_k_total, partials [SPLIT_K,
-    tiles * BLOCK_N]), then _norm_tile on the tile's outputs. The
-    tiles' sums of squares follow the partials in the workspace; the row's counter follows the tiles'."""
-    tiles = tl.num_programs(0)
-    NP = tiles * BLOCK_N
-    if SPLIT_K == 1:  # no partials: the sums of squares at the workspace's start
-        _norm_tile(acc, offs_n, N, tile, tiles, ws_ptr, cnt_ptr + tiles, res_ptr, h_ptr, nw_ptr, xo_ptr, xso_ptr,
-                   scale, eps, Y_DT, H_DT, OUT_DT, INT16_OUT, TILES_P2, NORM_COLS, NORM_CHUNK, ASM)
-    else:
-        last, total = _split_k_total(acc, ws_ptr + offs_n, NP, offs_n < NP, cnt_ptr, tile, SPLIT_K)
-        if last:
-            _norm_tile(total, offs_n, N, tile, tiles, ws_ptr + SPLIT_K * NP, cnt_ptr + tiles, res_ptr, h_ptr, nw_ptr,
-                       xo_ptr, xso_ptr, scale, eps, Y_DT, H_DT, OUT_DT, INT16_OUT, TILES_P2, NORM_COLS, NORM_CHUNK, ASM)
-
-
-@triton.jit
 def _w4_gemv_dp2a_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr, xq_ptr, xs_ptr,
     M, N, K, stride_xm, stride_om, stride_zg,
@@ -398,13 +344,7 @@ def _w4_gemv_dp2a_kernel(
     PDL: tl.constexpr = False,
     SZ_AHEAD: tl.constexpr = False,  # a tile's group scales and zero points loaded with it (W4_SZ_AHEAD)
     SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F): write silu_mul of the output, [M, F]
-    Y_DT: tl.constexpr = None,  # SILU_OUT, NORM_OUT: the linear's output dtype (its rounding before the next op)
-    # NORM_OUT (one row): the residual add and the next RMSNorm in the epilogue (_store_norm_output):
-    # 0 off, 1 the normed row in bf16 (xo_ptr), 2 as round_x_int16 (xo_ptr words, xso_ptr scales)
-    NORM_OUT: tl.constexpr = 0,
-    H_DT: tl.constexpr = None, NORM_DT: tl.constexpr = None,  # NORM_OUT: the residual's and the normed row's dtypes
-    TILES_P2: tl.constexpr = 1, NORM_COLS: tl.constexpr = 1, NORM_CHUNK: tl.constexpr = 1,
-    res_ptr=None, h_ptr=None, nw_ptr=None, xo_ptr=None, xso_ptr=None, norm_scale=1.0, eps=0.0,
+    Y_DT: tl.constexpr = None,  # SILU_OUT: the linear's output dtype (its rounding before silu_mul)
 ):
     # the FMA kernel's split and slab coordinates (w4_fma.py), written out again: a shared helper
     # reorders the code and ptxas then schedules the measured loops differently
@@ -504,10 +444,6 @@ def _w4_gemv_dp2a_kernel(
     if SILU_OUT:
         _store_silu_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K, BLOCK_M,
                            BLOCK_N, Y_DT)
-    elif NORM_OUT:
-        _store_norm_output(tl.reshape(tl.sum(acc0, axis=1), (BLOCK_N,)), offs_n, N, pid_n, ws_ptr, cnt_ptr, res_ptr,
-                           h_ptr, nw_ptr, xo_ptr, xso_ptr, norm_scale, eps, SPLIT_K, BLOCK_N, Y_DT, H_DT, NORM_DT,
-                           NORM_OUT == 2, TILES_P2, NORM_COLS, NORM_CHUNK, ASM)
     else:
         _store_output(y, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, pid_n, SPLIT_K)
 
@@ -560,32 +496,14 @@ def w4_dp2a_usable(w: QuantizedLinearWeights) -> bool:
             and w.group_size % W4_DP2A_GROUP_MULTIPLE == 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class NormEpilogue:
-    """The residual add and the next RMSNorm, for the dp2a GEMV's NORM_OUT epilogue (one row): with y
-    the GEMV's output, h = residual + y * scale and normed = RMSNorm(h) * weight, fused.add_rms_norm's
-    values (up to the order of the sum of squares). int16_out: normed as round_x_int16's (xq, xs), for an
-    int4 GEMV on rounded x."""
-    residual: torch.Tensor  # [1, N]
-    scale: float
-    weight: torch.Tensor  # [N]
-    eps: float
-    int16_out: bool = False
-
-
-NORM_CHUNK = 1024  # channels the completing tile normalizes per step (a multiple of X_TILE)
-
-
 def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optional[tuple] = None,
                     split_k: Optional[int] = None, sz_ahead: Optional[bool] = None,
-                    silu_out: bool = False, norm: Optional[NormEpilogue] = None):
+                    silu_out: bool = False) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
     default the bucket's first. sz_ahead: the SZ_AHEAD loop (default W4_SZ_AHEAD; same results).
     silu_out: w is a [gate | up] weight (N = 2F) and the result is silu_mul of the output, [M, F]:
-    fused.silu_mul's values on the bf16 output, written by the GEMV's epilogue (no silu_mul kernel).
-    norm (one row): the result is (h, normed) of the NormEpilogue instead, written by the GEMV's
-    epilogue (no add + RMSNorm kernel)."""
+    fused.silu_mul's values on the bf16 output, written by the GEMV's epilogue (no silu_mul kernel)."""
     K = w.in_features
     x = _check_x(x, K)
     M = x.shape[0]
@@ -598,17 +516,17 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
     cfg = config or W4_DP2A_CONFIGS[block_m][0]
     xq, xs = _x_scratch(x.device, block_m * (K // 2), block_m * triton.cdiv(K // 8, cfg[1]))
     return _launch(x, xq, xs, M, w, cfg, split_k, x_given=False, out_dtype=x.dtype, sz_ahead=sz_ahead,
-                   silu_out=silu_out, norm=norm)
+                   silu_out=silu_out)
 
 
 def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, *,
                             config: Optional[tuple] = None, split_k: Optional[int] = None,
                             out_dtype: torch.dtype = torch.bfloat16, sz_ahead: Optional[bool] = None,
-                            silu_out: bool = False, norm: Optional[NormEpilogue] = None):
+                            silu_out: bool = False) -> torch.Tensor:
     """The dp2a GEMV on x already rounded by its producer (round_x_int16's layout: xq int32 [M, K / 2],
     xs fp32 [M, K / X_TILE], contiguous): the loop of the X_PREP configs without their prologue.
-    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE); sz_ahead,
-    silu_out and norm as there."""
+    config as w4a16_gemv_dp2a's (its X_PREP field is ignored; BLOCK_R * 8 must be X_TILE); sz_ahead and
+    silu_out as there."""
     K = w.in_features
     if K % X_TILE:  # one scale per whole tile: a partial last tile would read a scale past xs
         raise ValueError(f"w4a16_gemv_dp2a_rounded takes K a multiple of {X_TILE}, got {K}")
@@ -623,7 +541,7 @@ def w4a16_gemv_dp2a_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLine
     if cfg[1] * 8 != X_TILE:
         raise ValueError(f"config {cfg}: its K tile must be X_TILE = {X_TILE} channels")
     return _launch(xq, xq, xs, M, w, cfg, split_k, x_given=True, out_dtype=out_dtype, sz_ahead=sz_ahead,
-                   silu_out=silu_out, norm=norm)
+                   silu_out=silu_out)
 
 
 def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
@@ -636,35 +554,8 @@ def _check_dp2a(M: int, w: QuantizedLinearWeights) -> None:
         raise ValueError("qweight too large for the kernel's int32 offsets")
 
 
-def _norm_args(norm: NormEpilogue, M: int, N: int, tiles: int, out_dtype, device) -> tuple[dict, tuple]:
-    """The NORM_OUT launch arguments of a NormEpilogue, and what the launch returns: (h, normed)."""
-    r, nw = norm.residual, norm.weight
-    if M != 1:
-        raise ValueError(f"the norm epilogue takes one row, got {M}")
-    if tuple(r.shape) != (1, N) or not r.is_contiguous() or tuple(nw.shape) != (N,) or not nw.is_contiguous():
-        raise ValueError(f"the norm epilogue takes a contiguous residual [1, {N}] and weight [{N}], got "
-                         f"{tuple(r.shape)} and {tuple(nw.shape)}")
-    if norm.int16_out and N % X_TILE:
-        raise ValueError(f"int16_out takes N a multiple of {X_TILE}, got {N}")
-    h_dt = promote(r.dtype, out_dtype)
-    norm_dt = promote(h_dt, nw.dtype)
-    h = torch.empty(1, N, dtype=h_dt, device=device)
-    if norm.int16_out:
-        normed = (torch.empty(1, N // 2, dtype=torch.int32, device=device),
-                  torch.empty(1, N // X_TILE, dtype=torch.float32, device=device))
-        xo, xso = normed
-    else:
-        normed = xo = torch.empty(1, N, dtype=norm_dt, device=device)
-        xso = xo
-    args = dict(NORM_OUT=2 if norm.int16_out else 1, H_DT=tl_dtype(h_dt),
-                NORM_DT=tl_dtype(norm_dt), TILES_P2=triton.next_power_of_2(tiles),
-                NORM_COLS=triton.cdiv(N, NORM_CHUNK) * NORM_CHUNK, NORM_CHUNK=NORM_CHUNK, res_ptr=r, h_ptr=h,
-                nw_ptr=nw, xo_ptr=xo, xso_ptr=xso, norm_scale=float(norm.scale), eps=float(norm.eps))
-    return args, (h, normed)
-
-
 def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: Optional[bool],
-            silu_out: bool, norm: Optional[NormEpilogue] = None):
+            silu_out: bool) -> torch.Tensor:
     K, N = w.in_features, w.out_features
     block_m = 1 if M == 1 else 2
     block_n, block_r, warps, slabs, prefetch, prep = cfg
@@ -672,16 +563,11 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: O
         # each tile's halves are whole 4-column vectors of gate and of up columns, aligned to 16 bytes
         raise ValueError(f"silu_out takes N = 2F ([gate | up]) with F a multiple of 4 and BLOCK_N a multiple of 8, "
                          f"got N={N}, {cfg}")
-    if silu_out and norm is not None:
-        raise ValueError("silu_out or norm, not both")
     tiles = triton.cdiv(N, block_n)
     split = split_k or _default_split_k(tiles, K, x.device)
-    norm_args, result = _norm_args(norm, M, N, tiles, out_dtype, x.device) if norm is not None else ({}, None)
-    out = torch.empty(M, N // 2 if silu_out else N, dtype=out_dtype, device=x.device) if result is None else result[0]
-    # the split partials [split, M, tiles * block_n] (the norm epilogue: then the tiles' sums of squares);
-    # a counter per tile (and the row's)
-    ws, cnt = _workspace(x.device, (split * M * tiles * block_n if split > 1 else 0) + (tiles if norm else 0),
-                         tiles + 1)
+    out = torch.empty(M, N // 2 if silu_out else N, dtype=out_dtype, device=x.device)
+    # the split partials [split, M, tiles * block_n] and a counter per tile
+    ws, cnt = _workspace(x.device, split * M * tiles * block_n if split > 1 else 0, tiles)
     launch_kernel(_w4_gemv_dp2a_kernel, (tiles, split),
         x, w.qweight, w.qzeros, w.scales, out, ws, cnt, xq, xs,
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
@@ -689,9 +575,8 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: O
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
         ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
         SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
-        Y_DT=tl_dtype(out_dtype) if silu_out or norm is not None else None, **norm_args, num_warps=warps,
-        **pdl_launch_kwargs(x.device))
-    return out if result is None else result
+        Y_DT=tl_dtype(out_dtype) if silu_out else None, num_warps=warps, **pdl_launch_kwargs(x.device))
+    return out
 
 
 def round_x_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
