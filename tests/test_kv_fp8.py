@@ -128,7 +128,7 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["decode", "prefill", "store"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "store", "compress"])
 def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
     """On the GPU at the model's head geometry (Hkv 2, d 128, 64-token pages), bf16 compute: each
     attention kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's
@@ -166,6 +166,24 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
     kv8.v_scale.copy_(torch.rand(kv8.v_scale.shape, device=dev, generator=g) * 0.05 + 0.001)
     twin.k.copy_((kv8.k.float() * kv8.k_scale[:, :, None, :, None]).to(torch.bfloat16))
     twin.v.copy_((kv8.v.float() * kv8.v_scale[:, :, None, :, None]).to(torch.bfloat16))
+    if kind == "compress":
+        # update_compressed (attention.COMPRESS_HEAD_SCALES: a scale load per token and KV head) against the
+        # same kernel on the pages holding gather's values: equal inputs to fp32 window sums taken in
+        # different orders, so at most one bf16 ulp apart (2^-7 of the value, bounded by the largest)
+        from salaserve.cache.compressed import CompressedKeyPool
+        from salaserve.config import SparseConfig
+
+        sc = SparseConfig()
+        batch = make_batch([(0, 1500), (2000, 33), (1007, 1)], bs, pages, dev, seed=4)  # 24 + 32 + 16 pages
+        comps = [CompressedKeyPool(sc, 1, pages, hkv, d, torch.bfloat16, dev) for _ in range(2)]
+        for comp, pool in zip(comps, (kv8, twin)):
+            A.update_compressed(pool, comp, 0, batch)
+        for name in ("c1", "c2"):
+            a, b = getattr(comps[0], name).float(), getattr(comps[1], name).float()
+            err = (a - b).abs().max().item()
+            print(f"compress {name}: max |fp8 - dequantized| {err:.3g}, equal {torch.equal(a, b)}")
+            assert b.abs().sum() > 0 and err <= 2 ** -7 * b.abs().max().item()
+        return
     if kind == "decode":
         batch = make_batch([(1000, 1), (3000, 1), (40, 1)], bs, pages, dev, seed=2)
         table, count, _ = sparse_lists(batch, hkv, bs, 16, 10, seed=2, device=dev)

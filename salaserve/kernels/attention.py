@@ -50,6 +50,10 @@ FP8_HEADROOM = tl.constexpr(_PAGES_FP8_HEADROOM)
 # Default tile configurations (the lead retunes them from bench_attention.py on the H200).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 DECODE_CONFIG = dict(num_warps=4, num_stages=3)
+# update_compressed on fp8 pools: the window's keys as [tokens, Hkv, d] with one scale load per (token, KV
+# head), instead of the flat [tokens, Hkv * d] tile gathering a scale per element. Same values, another
+# summation order (fp32). Measured in the twenty-sixth session (BENCHMARKS run 143); 0 = the flat form.
+COMPRESS_HEAD_SCALES = True
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -281,29 +285,71 @@ def _compress_level(
     KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_PAGE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HD: tl.constexpr, BLOCK_HD: tl.constexpr, CHUNK: tl.constexpr,
     K_scale, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
+    HEAD_SCALES: tl.constexpr = False, BLOCK_HKV: tl.constexpr = 1, BLOCK_D: tl.constexpr = 1,
 ):
     # Entries [first, last) are born in this step: entry j exists once token j*STRIDE+KERNEL-1 is
     # stored, i.e. count(L) = (L - KERNEL) // STRIDE + 1 for L >= KERNEL.
     first = tl.where(old_len >= KERNEL, (old_len - KERNEL) // STRIDE + 1, 0)
     last = tl.where(new_len >= KERNEL, (new_len - KERNEL) // STRIDE + 1, 0)
-    c = tl.arange(0, BLOCK_HD)  # all KV heads of a token at once: [Hkv * d] is contiguous
-    c_ok = c < HD
+    if KV_FP8 and HEAD_SCALES:
+        _compress_level_fp8(K_pool, C_pool, page_row, e, n_progs, first, last, stride_kp, stride_kt, stride_cp,
+                            stride_ce, KERNEL, STRIDE, PER_PAGE, BLOCK_SIZE, HD, CHUNK, K_scale, COMPUTE_DT, HKV,
+                            BLOCK_HKV, BLOCK_D)
+    else:
+        c = tl.arange(0, BLOCK_HD)  # all KV heads of a token at once: [Hkv * d] is contiguous
+        c_ok = c < HD
+        for j in range(first + e, last, n_progs):
+            acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
+            for t0 in tl.static_range(0, KERNEL, CHUNK):
+                u = t0 + tl.arange(0, CHUNK)
+                tok = j * STRIDE + u
+                ok = u < KERNEL
+                # A window may straddle pages: look up each token's page.
+                page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+                ptr = K_pool + page[:, None] * stride_kp + (tok % BLOCK_SIZE)[:, None] * stride_kt + c[None, :]
+                sc_ptr = K_scale + page[:, None] * HKV + (c // (HD // HKV))[None, :]
+                x = _load_dequantized(ptr, sc_ptr, KV_FP8, COMPUTE_DT, ok[:, None] & c_ok[None, :])
+                acc += tl.sum(x.to(tl.float32), axis=0)
+            mean = acc / KERNEL  # fp32 accumulation, rounded once to the pool dtype (spec 3.3)
+            dst_page = tl.load(page_row + j // PER_PAGE).to(tl.int64)
+            dst = C_pool + dst_page * stride_cp + (j % PER_PAGE) * stride_ce + c
+            tl.store(dst, mean.to(C_pool.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def _compress_level_fp8(
+    K_pool, C_pool, page_row, e, n_progs, first, last, stride_kp, stride_kt, stride_cp, stride_ce,
+    KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_PAGE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HD: tl.constexpr, CHUNK: tl.constexpr, K_scale, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
+    BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """_compress_level's loop on an fp8 pool with the token's keys as a [CHUNK, Hkv, d] tile: the
+    (page, KV head) scales are one [CHUNK, Hkv] load broadcast over d, where the flat [CHUNK, Hkv * d]
+    form gathers a scale per element (d times the loads). Same values (fp8 * scale rounded once, as
+    KVPool.gather; fp32 sums over the window), summed in this layout's order."""
+    D: tl.constexpr = HD // HKV
+    h = tl.arange(0, BLOCK_HKV)
+    dd = tl.arange(0, BLOCK_D)
+    h_ok = h < HKV
+    hd_ok = h_ok[:, None] & (dd < D)[None, :]
+    cols = (h * D)[:, None] + dd[None, :]  # [BLOCK_HKV, BLOCK_D] channel of the [Hkv * d] row
     for j in range(first + e, last, n_progs):
-        acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_HKV, BLOCK_D], dtype=tl.float32)
         for t0 in tl.static_range(0, KERNEL, CHUNK):
             u = t0 + tl.arange(0, CHUNK)
             tok = j * STRIDE + u
             ok = u < KERNEL
-            # A window may straddle pages: look up each token's page.
             page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-            ptr = K_pool + page[:, None] * stride_kp + (tok % BLOCK_SIZE)[:, None] * stride_kt + c[None, :]
-            sc_ptr = K_scale + page[:, None] * HKV + (c // (HD // HKV))[None, :]
-            x = _load_dequantized(ptr, sc_ptr, KV_FP8, COMPUTE_DT, ok[:, None] & c_ok[None, :])
+            row = page * stride_kp + (tok % BLOCK_SIZE) * stride_kt
+            x = tl.load(K_pool + row[:, None, None] + cols[None, :, :], mask=ok[:, None, None] & hd_ok[None, :, :],
+                        other=0.0)
+            sc = tl.load(K_scale + page[:, None] * HKV + h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0)
+            x = round_to(x.to(tl.float32) * sc[:, :, None], COMPUTE_DT).to(COMPUTE_DT)
             acc += tl.sum(x.to(tl.float32), axis=0)
-        mean = acc / KERNEL  # fp32 accumulation, rounded once to the pool dtype (spec 3.3)
+        mean = acc / KERNEL
         dst_page = tl.load(page_row + j // PER_PAGE).to(tl.int64)
-        dst = C_pool + dst_page * stride_cp + (j % PER_PAGE) * stride_ce + c
-        tl.store(dst, mean.to(C_pool.dtype.element_ty), mask=c_ok)
+        dst = C_pool + dst_page * stride_cp + (j % PER_PAGE) * stride_ce + cols
+        tl.store(dst, mean.to(C_pool.dtype.element_ty), mask=hd_ok)
 
 
 @triton.jit
@@ -315,6 +361,7 @@ def _update_compressed_kernel(
     BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
+    HEAD_SCALES: tl.constexpr = False, BLOCK_HKV: tl.constexpr = 1, BLOCK_D: tl.constexpr = 1,  # fp8 pools
 ):
     pdl_wait_first(PDL)
     # Grid (B, n_progs): program (b, e) writes the new entries first+e, first+e+n_progs, ... of
@@ -327,10 +374,12 @@ def _update_compressed_kernel(
     page_row = page_table + b.to(tl.int64) * stride_pt
     _compress_level(K_pool, C1_pool, page_row, e, n_progs, old_len, new_len,
                     stride_kp, stride_kt, stride_c1p, stride_c1e,
-                    K1, S1, PER1, BLOCK_SIZE, HD, BLOCK_HD, CH1, K_scale, KV_FP8, COMPUTE_DT, HKV)
+                    K1, S1, PER1, BLOCK_SIZE, HD, BLOCK_HD, CH1, K_scale, KV_FP8, COMPUTE_DT, HKV,
+                    HEAD_SCALES, BLOCK_HKV, BLOCK_D)
     _compress_level(K_pool, C2_pool, page_row, e, n_progs, old_len, new_len,
                     stride_kp, stride_kt, stride_c2p, stride_c2e,
-                    K2, S2, PER2, BLOCK_SIZE, HD, BLOCK_HD, CH2, K_scale, KV_FP8, COMPUTE_DT, HKV)
+                    K2, S2, PER2, BLOCK_SIZE, HD, BLOCK_HD, CH2, K_scale, KV_FP8, COMPUTE_DT, HKV,
+                    HEAD_SCALES, BLOCK_HKV, BLOCK_D)
 
 
 def _entries(length: int, kernel: int, stride: int) -> int:
@@ -373,6 +422,8 @@ def update_compressed(kv_pool, comp_pool, layer: int, batch, max_new_entries: in
         K2=k2, S2=s2, PER2=comp_pool.c2_per_page, CH2=min(triton.next_power_of_2(k2), 32),
         BLOCK_SIZE=block_size, HD=hkv * d, BLOCK_HD=triton.next_power_of_2(hkv * d),
         KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
+        **(dict(HEAD_SCALES=True, BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d))
+           if pa["fp8"] and COMPRESS_HEAD_SCALES else {}),
         num_warps=4, **pdl_launch_kwargs(kp.device),
     )
 
