@@ -421,11 +421,20 @@ else:
                          **fp8_kw),
                     **A.DECODE_CONFIG)
                 results.append(res)
+            if fp8:  # DECODE_FP8_F16_DOTS: the codes go to fp16 dot operands, one cvt per two, no bf16 repacking
+                f16, res = _compile_sm90(
+                    A._decode_split_kernel, dec_ptrs,
+                    dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
+                         F16_DOTS=True, DOT_DT=tl.float16, **fp8_kw),
+                    **A.DECODE_CONFIG)
+                ptx = f16.asm["ptx"]
+                assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, "fp8 codes not straight to fp16"
+                results.append(res)
             results.append(_compile_sm90(
                 A._update_compressed_kernel, dict(K_pool=pool, C1_pool=bf, C2_pool=bf, page_table="*i32",
                                                   seq_lens="*i32", cache_lens="*i32", K_scale="*fp32"),
                 dict(K1=32, S1=16, PER1=4, CH1=32, K2=128, S2=64, PER2=1, CH2=32, BLOCK_SIZE=64, HD=256,
-                     BLOCK_HD=256, **fp8_kw),
+                     BLOCK_HD=256, **fp8_kw, **(dict(HEAD_SCALES=True, BLOCK_HKV=2, BLOCK_D=128) if fp8 else {})),
                 num_warps=4)[1])
             if fp8:
                 results.append(_compile_sm90(

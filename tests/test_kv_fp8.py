@@ -129,7 +129,7 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["decode", "prefill", "store", "compress"])
-def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
+def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
     """On the GPU at the model's head geometry (Hkv 2, d 128, 64-token pages), bf16 compute: each
     attention kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's
     values. Those pages carry one bf16 rounding per element (2^-9 relative) that the fp8 path
@@ -188,11 +188,13 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
         batch = make_batch([(1000, 1), (3000, 1), (40, 1)], bs, pages, dev, seed=2)
         table, count, _ = sparse_lists(batch, hkv, bs, 16, 10, seed=2, device=dev)
         q = torch.randn(3, hq, d, device=dev, generator=g).to(torch.bfloat16)
-        for splits in (1, 4):
+        for f16_dots, splits in ((False, 1), (False, 4), (True, 1), (True, 4)):  # DECODE_FP8_F16_DOTS off / on
+            monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", f16_dots)
             a = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             err = (a.float() - b.float()).abs().max().item()
-            print(f"decode splits={splits}: max |fp8 - dequantized| {err:.3g}, equal {torch.equal(a, b)}")
+            print(f"decode f16_dots={f16_dots} splits={splits}: max |fp8 - dequantized| {err:.3g}, "
+                  f"equal {torch.equal(a, b)}")
             assert err <= 2 ** -6 * b.float().abs().max().item()
     else:
         batch = make_batch([(500, 700), (0, 300)], bs, pages, dev, seed=3)

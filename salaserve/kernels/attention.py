@@ -35,6 +35,7 @@ a captured decode batch.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -54,6 +55,11 @@ DECODE_CONFIG = dict(num_warps=4, num_stages=3)
 # head), instead of the flat [tokens, Hkv * d] tile gathering a scale per element. Same values, another
 # summation order (fp32). Measured in the twenty-sixth session (BENCHMARKS run 143); 0 = the flat form.
 COMPRESS_HEAD_SCALES = True
+# Decode attention on fp8 pages with bf16 compute: the dots take fp16 operands instead (e4m3 -> fp16 is one
+# cvt per two codes; -> bf16 is that plus a cvt per code and the repacking), q clamped to fp16's range, p in
+# [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Off: not measured
+# yet (prediction in docs/perf-notes.md, twenty-sixth session; compare with profile_step --ab).
+DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "0") == "1"
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -608,6 +614,8 @@ def _decode_split_kernel(
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
     GATED: tl.constexpr = False,  # one split: the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
     O_DT: tl.constexpr = None,  # GATED: the output dtype
+    F16_DOTS: tl.constexpr = False,  # fp8 pools: fp16 dot operands, V's scale on p @ v (DECODE_FP8_F16_DOTS)
+    DOT_DT: tl.constexpr = tl.bfloat16,  # the dots' operand dtype: COMPUTE_DT, or fp16 with F16_DOTS
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
@@ -630,7 +638,9 @@ def _decode_split_kernel(
     head = g * GROUP + r
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(COMPUTE_DT)  # the pool's dtype, or the dots' dtype for fp8 pools
+    if F16_DOTS:  # fp16 holds every bf16 q exactly up to 65504 (beyond, bf16 scores were already ~1e9)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    q = q.to(DOT_DT)  # the pool's dtype, or the dots' dtype for fp8 pools
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -641,8 +651,8 @@ def _decode_split_kernel(
         page = tl.load(bt_row + i).to(tl.int64)
         k_ok = slot < tl.where(i < count - 1, BLOCK_SIZE, last_valid)
         off = page * stride_kp + slot * stride_kt + g * stride_kh
-        k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT, k_ok[:, None])
-        v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, COMPUTE_DT, k_ok[:, None])
+        k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, DOT_DT, k_ok[:, None])
+        v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, DOT_DT, k_ok[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if KV_FP8:  # the page's scales for this KV head: on the scores and on the probabilities
             qk = qk * tl.load(K_scale + page * HKV + g)
@@ -652,9 +662,12 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if KV_FP8:
-            p = p * tl.load(V_scale + page * HKV + g)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        if F16_DOTS:  # p stays in [0, 1] for the fp16 operand; the page's V scale goes on the fp32 product
+            acc += tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC) * tl.load(V_scale + page * HKV + g)
+        else:
+            if KV_FP8:
+                p = p * tl.load(V_scale + page * HKV + g)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
 
     # An empty split (more splits than pages) leaves l = 0: output 0 with weight exp2(-inf) = 0.
@@ -746,6 +759,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     else:  # unused: the split kernel writes `out` directly
         o_part, lse_part = out, out
     pa = _pool_args(kv_pool, layer)
+    f16_dots = bool(DECODE_FP8_F16_DOTS and pa["fp8"] and pa["compute"] == torch.bfloat16)
     _decode_split_kernel[(B, hkv, num_splits)](
         q, kp, vp, block_table, block_count, seq_lens, out, o_part, lse_part, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -756,6 +770,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
         COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, **(gated if num_splits == 1 else {}),
+        F16_DOTS=f16_dots, DOT_DT=tl.float16 if f16_dots else tl_dtype(pa["compute"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:
