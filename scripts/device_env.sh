@@ -19,3 +19,12 @@ decode_4k() {
   timeout "$limit" python3 -m salaserve.bench.micro --contexts 4096 --batches 1,8 --prefill "" "$@" \
     --json "$OUT/micro-$label.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-$label.log" | tail -"$lines"
 }
+# One `profile_step --graph` process: profile_graph NAME ARGS... writes $OUT/NAME.log and .json and prints one
+# line with its graph replay (or, with --ab, each value's median).
+profile_graph() {
+  local name=$1
+  shift
+  timeout 200 python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" 2>&1 \
+    | grep -v -i warn > "$OUT/$name.log"
+  echo "$name ($*): $(grep -E 'graph replay|median' "$OUT/$name.log" | cut -c1-110 | tr '\n' ' ')"
+}

@@ -8,12 +8,6 @@
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 $GPU_PYTEST tests/test_kv_fp8.py 2>&1 | grep -E "f16_dots|compress|passed|failed|Error" | tail -12
-step() {  # step NAME ARGS... -> the graph replay / median lines
-  local name=$1; shift
-  timeout 200 python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" 2>&1 \
-    | grep -v -i warn > "$OUT/$name.log"
-  echo "$name ($*): $(grep -E 'graph replay|median' "$OUT/$name.log" | cut -c1-110 | tr '\n' ' ')"
-}
-step ab-f16-131080 --context 131080 --kv-cache-dtype fp8_e4m3 --ab salaserve.kernels.attention:DECODE_FP8_F16_DOTS=0,1 --rounds 7
-step bf16-131080 --context 131080
-step ab-f16-4096 --context 4096 --kv-cache-dtype fp8_e4m3 --ab salaserve.kernels.attention:DECODE_FP8_F16_DOTS=0,1 --rounds 5
+profile_graph ab-f16-131080 --context 131080 --kv-cache-dtype fp8_e4m3 --ab salaserve.kernels.attention:DECODE_FP8_F16_DOTS=0,1 --rounds 7
+profile_graph bf16-131080 --context 131080
+profile_graph ab-f16-4096 --context 4096 --kv-cache-dtype fp8_e4m3 --ab salaserve.kernels.attention:DECODE_FP8_F16_DOTS=0,1 --rounds 5
