@@ -8,12 +8,9 @@
 #    the four bf16 processes, again.
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
-step() {  # step NAME ARGS... -> one line with the graph replay
-  local name=$1; shift
+step() {  # step NAME ARGS...: the GPU clocks, then one profile_graph process
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/clocks.txt"
-  timeout 200 python3 -m salaserve.bench.profile_step --graph --top 12 --json "$OUT/$name.json" "$@" 2>&1 \
-    | grep -v -i warn > "$OUT/$name.log"
-  echo "$name ($*): $(sed -n 's/.*graph replay: \([0-9.]*\) ms.*/\1 ms/p' "$OUT/$name.log")"
+  profile_graph "$@"
 }
 step w4-first --context 4096 --quantization w4a16
 step kv-bf16-1 --context 131072

@@ -6,13 +6,7 @@
 # only quantizes with the page's scale, interleaved over four processes.
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
-step() {  # step NAME ARGS... -> one line with the graph replay
-  local name=$1; shift
-  timeout 200 python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" 2>&1 \
-    | grep -v -i warn > "$OUT/$name.log"
-  echo "$name ($*): $(sed -n 's/.*graph replay: \([0-9.]*\) ms.*/\1 ms/p' "$OUT/$name.log")"
-}
 for i in 1 2; do
-  step "mid-bf16-$i" --context 131103
-  step "mid-fp8-$i" --context 131103 --kv-cache-dtype fp8_e4m3
+  profile_graph "mid-bf16-$i" --context 131103
+  profile_graph "mid-fp8-$i" --context 131103 --kv-cache-dtype fp8_e4m3
 done

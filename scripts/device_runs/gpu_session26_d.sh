@@ -7,16 +7,10 @@
 # the rest goes: a step that neither starts a page nor closes a window (131080), and PDL-off kernel times.
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
-$GPU_PYTEST tests/test_kv_fp8.py 2>&1 | grep -E "compress|decode splits|prefill:|passed|failed|Error" | tail -12
-step() {  # step NAME ARGS... -> the graph replay line(s)
-  local name=$1; shift
-  timeout 200 python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" 2>&1 \
-    | grep -v -i warn > "$OUT/$name.log"
-  echo "$name ($*): $(grep -E 'graph replay|median' "$OUT/$name.log" | cut -c1-110 | tr '\n' ' ')"
-}
-step ab-fp8-131103 --context 131103 --kv-cache-dtype fp8_e4m3 --ab salaserve.kernels.attention:COMPRESS_HEAD_SCALES=0,1 --rounds 5
-step bf16-131103 --context 131103
-step bf16-131080 --context 131080
-step fp8-131080 --context 131080 --kv-cache-dtype fp8_e4m3
-step nopdl-bf16-131103 --context 131103 --no-pdl
-step nopdl-fp8-131103 --context 131103 --kv-cache-dtype fp8_e4m3 --no-pdl
+$GPU_PYTEST tests/test_kv_fp8.py 2>&1 | grep -E "compress|decode |prefill:|passed|failed|Error" | tail -12
+profile_graph ab-fp8-131103 --context 131103 --kv-cache-dtype fp8_e4m3 --ab salaserve.kernels.attention:COMPRESS_HEAD_SCALES=0,1 --rounds 5
+profile_graph bf16-131103 --context 131103
+profile_graph bf16-131080 --context 131080
+profile_graph fp8-131080 --context 131080 --kv-cache-dtype fp8_e4m3
+profile_graph nopdl-bf16-131103 --context 131103 --no-pdl
+profile_graph nopdl-fp8-131103 --context 131103 --kv-cache-dtype fp8_e4m3 --no-pdl
