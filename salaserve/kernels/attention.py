@@ -345,14 +345,14 @@ def _compress_level_fp8(
             u = t0 + tl.arange(0, CHUNK)
             tok = j * STRIDE + u
             ok = u < KERNEL
-            page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)  # windows may straddle pages
             row = page * stride_kp + (tok % BLOCK_SIZE) * stride_kt
             x = tl.load(K_pool + row[:, None, None] + cols[None, :, :], mask=ok[:, None, None] & hd_ok[None, :, :],
                         other=0.0)
             sc = tl.load(K_scale + page[:, None] * HKV + h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0)
             x = round_to(x.to(tl.float32) * sc[:, :, None], COMPUTE_DT).to(COMPUTE_DT)
             acc += tl.sum(x.to(tl.float32), axis=0)
-        mean = acc / KERNEL
+        mean = acc / KERNEL  # fp32 accumulation, rounded once to the pool dtype (spec 3.3)
         dst_page = tl.load(page_row + j // PER_PAGE).to(tl.int64)
         dst = C_pool + dst_page * stride_cp + (j % PER_PAGE) * stride_ce + cols
         tl.store(dst, mean.to(C_pool.dtype.element_ty), mask=hd_ok)
