@@ -20,11 +20,12 @@ decode_4k() {
     --json "$OUT/micro-$label.json" 2>&1 | grep -v -i warn | tee "$OUT/micro-$label.log" | tail -"$lines"
 }
 # One `profile_step --graph` process: profile_graph NAME ARGS... writes $OUT/NAME.log and .json and prints one
-# line with its graph replay (or, with --ab, each value's median).
+# line with its graph replay (or, with --ab / --ab-kv-cache, each variant's median). PROFILE_TIMEOUT: seconds
+# (default 200).
 profile_graph() {
   local name=$1
   shift
-  timeout 200 python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" 2>&1 \
+  timeout "${PROFILE_TIMEOUT:-200}" python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" 2>&1 \
     | grep -v -i warn > "$OUT/$name.log"
   echo "$name ($*): $(grep -E 'graph replay|median' "$OUT/$name.log" | cut -c1-110 | tr '\n' ' ')"
 }

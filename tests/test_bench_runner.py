@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from salaserve.bench import official
 from salaserve.bench.cli import main as bench_main
@@ -456,6 +457,45 @@ def test_profile_step_ab_times_each_value_with_its_own_graphs(monkeypatch):
     assert calls == [False, True] * 3
     assert times == {False: [3.001, 3.003, 3.005], True: [2.002, 2.004, 2.006]}
     assert module.SWITCH is False and runner.graphs == ("graphs captured with", False)
+
+
+@pytest.mark.parametrize("own_dtype", ["auto", "fp8_e4m3"])
+def test_profile_step_ab_kv_cache_times_both_formats_on_the_same_pages(tiny_model_dir, own_dtype):
+    """ab_kv_cache_replays: graphs captured on the runner's KV pool and on a second pool of the other
+    format (fp8 <-> the model dtype) that holds the same pages' contents rounded to its format and
+    shares the compressed keys and states; the rounds alternate the two with each one's own graphs;
+    afterwards the runner has its own caches and graphs back and every page and slot returned."""
+    from salaserve.bench import profile_step as ps
+    from salaserve.cache.pages import FP8
+    from salaserve.config import EngineArgs
+    from salaserve.engine.runner import ModelRunner
+
+    runner = ModelRunner(EngineArgs(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch",
+                                    max_running_requests=2, kv_cache_dtype=own_dtype), tiny_model_dir)
+    own = runner.caches
+    free_pages, free_slots = own.kv.allocator.num_free, own.states.num_free
+    runner._capture_graphs = lambda: setattr(runner, "graphs", ("captured on", runner.caches))
+    seen = []
+
+    def timer(r, batch):
+        assert r.graphs == ("captured on", r.caches)  # each variant replays its own graphs
+        assert r.caches.compressed is own.compressed and r.caches.states is own.states
+        seen.append(r.caches)
+        return 1.0 + len(seen), True
+
+    times = ps.ab_kv_cache_replays(runner, 2, 100, rounds=3, timer=timer)
+    own_label = "fp8_e4m3 pages" if own_dtype == "fp8_e4m3" else "float32 pages"
+    other_label = "float32 pages" if own_dtype == "fp8_e4m3" else "fp8_e4m3 pages"
+    assert list(times) == [own_label, other_label]
+    assert times == {own_label: [2.0, 4.0, 6.0], other_label: [3.0, 5.0, 7.0]}
+    other = seen[1]
+    assert [c is own for c in seen] == [True, False] * 3 and all(c is other for c in seen[1::2])
+    assert other.kv.k.dtype == (torch.float32 if own_dtype == "fp8_e4m3" else FP8)
+    for src, dst in ((own.kv.k, other.kv.k), (own.kv.v, other.kv.v)):
+        assert src.float().abs().sum() > 0  # the requests' pages were filled
+        assert torch.equal(dst.float(), src.float().to(dst.dtype).float())
+    assert runner.caches is own and runner.graphs == ("captured on", own)
+    assert (own.kv.allocator.num_free, own.states.num_free) == (free_pages, free_slots)
 
 
 def test_micro_engine_decode_timing_returns_every_resource(tiny_model_dir):

@@ -6,6 +6,7 @@
                                            [--json OUT.json]
     python -m salaserve.bench.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
     python -m salaserve.bench.profile_step --graph --ab MODULE:ATTR=V1,V2 [--rounds 5] [...]
+    python -m salaserve.bench.profile_step --graph --ab-kv-cache [--kv-cache-dtype fp8_e4m3] [--rounds 5] [...]
 
 Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
 default one step runs eagerly under torch.profiler: the kernels are the ones the CUDA graph
@@ -17,7 +18,8 @@ total. With --prefill N it profiles one whole N-token prompt instead, chunked as
 chunks it (the micro-benchmark's prefill): kernels by total time over all chunks. Without a GPU it
 profiles the CPU ops instead (for tests of the tool). With --ab it compares a module switch's values
 instead, in one process: graphs captured per value, replays timed in interleaved rounds (machine
-starts differ by ~0.05 ms per step, more than most changes: BENCHMARKS run 132).
+starts differ by ~0.05 ms per step, more than most changes: BENCHMARKS run 132). --ab-kv-cache does
+the same for the KV cache's format: a second pool of the other format, same pages and contents.
 """
 
 from __future__ import annotations
@@ -189,41 +191,96 @@ def parse_ab(spec: str) -> tuple[object, str, list]:
     return module, attr, out
 
 
-def ab_graph_replays(runner: ModelRunner, batch: int, context: int, module, attr: str, values: list,
-                     rounds: int = 5, timer=None) -> dict:
-    """The decode step's graph replay with a module attribute (a switch read when the forward runs)
-    set to each of `values`, in one process: one set of graphs captured per value, then `rounds`
-    rounds timing each variant in turn (interleaved, the same calibration and machine for all).
-    Returns {value: [device ms per round]}. timer(runner, batch) -> (ms, graph ran): micro's
-    step_device_ms by default. The attribute is restored, and the runner keeps the first value's
-    graphs. Switches consumed at start-up (calibration tables, weight preparation) need fresh starts."""
-    from salaserve.bench.micro import step_device_ms
-
-    timer = timer or step_device_ms
-    original = getattr(module, attr)
+def _interleaved_replays(runner: ModelRunner, batch: int, context: int, variants: dict, rounds: int, timer,
+                         fill=None) -> dict:
+    """The decode step's graph replay under each of `variants` ({label: apply()}, apply() puts the
+    runner in that variant), in one process: one set of graphs captured per variant with it applied,
+    then requests prefilled to `context` (fill(reqs) runs after they are made), then `rounds` rounds
+    timing each variant in turn (interleaved: the same calibration and machine for all). Returns
+    {label: [device ms per round]}; the runner keeps the first variant's graphs (the caller restores
+    whatever else apply() changed)."""
     graphs = {}
     try:
-        for v in values:
-            setattr(module, attr, v)
+        for label, apply in variants.items():
+            apply()
             runner._capture_graphs()
-            graphs[v] = runner.graphs
+            graphs[label] = runner.graphs
+        first = next(iter(variants))
+        variants[first]()
         reqs = fake_decoding_requests(runner, batch, context)
+        if fill is not None:
+            fill(reqs)
         b = runner.build_batch([ScheduledWork(r, 1) for r in reqs])
-        times = {v: [] for v in values}
+        times = {label: [] for label in variants}
         for _ in range(rounds):
-            for v in values:
-                setattr(module, attr, v)
-                runner.graphs = graphs[v]
+            for label, apply in variants.items():
+                apply()
+                runner.graphs = graphs[label]
                 ms, ran = timer(runner, b)
                 if not ran:
                     raise SystemExit("--ab: no captured decode graph fits this batch")
-                times[v].append(ms)
+                times[label].append(ms)
+        variants[first]()
         release(runner, reqs)
     finally:
-        setattr(module, attr, original)
         if graphs:
-            runner.graphs = graphs[values[0]]
+            runner.graphs = graphs[next(iter(variants))]
     return times
+
+
+def ab_graph_replays(runner: ModelRunner, batch: int, context: int, module, attr: str, values: list,
+                     rounds: int = 5, timer=None) -> dict:
+    """The decode step's graph replay with a module attribute (a switch read when the forward runs)
+    set to each of `values`, in one process (_interleaved_replays). Returns {value: [device ms per
+    round]}. timer(runner, batch) -> (ms, graph ran): micro's step_device_ms by default. The attribute
+    is restored, and the runner keeps the first value's graphs. Switches consumed at start-up
+    (calibration tables, weight preparation) need fresh starts."""
+    from salaserve.bench.micro import step_device_ms
+
+    original = getattr(module, attr)
+    variants = {v: (lambda v=v: setattr(module, attr, v)) for v in values}
+    try:
+        return _interleaved_replays(runner, batch, context, variants, rounds, timer or step_device_ms)
+    finally:
+        setattr(module, attr, original)
+
+
+def _pool_label(pool) -> str:
+    return "fp8_e4m3 pages" if pool.fp8 else f"{str(pool.k.dtype).replace('torch.', '')} pages"
+
+
+def ab_kv_cache_replays(runner: ModelRunner, batch: int, context: int, rounds: int = 5, timer=None) -> dict:
+    """The decode step's graph replay on the runner's KV pages and on a second KV pool of the other
+    format (fp8 e4m3 against the model dtype), in one process (_interleaved_replays). The second pool
+    holds the same pages with the same random contents (rounded to its format; fp8 scales 1) and
+    shares the compressed keys and the Lightning states. Returns {"<dtype> pages": [device ms per
+    round]}, the runner's own format first; the runner keeps its own caches and graphs afterwards.
+    The issue's fp8 KV criterion compares the two formats, and separate processes differ by more than
+    the difference (BENCHMARKS, runs 141-143)."""
+    from salaserve.bench.micro import step_device_ms
+    from salaserve.cache.pages import FP8, KVPool
+    from salaserve.model.sala import Caches
+
+    own = runner.caches
+    n_layers, num_pages, block, kv_heads, head_dim = own.kv.k.shape
+    other_kv = KVPool(n_layers, num_pages, block, kv_heads, head_dim, own.kv.compute_dtype if own.kv.fp8 else FP8,
+                      own.kv.k.device, compute_dtype=own.kv.compute_dtype)
+    other = Caches(kv=other_kv, compressed=own.compressed, states=own.states)
+
+    def fill(reqs):
+        for r in reqs:
+            idx = torch.tensor(r.pages, device=own.kv.k.device)
+            for src, dst in ((own.kv.k, other_kv.k), (own.kv.v, other_kv.v)):
+                dst[:, idx] = src[:, idx].float().to(dst.dtype)
+
+    def use(caches):
+        runner.caches = caches
+
+    variants = {_pool_label(own.kv): lambda: use(own), _pool_label(other_kv): lambda: use(other)}
+    try:
+        return _interleaved_replays(runner, batch, context, variants, rounds, timer or step_device_ms, fill)
+    finally:
+        runner.caches = own
 
 
 # kernels that are a linear layer's GEMV (the Triton GEMVs, int4 and fp8 ones included) or its cuBLAS GEMM
@@ -278,7 +335,10 @@ def main(argv=None) -> int:
                     help="with --graph: time the replay with a module switch at each value, interleaved in this "
                          "process (e.g. salaserve.kernels.triton_backend:GATED_DECODE=0,1); switches read when the "
                          "forward runs, not at start-up")
-    ap.add_argument("--rounds", type=int, default=5, help="--ab: rounds of the interleaved timing")
+    ap.add_argument("--ab-kv-cache", action="store_true",
+                    help="with --graph: time the replay on the KV pages of --kv-cache-dtype and on a second pool of "
+                         "the other format (bf16 / fp8 e4m3), interleaved in this process")
+    ap.add_argument("--rounds", type=int, default=5, help="--ab / --ab-kv-cache: rounds of the interleaved timing")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -290,9 +350,11 @@ def main(argv=None) -> int:
     if a.quantize_lm_head and not a.quantization:
         ap.error("--quantize-lm-head needs --quantization")
     ab = None
+    if (a.ab or a.ab_kv_cache) and not a.graph:
+        ap.error("--ab / --ab-kv-cache compare graph replays; add --graph")
+    if a.ab and a.ab_kv_cache:
+        ap.error("--ab and --ab-kv-cache: one comparison per process")
     if a.ab:
-        if not a.graph:
-            ap.error("--ab compares graph replays; add --graph")
         try:
             ab = parse_ab(a.ab)
         except ValueError as e:
@@ -331,19 +393,22 @@ def main(argv=None) -> int:
                                     kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization,
                                     quantize_lm_head=a.quantize_lm_head), model_dir)
     print(f"start-up phases: {runner.describe_startup()}")
-    if ab is not None:
-        module, attr, values = ab
+    if ab is not None or a.ab_kv_cache:
         out = {}
         for context in contexts:
-            times = ab_graph_replays(runner, a.batch, context, module, attr, values, a.rounds)
+            if a.ab_kv_cache:
+                times, name = ab_kv_cache_replays(runner, a.batch, context, a.rounds), "KV"
+            else:
+                module, attr, values = ab
+                times, name = ab_graph_replays(runner, a.batch, context, module, attr, values, a.rounds), attr
             for v, ms in times.items():
                 med = sorted(ms)[len(ms) // 2]
-                print(f"batch {a.batch}, context {context}, {attr}={v}: median {med:.3f} ms over {len(ms)} rounds "
+                print(f"batch {a.batch}, context {context}, {name}={v}: median {med:.3f} ms over {len(ms)} rounds "
                       f"({', '.join(f'{t:.3f}' for t in ms)})")
             out[str(context)] = {str(v): ms for v, ms in times.items()}
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"batch": a.batch, "ab": a.ab, "rounds": a.rounds, "device_ms": out,
+                json.dump({"batch": a.batch, "ab": a.ab or "kv-cache", "rounds": a.rounds, "device_ms": out,
                            "startup_phases": runner.startup_phases}, f, indent=2)
         return 0
     results = []

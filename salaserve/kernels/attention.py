@@ -59,7 +59,7 @@ COMPRESS_HEAD_SCALES = True
 # cvt per two codes; -> bf16 is that plus a cvt per code and the repacking), q clamped to fp16's range, p in
 # [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Off: not measured
 # yet (prediction in docs/perf-notes.md, twenty-sixth session; compare with profile_step --ab).
-DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "0") == "1"
+DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "1") == "1"
 
 
 def _dot_precision(dtype: torch.dtype):
