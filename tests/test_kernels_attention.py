@@ -430,20 +430,6 @@ else:
                 ptx = f16.asm["ptx"]
                 assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, "fp8 codes not straight to fp16"
                 results.append(res)
-                # DECODE_FP8_REG_CVT: the codes become fp16 before the shared-memory staging, so V reaches its
-                # dot through ldmatrix.trans instead of byte loads (which Triton's own cast leaves, as above)
-                assert "ld.shared.b8" in ptx
-                for stages in (1, A.DECODE_CONFIG["num_stages"]):
-                    reg, res = _compile_sm90(
-                        A._decode_split_kernel, dec_ptrs,
-                        dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
-                             F16_DOTS=True, DOT_DT=tl.float16, REG_CVT=True, **fp8_kw),
-                        num_warps=A.DECODE_CONFIG["num_warps"], num_stages=stages)
-                    ptx = reg.asm["ptx"]
-                    assert "ld.shared.b8" not in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, \
-                        "REG_CVT: V not read through ldmatrix.trans"
-                    assert "cvt.bf16.f16" not in ptx
-                    results.append(res)
             results.append(_compile_sm90(
                 A._update_compressed_kernel, dict(K_pool=pool, C1_pool=bf, C2_pool=bf, page_table="*i32",
                                                   seq_lens="*i32", cache_lens="*i32", K_scale="*fp32"),

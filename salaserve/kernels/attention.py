@@ -60,17 +60,6 @@ COMPRESS_HEAD_SCALES = True
 # [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Measured in the
 # twenty-seventh session (BENCHMARKS run 144): 4.973 -> 4.970 ms at 128K; on by default.
 DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "1") == "1"
-# With the fp16 dots: the codes become fp16 in registers BEFORE the tile is staged in shared memory for the
-# dots (an inline-asm convert Triton does not move), so both dots read fp16 through ldmatrix (.trans for V).
-# Triton's own cast is moved after the staging; an 8-bit V then cannot use ldmatrix.trans and is gathered
-# byte by byte (64 ld.shared.b8 per page per thread, 183 registers against 120; sm_90 compile). Not used by
-# the interpreter (no inline asm there: the same values by the plain cast). Off until measured (prediction in
-# docs/perf-notes.md, twenty-seventh session).
-DECODE_FP8_REG_CVT = os.environ.get("SALASERVE_FP8_KV_REG_CVT", "0") == "1"
-# num_stages of the decode split kernel on fp8 pages (0: DECODE_CONFIG's). At 128K a program sees about one
-# page (a split per ~2 selected pages), so the cp.async pipeline mostly adds a shared-memory round trip.
-DECODE_FP8_STAGES = int(os.environ.get("SALASERVE_FP8_KV_DECODE_STAGES", "0"))
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -100,20 +89,6 @@ def _load_kv(ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
     if KV_FP8:
         x = x.to(COMPUTE_DT)
     return x
-
-
-@triton.jit
-def _e4m3_tile_to_f16(codes):
-    """An e4m3 tile as fp16 (exact), by cvt.rn.f16x2.e4m3x2 on each 32-bit word of 4 codes. is_pure=False
-    keeps Triton from moving the convert past the tile's shared-memory staging (DECODE_FP8_REG_CVT)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r", args=[codes.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -641,7 +616,6 @@ def _decode_split_kernel(
     O_DT: tl.constexpr = None,  # GATED: the output dtype
     F16_DOTS: tl.constexpr = False,  # fp8 pools: fp16 dot operands, V's scale on p @ v (DECODE_FP8_F16_DOTS)
     DOT_DT: tl.constexpr = tl.bfloat16,  # the dots' operand dtype: COMPUTE_DT, or fp16 with F16_DOTS
-    REG_CVT: tl.constexpr = False,  # F16_DOTS: codes to fp16 in registers before the staging (DECODE_FP8_REG_CVT)
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
@@ -677,12 +651,8 @@ def _decode_split_kernel(
         page = tl.load(bt_row + i).to(tl.int64)
         k_ok = slot < tl.where(i < count - 1, BLOCK_SIZE, last_valid)
         off = page * stride_kp + slot * stride_kt + g * stride_kh
-        if REG_CVT:
-            k = _e4m3_tile_to_f16(tl.load(K_pool + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0))
-            v = _e4m3_tile_to_f16(tl.load(V_pool + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0))
-        else:
-            k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, DOT_DT, k_ok[:, None])
-            v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, DOT_DT, k_ok[:, None])
+        k = _load_kv(K_pool + off[:, None] + d[None, :], KV_FP8, DOT_DT, k_ok[:, None])
+        v = _load_kv(V_pool + off[:, None] + d[None, :], KV_FP8, DOT_DT, k_ok[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if KV_FP8:  # the page's scales for this KV head: on the scores and on the probabilities
             qk = qk * tl.load(K_scale + page * HKV + g)
@@ -790,7 +760,6 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         o_part, lse_part = out, out
     pa = _pool_args(kv_pool, layer)
     f16_dots = bool(DECODE_FP8_F16_DOTS and pa["fp8"] and pa["compute"] == torch.bfloat16)
-    stages = DECODE_FP8_STAGES if pa["fp8"] and DECODE_FP8_STAGES > 0 and config is None else cfg["num_stages"]
     _decode_split_kernel[(B, hkv, num_splits)](
         q, kp, vp, block_table, block_count, seq_lens, out, o_part, lse_part, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -802,8 +771,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
         COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, **(gated if num_splits == 1 else {}),
         F16_DOTS=f16_dots, DOT_DT=tl.float16 if f16_dots else tl_dtype(pa["compute"]),
-        REG_CVT=f16_dots and DECODE_FP8_REG_CVT and not _INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=stages, **pdl_launch_kwargs(q.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, hq)](
