@@ -434,7 +434,7 @@ else:
                 A._update_compressed_kernel, dict(K_pool=pool, C1_pool=bf, C2_pool=bf, page_table="*i32",
                                                   seq_lens="*i32", cache_lens="*i32", K_scale="*fp32"),
                 dict(K1=32, S1=16, PER1=4, CH1=32, K2=128, S2=64, PER2=1, CH2=32, BLOCK_SIZE=64, HD=256,
-                     BLOCK_HD=256, **fp8_kw, **(dict(HEAD_SCALES=True, BLOCK_HKV=2, BLOCK_D=128) if fp8 else {})),
+                     BLOCK_HD=256, **fp8_kw, **(dict(BLOCK_HKV=2, BLOCK_D=128) if fp8 else {})),
                 num_warps=4)[1])
             if fp8:
                 results.append(_compile_sm90(

@@ -167,7 +167,7 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
     twin.k.copy_((kv8.k.float() * kv8.k_scale[:, :, None, :, None]).to(torch.bfloat16))
     twin.v.copy_((kv8.v.float() * kv8.v_scale[:, :, None, :, None]).to(torch.bfloat16))
     if kind == "compress":
-        # update_compressed (attention.COMPRESS_HEAD_SCALES: a scale load per token and KV head) against the
+        # update_compressed (fp8 pools: a scale load per token and KV head) against the
         # same kernel on the pages holding gather's values: equal inputs to fp32 window sums taken in
         # different orders, so at most one bf16 ulp apart (2^-7 of the value, bounded by the largest)
         from salaserve.cache.compressed import CompressedKeyPool

@@ -51,10 +51,6 @@ FP8_HEADROOM = tl.constexpr(_PAGES_FP8_HEADROOM)
 # Default tile configurations (the lead retunes them from bench_attention.py on the H200).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 DECODE_CONFIG = dict(num_warps=4, num_stages=3)
-# update_compressed on fp8 pools: the window's keys as [tokens, Hkv, d] with one scale load per (token, KV
-# head), instead of the flat [tokens, Hkv * d] tile gathering a scale per element. Same values, another
-# summation order (fp32). Measured in the twenty-sixth session (BENCHMARKS run 143); 0 = the flat form.
-COMPRESS_HEAD_SCALES = True
 # Decode attention on fp8 pages with bf16 compute: the dots take fp16 operands instead (e4m3 -> fp16 is one
 # cvt per two codes; -> bf16 is that plus a cvt per code and the repacking), q clamped to fp16's range, p in
 # [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Measured in the
@@ -88,23 +84,6 @@ def _load_kv(ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
         x = tl.load(ptr, mask=mask, other=0.0)
     if KV_FP8:
         x = x.to(COMPUTE_DT)
-    return x
-
-
-@triton.jit
-def _load_dequantized(ptr, scale_ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
-    """Values of a K tile in the compute dtype. fp8 pools: fp8 * scale (scale_ptr broadcasts like
-    ptr: one scale per (page, KV head) of each element), rounded once, as KVPool.gather."""
-    if mask is None:
-        x = tl.load(ptr)
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0)
-    if KV_FP8:
-        if mask is None:
-            sc = tl.load(scale_ptr)
-        else:
-            sc = tl.load(scale_ptr, mask=mask, other=0.0)
-        x = round_to(x.to(tl.float32) * sc, COMPUTE_DT).to(COMPUTE_DT)
     return x
 
 
@@ -291,13 +270,13 @@ def _compress_level(
     KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_PAGE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HD: tl.constexpr, BLOCK_HD: tl.constexpr, CHUNK: tl.constexpr,
     K_scale, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
-    HEAD_SCALES: tl.constexpr = False, BLOCK_HKV: tl.constexpr = 1, BLOCK_D: tl.constexpr = 1,
+    BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Entries [first, last) are born in this step: entry j exists once token j*STRIDE+KERNEL-1 is
     # stored, i.e. count(L) = (L - KERNEL) // STRIDE + 1 for L >= KERNEL.
     first = tl.where(old_len >= KERNEL, (old_len - KERNEL) // STRIDE + 1, 0)
     last = tl.where(new_len >= KERNEL, (new_len - KERNEL) // STRIDE + 1, 0)
-    if KV_FP8 and HEAD_SCALES:
+    if KV_FP8:
         _compress_level_fp8(K_pool, C_pool, page_row, e, n_progs, first, last, stride_kp, stride_kt, stride_cp,
                             stride_ce, KERNEL, STRIDE, PER_PAGE, BLOCK_SIZE, HD, CHUNK, K_scale, COMPUTE_DT, HKV,
                             BLOCK_HKV, BLOCK_D)
@@ -313,8 +292,7 @@ def _compress_level(
                 # A window may straddle pages: look up each token's page.
                 page = tl.load(page_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
                 ptr = K_pool + page[:, None] * stride_kp + (tok % BLOCK_SIZE)[:, None] * stride_kt + c[None, :]
-                sc_ptr = K_scale + page[:, None] * HKV + (c // (HD // HKV))[None, :]
-                x = _load_dequantized(ptr, sc_ptr, KV_FP8, COMPUTE_DT, ok[:, None] & c_ok[None, :])
+                x = tl.load(ptr, mask=ok[:, None] & c_ok[None, :], other=0.0)
                 acc += tl.sum(x.to(tl.float32), axis=0)
             mean = acc / KERNEL  # fp32 accumulation, rounded once to the pool dtype (spec 3.3)
             dst_page = tl.load(page_row + j // PER_PAGE).to(tl.int64)
@@ -330,9 +308,9 @@ def _compress_level_fp8(
     BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """_compress_level's loop on an fp8 pool with the token's keys as a [CHUNK, Hkv, d] tile: the
-    (page, KV head) scales are one [CHUNK, Hkv] load broadcast over d, where the flat [CHUNK, Hkv * d]
-    form gathers a scale per element (d times the loads). Same values (fp8 * scale rounded once, as
-    KVPool.gather; fp32 sums over the window), summed in this layout's order."""
+    (page, KV head) scales are one [CHUNK, Hkv] load broadcast over d (the flat [CHUNK, Hkv * d] form
+    gathered a scale per element: 0.008 ms slower per window-closing step, BENCHMARKS run 143). Values
+    as KVPool.gather (fp8 * scale rounded once), summed in fp32 over the window."""
     D: tl.constexpr = HD // HKV
     h = tl.arange(0, BLOCK_HKV)
     dd = tl.arange(0, BLOCK_D)
@@ -366,8 +344,8 @@ def _update_compressed_kernel(
     K2: tl.constexpr, S2: tl.constexpr, PER2: tl.constexpr, CH2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, HKV: tl.constexpr,
+    BLOCK_HKV: tl.constexpr = 1, BLOCK_D: tl.constexpr = 1,  # fp8 pools: the [Hkv, d] tile of a token
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
-    HEAD_SCALES: tl.constexpr = False, BLOCK_HKV: tl.constexpr = 1, BLOCK_D: tl.constexpr = 1,  # fp8 pools
 ):
     pdl_wait_first(PDL)
     # Grid (B, n_progs): program (b, e) writes the new entries first+e, first+e+n_progs, ... of
@@ -381,11 +359,11 @@ def _update_compressed_kernel(
     _compress_level(K_pool, C1_pool, page_row, e, n_progs, old_len, new_len,
                     stride_kp, stride_kt, stride_c1p, stride_c1e,
                     K1, S1, PER1, BLOCK_SIZE, HD, BLOCK_HD, CH1, K_scale, KV_FP8, COMPUTE_DT, HKV,
-                    HEAD_SCALES, BLOCK_HKV, BLOCK_D)
+                    BLOCK_HKV, BLOCK_D)
     _compress_level(K_pool, C2_pool, page_row, e, n_progs, old_len, new_len,
                     stride_kp, stride_kt, stride_c2p, stride_c2e,
                     K2, S2, PER2, BLOCK_SIZE, HD, BLOCK_HD, CH2, K_scale, KV_FP8, COMPUTE_DT, HKV,
-                    HEAD_SCALES, BLOCK_HKV, BLOCK_D)
+                    BLOCK_HKV, BLOCK_D)
 
 
 def _entries(length: int, kernel: int, stride: int) -> int:
@@ -428,8 +406,7 @@ def update_compressed(kv_pool, comp_pool, layer: int, batch, max_new_entries: in
         K2=k2, S2=s2, PER2=comp_pool.c2_per_page, CH2=min(triton.next_power_of_2(k2), 32),
         BLOCK_SIZE=block_size, HD=hkv * d, BLOCK_HD=triton.next_power_of_2(hkv * d),
         KV_FP8=pa["fp8"], COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv,
-        **(dict(HEAD_SCALES=True, BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d))
-           if pa["fp8"] and COMPRESS_HEAD_SCALES else {}),
+        **(dict(BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d)) if pa["fp8"] else {}),
         num_warps=4, **pdl_launch_kwargs(kp.device),
     )
 
