@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RUN (143). COMPRESS_HEAD_SCALES was removed afterwards (the flat form slower): to run again, check out f300170.
 # Twenty-sixth session: run 142 put fp8 KV pages 0.08 ms behind bf16 pages at 131103 tokens (5.128 / 5.131
 # against 5.048 / 5.050 ms), where every step closes a C1 compression window (131104 = 16 * 8194) and
 # update_compressed runs: its fp8 form gathered a page scale per element (256 per token). The change
