@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RUN (146 / 147); DECODE_FP8_REG_CVT, DECODE_FP8_STAGES and decode_fp8_compile_stats.py were removed after these
-# runs (slower, see BENCHMARKS.md): to run again, check out ec528a3.
-# Twenty-seventh session, after run 146 (REG_CVT 4.914 -> 5.196 ms at 3 stages; 4.932 at 1 stage): what this
+# runs (slower, see BENCHMARKS.md): to run again, check out ec528a3 (there gpu_session27_b.sh and _d.sh).
+# Twenty-eighth session, after run 146 (REG_CVT 4.914 -> 5.196 ms at 3 stages; 4.932 at 1 stage): what this
 # machine's Triton (3.6) makes of each variant (sm_90 compile stats), and one stage without REG_CVT.
 # Prediction: DECODE_FP8_STAGES=1 with Triton's cast within +-0.005 of 3 stages.
 set -uo pipefail

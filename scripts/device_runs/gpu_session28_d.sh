@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-seventh session: the whole GPU suite at HEAD, file by file, as far as the call's budget ($1 seconds,
+# Twenty-eighth session: the whole GPU suite at HEAD, file by file, as far as the call's budget ($1 seconds,
 # default 570) goes, over the files named in $2 (default: all) (sessions 14-27 ran only the files their changes touched). One summary line per file and
 # the slowest tests; full logs in $OUT.
 set -uo pipefail
