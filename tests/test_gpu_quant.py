@@ -33,6 +33,7 @@ def _weights(fmt, N, K, seed):
     return rtn.quantize_fp8(w) if fmt == "fp8" else rtn.quantize_w4a16_rtn(w, 128)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("M", [1, 2])
 def test_w4a16_dp2a_every_config(name, M):
@@ -288,6 +289,7 @@ def test_w8a8_calibration_records_a_candidate():
     assert _rel(Q.w8a8_gemv(x, w.weight, w.scale), Q.w8a8_block_ref(x, w.weight, w.scale)) < TOL
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("M", [1, 2, 8])
 def test_fp8_fma_gemv_every_config(name, M):
@@ -324,6 +326,7 @@ def _fp8_configs_at_real_shapes(M, configs, seed):
                     assert _rel(act, silu_mul(G.gemv_fp8(x, w.weight, w.scale, c))) < 1e-2, (name, c)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("M", [1, 3, 5, 8])
 def test_fp8_mma_gemv_every_config(M):
     """The mma.sync GEMV (FP8_MMA_CONFIGS, automatic splits) at every token count it takes."""
@@ -332,6 +335,7 @@ def test_fp8_mma_gemv_every_config(M):
     _fp8_configs_at_real_shapes(M, G.FP8_MMA_CONFIGS, 40 + M)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("M", [1, 2, 5])
 def test_fp8_stream_gemv_every_config(M):
     """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket, their explicit splits;
@@ -401,6 +405,7 @@ def test_fp8_gemv_calibration_times_the_silu_junction():
 JUNCTIONS = {"o_proj->gate_up": ("o_proj", "gate_up"), "down->qkvg": ("down", "qkvg"), "down->qkvz": ("down", (16384, 4096))}
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("junction", sorted(JUNCTIONS))
 def test_w4_junction_every_config(junction):
     """The one-row junction kernel (w4_junction: both GEMVs and the add + RMSNorm in one persistent grid,
@@ -432,6 +437,7 @@ def test_w4_junction_every_config(junction):
     assert not J.barrier_error(torch.device("cuda"))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_w4a16_tma_every_config(name):
     """The TMA-streamed GEMV (opt-in) at the model's shapes, every config at splits 1 and 4: within TOL
