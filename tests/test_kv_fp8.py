@@ -119,16 +119,20 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
                     page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32", page_idx_ptr="*i32",
                     m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32")
         for after_window in (False, True):
-            compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
-                                        dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
-                                             COMPUTE_DT=tl.bfloat16, HKV=2, PAGE_LIST=S.SPARSE_ATTN_PAGE_LIST,
-                                             AFTER_WINDOW=after_window, INIT=1, LOCAL=32),
-                                        S._PER_TOKEN_WARPS[fp8])
+            for f16_dots in ((False, True) if fp8 else (False,)):  # SPARSE_FP8_F16_DOTS: fp16 operands
+                k = compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
+                                                dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
+                                                     COMPUTE_DT=tl.bfloat16, HKV=2, PAGE_LIST=S.SPARSE_ATTN_PAGE_LIST,
+                                                     AFTER_WINDOW=after_window, INIT=1, LOCAL=32, F16_DOTS=f16_dots),
+                                                S._PER_TOKEN_WARPS[fp8])
+                if f16_dots:  # the codes straight to fp16 (one cvt per two), never through bf16
+                    ptx = k.asm["ptx"]
+                    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["decode", "prefill", "store", "compress"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "store", "compress", "sparse"])
 def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
     """On the GPU at the model's head geometry (Hkv 2, d 128, 64-token pages), bf16 compute: each
     attention kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's
@@ -143,6 +147,7 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
 
     from salaserve.cache.pages import FP8
     from salaserve.kernels import attention as A
+    from salaserve.kernels.sparse import sparse_prefill_attention as S_prefill
 
     dev, bs, hkv, d, hq, pages = "cuda", 64, 2, 128, 32, 80
     g = torch.Generator(device=dev).manual_seed(0)
@@ -196,6 +201,36 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
             print(f"decode f16_dots={f16_dots} splits={splits}: max |fp8 - dequantized| {err:.3g}, "
                   f"equal {torch.equal(a, b)}")
             assert err <= 2 ** -6 * b.float().abs().max().item()
+    elif kind == "sparse":
+        # the block-sparse prefill (window kernel for the forced blocks, then the per-token kernel), with
+        # SPARSE_FP8_F16_DOTS off and on: every token lists block 0, its own block and the one before (the
+        # forced blocks of window (1, 1)) and up to 8 random causal others, ascending
+        import sys as _sys
+
+        sa = _sys.modules[S_prefill.__module__]
+        batch = make_batch([(1900, 700), (0, 300)], bs, pages, dev, seed=5)
+        n = int(batch.cu_seqlens_q[-1])
+        gc = torch.Generator().manual_seed(5)
+        starts = [1900] * 700 + [0] * 300
+        offs = list(range(700)) + list(range(300))
+        idx = torch.full((hkv, n, 16), -1, dtype=torch.int32)
+        for t in range(n):
+            own = (starts[t] + offs[t]) // bs
+            for h in range(hkv):
+                others = torch.randperm(own, generator=gc)[:8].tolist() if own else []
+                blocks = sorted(set(others + [0, max(own - 1, 0), own]))
+                idx[h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        idx = idx.to(dev)
+        q = torch.randn(n, hq, d, device=dev, generator=g).to(torch.bfloat16)
+        for f16_dots in (False, True):
+            monkeypatch.setattr(sa, "SPARSE_FP8_F16_DOTS", f16_dots)
+            for window in (None, (1, 1)):
+                kw = dict(window=window, window_tokens=8, ascending=True) if window else {}
+                a = S_prefill(q, kv8, 0, batch, idx, d ** -0.5, **kw)
+                b = S_prefill(q, twin, 0, batch, idx, d ** -0.5, **kw)
+                err = (a.float() - b.float()).abs().max().item()
+                print(f"sparse f16_dots={f16_dots} window={window}: max |fp8 - dequantized| {err:.3g}")
+                assert err <= 2 ** -6 * b.float().abs().max().item()
     else:
         batch = make_batch([(500, 700), (0, 300)], bs, pages, dev, seed=3)
         q = torch.randn(1000, hq, d, device=dev, generator=g).to(torch.bfloat16)

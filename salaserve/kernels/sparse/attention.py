@@ -32,13 +32,26 @@ SPARSE_WINDOW_LAUNCH = _launch_env("SALASERVE_SPARSE_WINDOW_LAUNCH", "0,2,128")
 
 
 @triton.jit
+def _dot_q(q, F16_DOTS: tl.constexpr):
+    """The query rows as the dots take them: as loaded, or (F16_DOTS) fp16, clamped to its range (exact for
+    every bf16 value up to 65504; beyond, bf16 scores were ~1e9 already)."""
+    if F16_DOTS:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _softmax_block(q, k_ptrs, v_ptrs, visible, scale_off, k_scale_ptr, v_scale_ptr, m, l, acc, scale2,
-                   KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+                   KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, DOT_PREC: tl.constexpr,
+                   F16_DOTS: tl.constexpr = False):
     """One K/V block of the online softmax (base 2) of the rows q: scores outside `visible`
     [rows, BS] are -inf; fp8 pages take their (page, KV head) scales at scale_off on the scores and
     on the probabilities. A row that sees nothing in this block keeps (m, l, acc) exactly; one
-    that has seen nothing yet keeps m = -inf, l = 0, acc = 0. Returns the new (m, l, acc)."""
-    k = _load_kv(k_ptrs, KV_FP8, COMPUTE_DT)
+    that has seen nothing yet keeps m = -inf, l = 0, acc = 0. Returns the new (m, l, acc).
+    F16_DOTS (fp8 pages, q from _dot_q): the codes go to fp16 operands (one convert per two codes; to
+    bf16 it is that plus a convert per code and repacking), p stays in [0, 1] as the fp16 operand of
+    p @ v and the V scale goes on the fp32 product, as attention.DECODE_FP8_F16_DOTS."""
+    k = _load_kv(k_ptrs, KV_FP8, tl.float16 if F16_DOTS else COMPUTE_DT)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
     if KV_FP8:
         s = s * tl.load(k_scale_ptr + scale_off)
@@ -48,17 +61,21 @@ def _softmax_block(q, k_ptrs, v_ptrs, visible, scale_off, k_scale_ptr, v_scale_p
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(s - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    v = _load_kv(v_ptrs, KV_FP8, COMPUTE_DT)
-    if KV_FP8:
-        p = p * tl.load(v_scale_ptr + scale_off)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    v = _load_kv(v_ptrs, KV_FP8, tl.float16 if F16_DOTS else COMPUTE_DT)
+    if F16_DOTS:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC) * tl.load(
+            v_scale_ptr + scale_off)
+    else:
+        if KV_FP8:
+            p = p * tl.load(v_scale_ptr + scale_off)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l, acc
 
 
 @triton.jit
 def _selected_block(q, b, page, pos, g, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, stride_kp, stride_ks, stride_kh, m, l,
                     acc, scale2, D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, HKV: tl.constexpr):
+                    DOT_PREC: tl.constexpr, HKV: tl.constexpr, F16_DOTS: tl.constexpr):
     """Block b (in page `page`) of a sequence in one token's online softmax."""
     d = tl.arange(0, D)
     s_off = tl.arange(0, BS)
@@ -66,7 +83,7 @@ def _selected_block(q, b, page, pos, g, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, 
     kv_off = page * stride_kp + s_off[:, None] * stride_ks + g * stride_kh + d[None, :]
     # every selected block is <= the query's block, so each has a visible key: m stays finite
     return _softmax_block(q, k_ptr + kv_off, v_ptr + kv_off, (b * BS + s_off)[None, :] <= pos, page * HKV + g,
-                          k_scale_ptr, v_scale_ptr, m, l, acc, scale2, KV_FP8, COMPUTE_DT, DOT_PREC)
+                          k_scale_ptr, v_scale_ptr, m, l, acc, scale2, KV_FP8, COMPUTE_DT, DOT_PREC, F16_DOTS)
 
 
 @triton.jit
@@ -82,6 +99,7 @@ def _sparse_prefill_attn_kernel(
     m_part_ptr=None, l_part_ptr=None, acc_part_ptr=None,
     AFTER_WINDOW: tl.constexpr = False, INIT: tl.constexpr = 1, LOCAL: tl.constexpr = 32,
     page_idx_ptr=None, PAGE_LIST: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False,  # fp8 pages: fp16 dot operands (_softmax_block; SPARSE_FP8_F16_DOTS)
 ):
     """One program per (token, KV head g): the group's query heads are the M dimension of tl.dot
     (padded to GP >= 16), iterating over the token's selected blocks (pages through the page
@@ -96,8 +114,8 @@ def _sparse_prefill_attn_kernel(
     h = tl.arange(0, GP)
     h_ok = h < GROUP
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + tok * stride_qt + (g * GROUP + h)[:, None] * stride_qh + d[None, :],
-                mask=h_ok[:, None], other=0.0)
+    q = _dot_q(tl.load(q_ptr + tok * stride_qt + (g * GROUP + h)[:, None] * stride_qh + d[None, :],
+                       mask=h_ok[:, None], other=0.0), F16_DOTS)
 
     row = block_idx_ptr + g * stride_bg + tok * stride_bt
     blocks = tl.load(row + tl.arange(0, W))
@@ -124,7 +142,8 @@ def _sparse_prefill_attn_kernel(
         else:
             page = tl.load(page_table_ptr + seq * stride_pt + b)
         m, l, acc = _selected_block(q, b, page, pos, g, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, stride_kp,
-                                    stride_ks, stride_kh, m, l, acc, scale2, D, BS, KV_FP8, COMPUTE_DT, DOT_PREC, HKV)
+                                    stride_ks, stride_kh, m, l, acc, scale2, D, BS, KV_FP8, COMPUTE_DT, DOT_PREC, HKV,
+                                    F16_DOTS)
     o = acc / l[:, None]
     tl.store(o_ptr + tok * stride_ot + (g * GROUP + h)[:, None] * stride_oh + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
@@ -267,6 +286,13 @@ SPARSE_ATTN_PAGE_LIST = os.environ.get("SALASERVE_SPARSE_ATTN_PAGE_LIST", "1") =
 # Warps of the per-token kernel by whether the pages are fp8: 2 for bf16 pages (run 57, above);
 # 4 for fp8 ones, which spill at 2 (sm_90 compile: 255 registers, 48 bytes of stack).
 _PER_TOKEN_WARPS = {False: 2, True: 4}
+# fp8 pages with bf16 compute: the per-token kernel's dots take fp16 operands (_softmax_block), as the decode
+# attention does (attention.DECODE_FP8_F16_DOTS, measured there). sm_90 compile at 4 warps: 2400 PTX lines
+# against 2996, no bf16 converts, but 168 registers against 128 (3 programs per SM instead of 4). Not in the
+# window kernel, whose 128-register cap then spills more (304 bytes of stack against 136). Off until measured:
+# a 32K prefill on fp8 pages was 8% slower than on bf16 pages (BENCHMARKS run 8); prediction in
+# docs/perf-notes.md, twenty-eighth session.
+SPARSE_FP8_F16_DOTS = os.environ.get("SALASERVE_SPARSE_FP8_F16_DOTS", "0") == "1"
 
 
 def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
@@ -348,6 +374,7 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
         W=block_idx.shape[-1], **consts, **kernel_kw,
+        F16_DOTS=bool(SPARSE_FP8_F16_DOTS and pa["fp8"] and pa["compute"] == torch.bfloat16),
         **{"num_warps": _PER_TOKEN_WARPS[pa["fp8"]], **SPARSE_ATTN_LAUNCH})
     return out
 
