@@ -11,7 +11,6 @@ bit-identical. Compute dtype fp32 here (the interpreter's tl.dot is exact only f
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_kv_fp8.py)", allow_module_level=True)
 
-from test_kernels_attention import make_batch, sparse_lists, tiny_cfg  # noqa: E402
+from test_kernels_attention import make_batch, prefill_block_lists, sparse_lists, tiny_cfg  # noqa: E402
 
 from salaserve.cache.compressed import CompressedKeyPool  # noqa: E402
 from salaserve.cache.pages import FP8, KVPool  # noqa: E402
@@ -158,8 +157,7 @@ def test_sparse_prefill_fp8_equals_dequantized_pool():
     _close(a, b)
 
 
-
-def test_sparse_prefill_fp8_f16_dots_near_dequantized_pool(monkeypatch):
+def test_sparse_prefill_fp8_f16_dots_near_dequantized_pool():
     """SPARSE_FP8_F16_DOTS (bf16 compute: the per-token kernel's dots take fp16 operands, q clamped to fp16's
     range, V's scale on the fp32 product) against fp32 attention over the dequantized pages: q and p rounded
     to fp16 (2^-11) and the bf16 output (2^-9) keep it within 2^-7 of the largest output. A q past fp16's
@@ -171,25 +169,16 @@ def test_sparse_prefill_fp8_f16_dots_near_dequantized_pool(monkeypatch):
     kv8, twin = _fp8_pool_and_twin(24, bs, hkv, d, seed=13)
     kv8.compute_dtype = torch.bfloat16
     batch = make_batch([(60, 20)], bs, 24, "cpu", seed=13)
-    n = 20
-    g = torch.Generator().manual_seed(14)
-    q = torch.randn(n, hq, d, generator=g).to(torch.bfloat16)
-    # every token: block 0, its own block and the one before, and up to two random causal others, ascending,
-    # -1 padded
-    idx = torch.full((hkv, n, 8), -1, dtype=torch.int32)
-    for t in range(n):
-        own = (60 + t) // bs
-        for h in range(hkv):
-            others = torch.randperm(own, generator=g)[:2].tolist() if own else []
-            blocks = sorted(set(others + [0, max(own - 1, 0), own]))
-            idx[h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    monkeypatch.setattr(sys.modules[S.sparse_prefill_attention.__module__], "SPARSE_FP8_F16_DOTS", True)
-    a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
-    b = S.sparse_prefill_attention(q.float(), twin, 1, batch, idx, 0.25)
-    assert a.dtype == torch.bfloat16
-    _close(a.float(), b, tol=2 ** -7)
-    q[0, 0, 0] = 1e6  # beyond fp16: clamped, not inf
-    assert torch.isfinite(S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)).all()
+    q = torch.randn(20, hq, d, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=14)
+    with S.knobs(SPARSE_FP8_F16_DOTS=True):
+        a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
+        b = S.sparse_prefill_attention(q.float(), twin, 1, batch, idx, 0.25)
+        assert a.dtype == torch.bfloat16
+        _close(a.float(), b, tol=2 ** -7)
+        q[0, 0, 0] = 1e6  # beyond fp16: clamped, not inf
+        assert torch.isfinite(S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)).all()
+
 
 def test_update_compressed_fp8_equals_dequantized_pool():
     cfg = tiny_cfg()

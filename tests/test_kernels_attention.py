@@ -122,6 +122,21 @@ def sparse_lists(batch, hkv, block_size, max_sel, keep, seed, device):
     return table.to(device), count.to(device), mask.to(device)
 
 
+def prefill_block_lists(batch, hkv, block_size, others, width, seed):
+    """Per (KV head, prefill token): block 0, the token's own block and the one before (the forced blocks of
+    a (1, 1) window), plus up to `others` random causal blocks, ascending and -1 padded to `width`: the
+    block_idx [hkv, N, width] int32 of sparse_prefill_attention, on the batch's device."""
+    g = torch.Generator().manual_seed(seed)
+    positions = batch.positions.cpu().tolist()
+    idx = torch.full((hkv, len(positions), width), -1, dtype=torch.int32)
+    for t, pos in enumerate(positions):
+        own = pos // block_size
+        for h in range(hkv):
+            blocks = sorted(set(torch.randperm(own, generator=g)[:others].tolist() + [0, max(own - 1, 0), own]))
+            idx[h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return idx.to(batch.positions.device)
+
+
 def ref_decode(q, kv, layer, page_table, seq_lens, block_mask, scale):
     out = torch.empty_like(q, dtype=torch.float32)
     bs = kv.block_size
@@ -425,7 +440,7 @@ else:
                 f16, res = _compile_sm90(
                     A._decode_split_kernel, dec_ptrs,
                     dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
-                         F16_DOTS=True, DOT_DT=tl.float16, **fp8_kw),
+                         F16_DOTS=True, **fp8_kw),
                     **A.DECODE_CONFIG)
                 ptx = f16.asm["ptx"]
                 assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, "fp8 codes not straight to fp16"

@@ -143,11 +143,11 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_kernels_attention import make_batch, sparse_lists
+    from test_kernels_attention import make_batch, prefill_block_lists, sparse_lists
 
     from salaserve.cache.pages import FP8
     from salaserve.kernels import attention as A
-    from salaserve.kernels.sparse import sparse_prefill_attention as S_prefill
+    from salaserve.kernels import sparse as S
 
     dev, bs, hkv, d, hq, pages = "cuda", 64, 2, 128, 32, 80
     g = torch.Generator(device=dev).manual_seed(0)
@@ -205,29 +205,15 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
         # the block-sparse prefill (window kernel for the forced blocks, then the per-token kernel), with
         # SPARSE_FP8_F16_DOTS off and on: every token lists block 0, its own block and the one before (the
         # forced blocks of window (1, 1)) and up to 8 random causal others, ascending
-        import sys as _sys
-
-        sa = _sys.modules[S_prefill.__module__]
         batch = make_batch([(1900, 700), (0, 300)], bs, pages, dev, seed=5)
-        n = int(batch.cu_seqlens_q[-1])
-        gc = torch.Generator().manual_seed(5)
-        starts = [1900] * 700 + [0] * 300
-        offs = list(range(700)) + list(range(300))
-        idx = torch.full((hkv, n, 16), -1, dtype=torch.int32)
-        for t in range(n):
-            own = (starts[t] + offs[t]) // bs
-            for h in range(hkv):
-                others = torch.randperm(own, generator=gc)[:8].tolist() if own else []
-                blocks = sorted(set(others + [0, max(own - 1, 0), own]))
-                idx[h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        idx = idx.to(dev)
-        q = torch.randn(n, hq, d, device=dev, generator=g).to(torch.bfloat16)
+        idx = prefill_block_lists(batch, hkv, bs, others=8, width=16, seed=5)
+        q = torch.randn(idx.shape[1], hq, d, device=dev, generator=g).to(torch.bfloat16)
         for f16_dots in (False, True):
-            monkeypatch.setattr(sa, "SPARSE_FP8_F16_DOTS", f16_dots)
             for window in (None, (1, 1)):
                 kw = dict(window=window, window_tokens=8, ascending=True) if window else {}
-                a = S_prefill(q, kv8, 0, batch, idx, d ** -0.5, **kw)
-                b = S_prefill(q, twin, 0, batch, idx, d ** -0.5, **kw)
+                with S.knobs(SPARSE_FP8_F16_DOTS=f16_dots):
+                    a = S.sparse_prefill_attention(q, kv8, 0, batch, idx, d ** -0.5, **kw)
+                b = S.sparse_prefill_attention(q, twin, 0, batch, idx, d ** -0.5, **kw)
                 err = (a.float() - b.float()).abs().max().item()
                 print(f"sparse f16_dots={f16_dots} window={window}: max |fp8 - dequantized| {err:.3g}")
                 assert err <= 2 ** -6 * b.float().abs().max().item()

@@ -87,6 +87,21 @@ def _load_kv(ptr, KV_FP8: tl.constexpr, COMPUTE_DT: tl.constexpr, mask=None):
     return x
 
 
+@triton.jit
+def _dot_q(q, F16_DOTS: tl.constexpr):
+    """Query rows as fp16 dots on fp8 pages take them (F16_DOTS; else unchanged): clamped to fp16's range,
+    which holds every bf16 q exactly up to 65504 (beyond, bf16 scores were already ~1e9)."""
+    if F16_DOTS:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+def _f16_dots(pa: dict, enabled: bool) -> bool:
+    """Whether an fp8-page kernel takes fp16 dot operands: its switch is on, the pool is fp8 and the
+    model computes in bf16 (an fp16 or fp32 model keeps its own dtype)."""
+    return bool(enabled and pa["fp8"] and pa["compute"] == torch.bfloat16)
+
+
 # ---------------------------------------------------------------------------------------------
 # store_kv
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +607,6 @@ def _decode_split_kernel(
     GATED: tl.constexpr = False,  # one split: the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
     O_DT: tl.constexpr = None,  # GATED: the output dtype
     F16_DOTS: tl.constexpr = False,  # fp8 pools: fp16 dot operands, V's scale on p @ v (DECODE_FP8_F16_DOTS)
-    DOT_DT: tl.constexpr = tl.bfloat16,  # the dots' operand dtype: COMPUTE_DT, or fp16 with F16_DOTS
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
@@ -614,10 +628,9 @@ def _decode_split_kernel(
     row_ok = r < GROUP
     head = g * GROUP + r
     d = tl.arange(0, HEAD_DIM)
+    DOT_DT: tl.constexpr = tl.float16 if F16_DOTS else COMPUTE_DT  # the dots' operand dtype
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if F16_DOTS:  # fp16 holds every bf16 q exactly up to 65504 (beyond, bf16 scores were already ~1e9)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
-    q = q.to(DOT_DT)  # the pool's dtype, or the dots' dtype for fp8 pools
+    q = _dot_q(q, F16_DOTS).to(DOT_DT)  # the pool's dtype, or the dots' dtype for fp8 pools
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -736,7 +749,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     else:  # unused: the split kernel writes `out` directly
         o_part, lse_part = out, out
     pa = _pool_args(kv_pool, layer)
-    f16_dots = bool(DECODE_FP8_F16_DOTS and pa["fp8"] and pa["compute"] == torch.bfloat16)
+    f16_dots = _f16_dots(pa, DECODE_FP8_F16_DOTS)
     _decode_split_kernel[(B, hkv, num_splits)](
         q, kp, vp, block_table, block_count, seq_lens, out, o_part, lse_part, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -747,7 +760,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
         COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, **(gated if num_splits == 1 else {}),
-        F16_DOTS=f16_dots, DOT_DT=tl.float16 if f16_dots else tl_dtype(pa["compute"]),
+        F16_DOTS=f16_dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:

@@ -27,7 +27,8 @@ from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _env_ints, 
                                               _prefill_tiles, _step_tiles, _tile_env, launch_options,
                                               tile_tensors)
 from salaserve.kernels.sparse.attention import (_PER_TOKEN_WARPS, SPARSE_ATTN_LAUNCH, SPARSE_ATTN_PAGE_LIST,
-                                                SPARSE_ATTN_TILE, SPARSE_ATTN_WINDOW, SPARSE_WINDOW_LAUNCH,
+                                                SPARSE_ATTN_TILE, SPARSE_ATTN_WINDOW, SPARSE_FP8_F16_DOTS,
+                                                SPARSE_WINDOW_LAUNCH,
                                                 _ascending_lists, _sparse_prefill_attn_kernel,
                                                 _sparse_prefill_attn_tile_kernel, _sparse_window_attn_kernel,
                                                 sparse_attention, sparse_prefill_attention)

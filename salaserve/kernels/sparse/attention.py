@@ -14,7 +14,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.config import ModelConfig
 from salaserve.engine.batch import ForwardBatch
 from salaserve.kernels._triton_utils import tl_dtype
-from salaserve.kernels.attention import _load_kv, _pool_args
+from salaserve.kernels.attention import _dot_q, _f16_dots, _load_kv, _pool_args
 from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _launch_env, _load_q_rows, _pow2, _step_tiles,
                                               _tile_rows)
 from salaserve.kernels.sparse.selection import select_blocks_prefill
@@ -29,15 +29,6 @@ from salaserve.kernels.sparse.selection import select_blocks_prefill
 # warps default by the pool's dtype (`_PER_TOKEN_WARPS`); SALASERVE_SPARSE_ATTN_LAUNCH overrides them.
 SPARSE_ATTN_LAUNCH = _launch_env("SALASERVE_SPARSE_ATTN_LAUNCH", "0,0,0")
 SPARSE_WINDOW_LAUNCH = _launch_env("SALASERVE_SPARSE_WINDOW_LAUNCH", "0,2,128")
-
-
-@triton.jit
-def _dot_q(q, F16_DOTS: tl.constexpr):
-    """The query rows as the dots take them: as loaded, or (F16_DOTS) fp16, clamped to its range (exact for
-    every bf16 value up to 65504; beyond, bf16 scores were ~1e9 already)."""
-    if F16_DOTS:
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    return q
 
 
 @triton.jit
@@ -374,7 +365,7 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
         W=block_idx.shape[-1], **consts, **kernel_kw,
-        F16_DOTS=bool(SPARSE_FP8_F16_DOTS and pa["fp8"] and pa["compute"] == torch.bfloat16),
+        F16_DOTS=_f16_dots(pa, SPARSE_FP8_F16_DOTS),
         **{"num_warps": _PER_TOKEN_WARPS[pa["fp8"]], **SPARSE_ATTN_LAUNCH})
     return out
 
