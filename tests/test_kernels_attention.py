@@ -319,7 +319,7 @@ if INTERP:
         check_paged_decode([1, 16, 17, 50, 95, 33], 8, 2, 16, 16, torch.float32, "cpu", num_pages=40,
                            num_splits=num_splits)
 
-    @pytest.mark.parametrize("num_splits", [1, 4])
+    @pytest.mark.parametrize("num_splits", [1, 4, 9])  # 9: more splits than listed pages (empty splits)
     def test_interp_paged_decode_sparse(num_splits):
         check_paged_decode([1, 16, 40, 95, 150], 8, 2, 16, 16, torch.float32, "cpu", num_pages=40,
                            num_splits=num_splits, sparse_keep=4, max_sel=6)
@@ -542,9 +542,21 @@ def test_gpu_paged_decode(batch_size, mode):
     num_pages = sum(-(-L // BS) for L in lens) + 8
     keep = None if mode == "dense" else 96
     max_sel = -(-max(lens) // BS) if mode == "dense" else 96
-    for splits in sorted({1, choose_num_splits(batch_size, HKV, max_sel)}):
+    # 128: one page per split and more splits than pages (the DECODE_NUM_SPLITS experiments)
+    for splits in sorted({1, choose_num_splits(batch_size, HKV, max_sel), 128}):
         check_paged_decode(lens, HQ, HKV, D, BS, torch.bfloat16, "cuda", num_pages, splits,
                            sparse_keep=keep, max_sel=max_sel, tol=BF16_TOL)
+
+
+def test_choose_num_splits_override(monkeypatch):
+    """DECODE_NUM_SPLITS > 0 replaces the rule; 0 keeps it (one wave of programs, >= 2 pages each)."""
+    from salaserve.kernels import attention as A
+
+    assert A.choose_num_splits(1, 2, 128) == 64  # by pages: 128 / 2
+    assert A.choose_num_splits(8, 2, 128) == 8  # by SMs: 132 // 16
+    monkeypatch.setattr(A, "DECODE_NUM_SPLITS", 96)
+    assert A.choose_num_splits(1, 2, 128) == 96
+    assert A.choose_num_splits(8, 2, 128) == 96
 
 
 @pytest.mark.gpu

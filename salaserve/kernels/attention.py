@@ -56,6 +56,9 @@ DECODE_CONFIG = dict(num_warps=4, num_stages=3)
 # [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Measured in the
 # twenty-seventh session (BENCHMARKS run 144): 4.973 -> 4.970 ms at 128K; on by default.
 DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "1") == "1"
+# The decode attention's split count, when > 0, instead of choose_num_splits' rule (an experiment switch for
+# `profile_step --ab`: it is read when a step's kernels are launched or captured).
+DECODE_NUM_SPLITS = int(os.environ.get("SALASERVE_DECODE_NUM_SPLITS", "0"))
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -792,6 +795,8 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_blocks: int, num_sms: 
                       min_blocks_per_split: int = 2) -> int:
     """A starting point for paged_decode_attention's num_splits: about one wave of programs over
     the SMs, each split keeping at least `min_blocks_per_split` pages. Static (graph-safe)."""
+    if DECODE_NUM_SPLITS > 0:
+        return DECODE_NUM_SPLITS
     by_sms = max(1, num_sms // max(1, batch_size * kv_heads))
     by_blocks = max(1, math.ceil(max_blocks / min_blocks_per_split))
     return max(1, min(by_sms, by_blocks))
