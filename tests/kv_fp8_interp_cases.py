@@ -180,6 +180,54 @@ def test_sparse_prefill_fp8_f16_dots_near_dequantized_pool():
         assert torch.isfinite(S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)).all()
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_dequantize_pages_equals_gather(dtype):
+    """attention.dequantize_pages: the listed pages (any order, repeats allowed) with KVPool.gather's values
+    (codes times the page's scale in fp32, rounded once to the compute dtype), bit for bit."""
+    cfg = tiny_cfg()
+    bs, hkv, d = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim
+    kv8, _ = _fp8_pool_and_twin(12, bs, hkv, d, seed=21)
+    kv8.compute_dtype = dtype
+    pages = torch.tensor([7, 2, 11, 2, 0], dtype=torch.int32)
+    k, v = A.dequantize_pages(kv8, 1, pages)
+    gk, gv = kv8.gather(1, pages.long(), len(pages) * bs)
+    assert k.dtype == v.dtype == dtype and k.shape == (len(pages), bs, hkv, d)
+    assert torch.equal(k.flatten(0, 1), gk) and torch.equal(v.flatten(0, 1), gv)
+    assert A.dequantize_pages(kv8, 1, pages[:0])[0].shape == (0, bs, hkv, d)
+    with pytest.raises(ValueError, match="fp8"):
+        A.dequantize_pages(_fp8_pool_and_twin(12, bs, hkv, d, seed=21)[1], 1, pages)
+
+
+@pytest.mark.parametrize("window", [None, (1, 1)])
+def test_sparse_prefill_fp8_staged_equals_dequantized_pool(window, monkeypatch):
+    """SPARSE_FP8_STAGED: the batch's pages dequantized once, then the plain-pool kernels on that copy through
+    a remapped page table: bit-equal to the same kernels on a pool holding the dequantized values (two
+    sequences, one with cached context, so the remap crosses sequences), with and without the window kernel.
+    Past SPARSE_FP8_STAGE_MAX_BYTES the in-kernel fp8 path runs instead (no copy made)."""
+    from salaserve.kernels.sparse import attention as SA
+
+    cfg = tiny_cfg()
+    bs, hkv, d, hq = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    kv8, twin = _fp8_pool_and_twin(24, bs, hkv, d, seed=17)
+    batch = make_batch([(60, 20), (0, 40)], bs, 24, "cpu", seed=17)
+    q = torch.randn(60, hq, d, generator=torch.Generator().manual_seed(18))
+    idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=18)
+    kw = dict(window=window, window_tokens=4, ascending=True) if window else {}
+    calls = []
+    real = SA.dequantize_pages
+    monkeypatch.setattr(SA, "dequantize_pages", lambda *a: calls.append(a[2].tolist()) or real(*a))
+    with S.knobs(SPARSE_FP8_STAGED=True):
+        a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25, **kw)
+    b = S.sparse_prefill_attention(q, twin, 1, batch, idx, 0.25, **kw)
+    assert torch.equal(a, b)
+    pt = batch.page_table.tolist()
+    assert calls == [pt[0][:5] + pt[1][:3]]  # ceil(80 / 16) pages, then ceil(40 / 16)
+    with S.knobs(SPARSE_FP8_STAGED=True, SPARSE_FP8_STAGE_MAX_BYTES=0):
+        c = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25, **kw)
+    assert len(calls) == 1  # too large: the in-kernel path
+    _close(c, b)
+
+
 def test_update_compressed_fp8_equals_dequantized_pool():
     cfg = tiny_cfg()
     sc, bs, hkv, d = cfg.sparse, cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim

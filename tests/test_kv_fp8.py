@@ -138,7 +138,8 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
     attention kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's
     values. Those pages carry one bf16 rounding per element (2^-9 relative) that the fp8 path
     does not (it scales scores and probabilities instead), so outputs may differ by a few 2^-9:
-    bound 2^-6 of the largest output. store_kv equals KVPool.write bit for bit (scales, codes)."""
+    bound 2^-6 of the largest output. store_kv equals KVPool.write bit for bit (scales, codes), and
+    the staged sparse prefill (the bf16-page kernels on a dequantized copy) equals the twin bit for bit."""
     import sys
     from pathlib import Path
 
@@ -217,6 +218,13 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
                 err = (a.float() - b.float()).abs().max().item()
                 print(f"sparse f16_dots={f16_dots} window={window}: max |fp8 - dequantized| {err:.3g}")
                 assert err <= 2 ** -6 * b.float().abs().max().item()
+        for window in (None, (1, 1)):  # SPARSE_FP8_STAGED: the same kernels on the same values, bit-equal
+            kw = dict(window=window, window_tokens=8, ascending=True) if window else {}
+            with S.knobs(SPARSE_FP8_STAGED=True):
+                a = S.sparse_prefill_attention(q, kv8, 0, batch, idx, d ** -0.5, **kw)
+            b = S.sparse_prefill_attention(q, twin, 0, batch, idx, d ** -0.5, **kw)
+            print(f"sparse staged window={window}: equal {torch.equal(a, b)}")
+            assert torch.equal(a, b)
     else:
         batch = make_batch([(500, 700), (0, 300)], bs, pages, dev, seed=3)
         q = torch.randn(1000, hq, d, device=dev, generator=g).to(torch.bfloat16)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from salaserve.cache.compressed import CompressedKeyPool
-from salaserve.cache.pages import KVPool
+from salaserve.cache.pages import FP8, FP8_STAGE_MAX_BYTES, KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import EngineArgs, ModelConfig
 
@@ -57,7 +57,8 @@ def plan_caches(cfg: ModelConfig, args: EngineArgs, device: torch.device, kv_dty
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free  # weights and whatever else is resident
-        budget = int(total * args.mem_fraction_static) - used - ACTIVATION_RESERVE - num_slots * slot_bytes
+        stage = FP8_STAGE_MAX_BYTES if kv_dtype == FP8 else 0  # the sparse prefill's dequantized copy
+        budget = int(total * args.mem_fraction_static) - used - ACTIVATION_RESERVE - stage - num_slots * slot_bytes
         num_pages = budget // page_bytes
         if num_pages < 1:
             raise RuntimeError(

@@ -277,6 +277,50 @@ def store_kv(kv_pool, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> No
 
 
 # ---------------------------------------------------------------------------------------------
+# dequantize_pages
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dequantize_pages_kernel(K_pool, V_pool, K_scale, V_scale, pages, K_out, V_out,
+                             HKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # Grid (P, Hkv): entry i of the page list, KV head g. Codes times the (page, KV head) scale in
+    # fp32, rounded once to the output dtype: KVPool.gather's values.
+    i = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    page = tl.load(pages + i).to(tl.int64)
+    s = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, HEAD_DIM)
+    row = s[:, None] * (HKV * HEAD_DIM) + g * HEAD_DIM + d[None, :]
+    src = page * (BLOCK_SIZE * HKV * HEAD_DIM) + row
+    dst = i * (BLOCK_SIZE * HKV * HEAD_DIM) + row
+    k = tl.load(K_pool + src).to(tl.float32) * tl.load(K_scale + page * HKV + g)
+    v = tl.load(V_pool + src).to(tl.float32) * tl.load(V_scale + page * HKV + g)
+    # round_to: round to nearest even on the bits (the interpreter's own bf16 cast truncates)
+    tl.store(K_out + dst, round_to(k, K_out.dtype.element_ty).to(K_out.dtype.element_ty))
+    tl.store(V_out + dst, round_to(v, V_out.dtype.element_ty).to(V_out.dtype.element_ty))
+
+
+def dequantize_pages(kv_pool, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages `pages` [P] (int) of an fp8 pool's layer as K, V [P, block_size, Hkv, d] in the pool's
+    compute dtype, with KVPool.gather's values. For kernels whose reads of a page repeat (the
+    block-sparse prefill reads each page once per query token that selects it): one conversion
+    per page instead of one per read."""
+    if not kv_pool.fp8:
+        raise ValueError("dequantize_pages wants an fp8 KV pool")
+    kp, vp = kv_pool.k[layer], kv_pool.v[layer]
+    _, block_size, hkv, d = kp.shape
+    pages = pages.to(device=kp.device, dtype=torch.int32).contiguous()
+    k = torch.empty((pages.numel(), block_size, hkv, d), dtype=kv_pool.compute_dtype, device=kp.device)
+    v = torch.empty_like(k)
+    if pages.numel():
+        _dequantize_pages_kernel[(pages.numel(), hkv)](
+            kp, vp, kv_pool.k_scale[layer], kv_pool.v_scale[layer], pages, k, v,
+            HKV=hkv, BLOCK_SIZE=block_size, HEAD_DIM=d, num_warps=4)
+    return k, v
+
+
+# ---------------------------------------------------------------------------------------------
 # update_compressed
 # ---------------------------------------------------------------------------------------------
 

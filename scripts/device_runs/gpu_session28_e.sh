@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-eighth session, NOT RUN (device time spent): fp16 dot operands in the block-sparse prefill's per-token
+# Twenty-eighth session (run 151 in the twenty-ninth): fp16 dot operands in the block-sparse prefill's per-token
 # kernel on fp8 KV pages (sparse.attention.SPARSE_FP8_F16_DOTS, SALASERVE_SPARSE_FP8_F16_DOTS=1, off by default).
 # A 32K prefill on fp8 pages was 8% slower than on bf16 pages (BENCHMARKS run 8: 1.42 against 1.31 s).
 # Prediction (docs/perf-notes.md, twenty-eighth session): the per-token kernel's total on fp8 pages 10-20%

@@ -10,11 +10,11 @@ import triton
 import triton.language as tl
 
 from salaserve.cache.compressed import CompressedKeyPool
-from salaserve.cache.pages import KVPool
+from salaserve.cache.pages import FP8_STAGE_MAX_BYTES, KVPool
 from salaserve.config import ModelConfig
 from salaserve.engine.batch import ForwardBatch
 from salaserve.kernels._triton_utils import tl_dtype
-from salaserve.kernels.attention import _dot_q, _f16_dots, _load_kv, _pool_args
+from salaserve.kernels.attention import _dot_q, _f16_dots, _load_kv, _pool_args, dequantize_pages
 from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _launch_env, _load_q_rows, _pow2, _step_tiles,
                                               _tile_rows)
 from salaserve.kernels.sparse.selection import select_blocks_prefill
@@ -284,6 +284,15 @@ _PER_TOKEN_WARPS = {False: 2, True: 4}
 # a 32K prefill on fp8 pages was 8% slower than on bf16 pages (BENCHMARKS run 8); prediction in
 # docs/perf-notes.md, twenty-eighth session.
 SPARSE_FP8_F16_DOTS = os.environ.get("SALASERVE_SPARSE_FP8_F16_DOTS", "0") == "1"
+# fp8 pages: dequantize the prefill batch's pages of the layer once (attention.dequantize_pages, KVPool.gather's
+# values) and run the bf16-page kernels on that copy. The per-token kernel reads each page once per query token
+# that selects it, so in-kernel the e4m3 converts repeat for every token that selects the page: in a 32K prefill its total
+# was 225 ms on fp8 pages against 124 on bf16 pages (BENCHMARKS run 151). The copy is transient, one layer at a
+# time: 2 * Hkv * d * 2 bytes per token of the batch's sequences (1 KiB at full size), at most
+# SPARSE_FP8_STAGE_MAX_BYTES; longer batches keep the in-kernel path. Prediction in docs/perf-notes.md
+# (twenty-ninth session).
+SPARSE_FP8_STAGED = os.environ.get("SALASERVE_SPARSE_FP8_STAGED", "0") == "1"
+SPARSE_FP8_STAGE_MAX_BYTES = FP8_STAGE_MAX_BYTES  # kept free by the cache budget (cache/budget.py)
 
 
 def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
@@ -291,6 +300,29 @@ def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
     big = torch.iinfo(block_idx.dtype).max
     key = torch.where(block_idx < 0, big, block_idx).sort(dim=-1).values
     return torch.where(key == big, -1, key)
+
+
+def _staged_pages(kv: KVPool, layer: int, batch: ForwardBatch):
+    """The batch's pages of `layer` dequantized into a fresh compute-dtype copy (see SPARSE_FP8_STAGED):
+    (K, V [P, block_size, Hkv, d], a page table [B, width] into them, the pool arguments of a plain pool),
+    or None when the copy would exceed SPARSE_FP8_STAGE_MAX_BYTES. Sequence i's pages 0 .. ceil(len / bs)
+    come in order after sequence i - 1's; the table's columns past them read copy page 0 (never used)."""
+    bs = kv.block_size
+    n_pages = [-(-int(n) // bs) for n in batch.seq_lens_host]
+    _, _, hkv, d = kv.k[layer].shape
+    elem = torch.empty((), dtype=kv.compute_dtype).element_size()
+    if 2 * sum(n_pages) * bs * hkv * d * elem > SPARSE_FP8_STAGE_MAX_BYTES:
+        return None
+    width = batch.page_table.shape[1]
+    rows = torch.repeat_interleave(torch.arange(len(n_pages)), torch.tensor(n_pages, dtype=torch.int64))
+    cols = torch.cat([torch.arange(n) for n in n_pages]) if n_pages else torch.zeros(0, dtype=torch.int64)
+    first = torch.tensor([0] + n_pages[:-1], dtype=torch.int64).cumsum(0)
+    col = torch.arange(width)
+    table = torch.where(col[None, :] < torch.tensor(n_pages)[:, None], first[:, None] + col[None, :], 0)
+    dev = batch.page_table.device
+    pages = batch.page_table[rows.to(dev), cols.to(dev)]
+    k, v = dequantize_pages(kv, layer, pages)
+    return k, v, table.to(device=dev, dtype=torch.int32), dict(k_scale=k, v_scale=v, fp8=False, compute=k.dtype)
 
 
 def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch,
@@ -324,6 +356,10 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
+    page_table = batch.page_table
+    staged = _staged_pages(kv, layer, batch) if pa["fp8"] and SPARSE_FP8_STAGED else None
+    if staged is not None:  # the plain-pool kernels on a dequantized copy of the batch's pages
+        k, v, page_table, pa = staged
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2))
     consts = dict(GROUP=group, GP=gp, D=D, BS=kv.block_size, DOT_PREC=_dot_precision(q.dtype), KV_FP8=pa["fp8"],
                   COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv)
@@ -331,9 +367,9 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         block_idx = _ascending_lists(block_idx).contiguous()
         _, (tile_seq, tile_tok0, tile_ntok) = _step_tiles(batch, tile, q.device)
         _sparse_prefill_attn_tile_kernel[(tile_seq.numel(), hkv)](
-            q, k, v, out, block_idx, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
+            q, k, v, out, block_idx, page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
             pa["k_scale"], pa["v_scale"], *strides, block_idx.stride(0), block_idx.stride(1),
-            batch.page_table.stride(0), scale * LOG2E, block_idx.shape[-1],
+            page_table.stride(0), scale * LOG2E, block_idx.shape[-1],
             BLOCK_T=tile, num_warps=4 if tile * gp <= 64 else 8, **consts)
         return out
     width = block_idx.shape[-1]
@@ -352,18 +388,18 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         acc_part = torch.empty(N, Hq, D, dtype=torch.float32, device=q.device)
         _, (tile_seq, tile_tok0, tile_ntok) = _step_tiles(batch, win, q.device)
         _sparse_window_attn_kernel[(tile_seq.numel(), hkv)](
-            q, k, v, m_part, l_part, acc_part, batch.page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
+            q, k, v, m_part, l_part, acc_part, page_table, batch.positions, tile_seq, tile_tok0, tile_ntok,
             pa["k_scale"], pa["v_scale"], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            batch.page_table.stride(0), scale * LOG2E, BLOCK_T=win, INIT=init, LOCAL=local,
+            page_table.stride(0), scale * LOG2E, BLOCK_T=win, INIT=init, LOCAL=local,
             **{"num_warps": 4 if win * gp <= 64 else 8, **SPARSE_WINDOW_LAUNCH}, **consts)
         kernel_kw = dict(m_part_ptr=m_part, l_part_ptr=l_part, acc_part_ptr=acc_part, AFTER_WINDOW=True,
                          INIT=init, LOCAL=local)
     if SPARSE_ATTN_PAGE_LIST:  # each entry's page, in block_idx's layout (-1 entries: any valid page)
-        pages = batch.page_table[tok_seq[None, :, None], block_idx.clamp_min(0)]
+        pages = page_table[tok_seq[None, :, None], block_idx.clamp_min(0)]
         kernel_kw.update(page_idx_ptr=pages.contiguous(), PAGE_LIST=True)
     _sparse_prefill_attn_kernel[(N, hkv)](
-        q, k, v, out, block_idx, batch.page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
-        *strides, block_idx.stride(0), block_idx.stride(1), batch.page_table.stride(0), scale * LOG2E,
+        q, k, v, out, block_idx, page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
+        *strides, block_idx.stride(0), block_idx.stride(1), page_table.stride(0), scale * LOG2E,
         W=block_idx.shape[-1], **consts, **kernel_kw,
         F16_DOTS=_f16_dots(pa, SPARSE_FP8_F16_DOTS),
         **{"num_warps": _PER_TOKEN_WARPS[pa["fp8"]], **SPARSE_ATTN_LAUNCH})
