@@ -152,7 +152,8 @@ def test_sparse_prefill_fp8_equals_dequantized_pool():
             blocks = sorted(set(others + [own]))
             idx[h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     assert nb >= 5
-    a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
+    with S.knobs(SPARSE_FP8_STAGED=False):  # the in-kernel converts (the staged copy: the test below)
+        a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
     b = S.sparse_prefill_attention(q, twin, 1, batch, idx, 0.25)
     _close(a, b)
 
@@ -171,7 +172,7 @@ def test_sparse_prefill_fp8_f16_dots_near_dequantized_pool():
     batch = make_batch([(60, 20)], bs, 24, "cpu", seed=13)
     q = torch.randn(20, hq, d, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
     idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=14)
-    with S.knobs(SPARSE_FP8_F16_DOTS=True):
+    with S.knobs(SPARSE_FP8_F16_DOTS=True, SPARSE_FP8_STAGED=False):
         a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
         b = S.sparse_prefill_attention(q.float(), twin, 1, batch, idx, 0.25)
         assert a.dtype == torch.bfloat16
@@ -198,11 +199,12 @@ def test_dequantize_pages_equals_gather(dtype):
         A.dequantize_pages(_fp8_pool_and_twin(12, bs, hkv, d, seed=21)[1], 1, pages)
 
 
-@pytest.mark.parametrize("window", [None, (1, 1)])
-def test_sparse_prefill_fp8_staged_equals_dequantized_pool(window, monkeypatch):
+@pytest.mark.parametrize("mode", ["per-token", "window", "tile"])
+def test_sparse_prefill_fp8_staged_equals_dequantized_pool(mode, monkeypatch):
     """SPARSE_FP8_STAGED: the batch's pages dequantized once, then the plain-pool kernels on that copy through
     a remapped page table: bit-equal to the same kernels on a pool holding the dequantized values (two
-    sequences, one with cached context, so the remap crosses sequences), with and without the window kernel.
+    sequences, one with cached context, so the remap crosses sequences): the per-token kernel, after the window
+    kernel, and the tile kernel.
     Past SPARSE_FP8_STAGE_MAX_BYTES the in-kernel fp8 path runs instead (no copy made)."""
     from salaserve.kernels.sparse import attention as SA
 
@@ -212,7 +214,8 @@ def test_sparse_prefill_fp8_staged_equals_dequantized_pool(window, monkeypatch):
     batch = make_batch([(60, 20), (0, 40)], bs, 24, "cpu", seed=17)
     q = torch.randn(60, hq, d, generator=torch.Generator().manual_seed(18))
     idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=18)
-    kw = dict(window=window, window_tokens=4, ascending=True) if window else {}
+    kw = {"per-token": dict(tile_tokens=0), "window": dict(tile_tokens=0, window=(1, 1), window_tokens=4, ascending=True),
+          "tile": dict(tile_tokens=4)}[mode]
     calls = []
     real = SA.dequantize_pages
     monkeypatch.setattr(SA, "dequantize_pages", lambda *a: calls.append(a[2].tolist()) or real(*a))

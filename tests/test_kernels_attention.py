@@ -549,11 +549,13 @@ def test_gpu_paged_decode(batch_size, mode):
 
 
 def test_choose_num_splits_override(monkeypatch):
-    """DECODE_NUM_SPLITS > 0 replaces the rule; 0 keeps it (one wave of programs, >= 2 pages each)."""
+    """DECODE_NUM_SPLITS > 0 replaces the rule; 0 keeps it (two programs per SM, >= 1 page each)."""
     from salaserve.kernels import attention as A
 
-    assert A.choose_num_splits(1, 2, 128) == 64  # by pages: 128 / 2
-    assert A.choose_num_splits(8, 2, 128) == 8  # by SMs: 132 // 16
+    assert A.choose_num_splits(1, 2, 96) == 96  # by pages
+    assert A.choose_num_splits(1, 2, 128) == 128  # by pages (2 * 132 // 2 = 132 by SMs)
+    assert A.choose_num_splits(8, 2, 128) == 16  # by SMs: 2 * 132 // 16
+    assert A.choose_num_splits(256, 2, 128) == 1
     monkeypatch.setattr(A, "DECODE_NUM_SPLITS", 96)
     assert A.choose_num_splits(1, 2, 128) == 96
     assert A.choose_num_splits(8, 2, 128) == 96

@@ -285,13 +285,13 @@ _PER_TOKEN_WARPS = {False: 2, True: 4}
 # docs/perf-notes.md, twenty-eighth session.
 SPARSE_FP8_F16_DOTS = os.environ.get("SALASERVE_SPARSE_FP8_F16_DOTS", "0") == "1"
 # fp8 pages: dequantize the prefill batch's pages of the layer once (attention.dequantize_pages, KVPool.gather's
-# values) and run the bf16-page kernels on that copy. The per-token kernel reads each page once per query token
-# that selects it, so in-kernel the e4m3 converts repeat for every token that selects the page: in a 32K prefill its total
-# was 225 ms on fp8 pages against 124 on bf16 pages (BENCHMARKS run 151). The copy is transient, one layer at a
-# time: 2 * Hkv * d * 2 bytes per token of the batch's sequences (1 KiB at full size), at most
-# SPARSE_FP8_STAGE_MAX_BYTES; longer batches keep the in-kernel path. Prediction in docs/perf-notes.md
-# (twenty-ninth session).
-SPARSE_FP8_STAGED = os.environ.get("SALASERVE_SPARSE_FP8_STAGED", "0") == "1"
+# values) and run the bf16-page kernels on that copy. The per-token kernel reads each page once for every query
+# token that selects it, so in-kernel the e4m3 converts repeat for each of those reads. Measured in a 32K prefill
+# (BENCHMARKS run 152): the per-token kernel 220.8 -> 124.7 ms (bf16 pages: 123.7), the window kernel 43.5 ->
+# 28.4 (28.1), the dequantize kernels 0.3 ms, the prefill's kernels 1.171 -> 1.101 s (bf16 pages: 1.082). The
+# copy is transient, one layer at a time: 2 * Hkv * d * 2 bytes per token of the batch's sequences (1 KiB at
+# full size), at most SPARSE_FP8_STAGE_MAX_BYTES; longer batches keep the in-kernel path.
+SPARSE_FP8_STAGED = os.environ.get("SALASERVE_SPARSE_FP8_STAGED", "1") == "1"
 SPARSE_FP8_STAGE_MAX_BYTES = FP8_STAGE_MAX_BYTES  # kept free by the cache budget (cache/budget.py)
 
 
