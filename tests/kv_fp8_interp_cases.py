@@ -214,8 +214,8 @@ def test_sparse_prefill_fp8_staged_equals_dequantized_pool(mode, monkeypatch):
     batch = make_batch([(60, 20), (0, 40)], bs, 24, "cpu", seed=17)
     q = torch.randn(60, hq, d, generator=torch.Generator().manual_seed(18))
     idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=18)
-    kw = {"per-token": dict(tile_tokens=0), "window": dict(tile_tokens=0, window=(1, 1), window_tokens=4, ascending=True),
-          "tile": dict(tile_tokens=4)}[mode]
+    kw = {"per-token": dict(tile_tokens=0), "tile": dict(tile_tokens=4),
+          "window": dict(tile_tokens=0, window=(1, 1), window_tokens=4, ascending=True)}[mode]
     calls = []
     real = SA.dequantize_pages
     monkeypatch.setattr(SA, "dequantize_pages", lambda *a: calls.append(a[2].tolist()) or real(*a))
