@@ -29,3 +29,15 @@ profile_graph() {
     | grep -v -i warn > "$OUT/$name.log"
   echo "$name ($*): $(grep -E 'graph replay|median' "$OUT/$name.log" | cut -c1-110 | tr '\n' ' ')"
 }
+# One `profile_step --prefill 32768` process (eager, under the profiler): prefill_profile NAME ARGS... writes
+# $OUT/NAME.log and .json and prints the prefill's line and the rows of the kernels matching PREFILL_KERNELS
+# (default: the sparse attention kernels, the fp8 pages' dequantize and the KV stores).
+prefill_profile() {
+  local name=$1
+  shift
+  timeout "${PROFILE_TIMEOUT:-200}" python3 -m salaserve.bench.profile_step --prefill 32768 --top 24 \
+    --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn > "$OUT/$name.log"
+  echo "$name: $(grep -E '^prefill of' "$OUT/$name.log")"
+  grep -E "${PREFILL_KERNELS:-_sparse_prefill_attn_kernel|_sparse_window_attn_kernel|_dequantize_pages|_store_kv}" \
+    "$OUT/$name.log"
+}

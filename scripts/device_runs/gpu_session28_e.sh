@@ -9,14 +9,6 @@
 set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 $GPU_PYTEST tests/test_kv_fp8.py 2>&1 | grep -E "^sparse|decode f16|passed|failed|Error" | tail -12
-prefill_profile() {  # NAME ARGS...: one 32K prefill under the profiler; prints the total and the sparse kernels
-  local name=$1
-  shift
-  timeout 200 python3 -m salaserve.bench.profile_step --prefill 32768 --top 16 --json "$OUT/$name.json" "$@" 2>&1 \
-    | grep -v -i warn > "$OUT/$name.log"
-  echo "$name: $(grep -E '^prefill of' "$OUT/$name.log")"
-  grep -E "_sparse_prefill_attn_kernel|_sparse_window_attn_kernel|_store_kv" "$OUT/$name.log"
-}
 prefill_profile prefill-bf16-pages
 prefill_profile prefill-fp8-pages --kv-cache-dtype fp8_e4m3
 SALASERVE_SPARSE_FP8_F16_DOTS=1 prefill_profile prefill-fp8-pages-f16 --kv-cache-dtype fp8_e4m3
