@@ -10,5 +10,5 @@ set -uo pipefail
 source "$(dirname "$0")/../device_env.sh"
 $GPU_PYTEST tests/test_kv_fp8.py 2>&1 | grep -E "^sparse|decode f16|passed|failed|Error" | tail -12
 prefill_profile prefill-bf16-pages
-prefill_profile prefill-fp8-pages --kv-cache-dtype fp8_e4m3
-SALASERVE_SPARSE_FP8_F16_DOTS=1 prefill_profile prefill-fp8-pages-f16 --kv-cache-dtype fp8_e4m3
+SALASERVE_SPARSE_FP8_STAGED=0 prefill_profile prefill-fp8-pages --kv-cache-dtype fp8_e4m3
+SALASERVE_SPARSE_FP8_F16_DOTS=1 SALASERVE_SPARSE_FP8_STAGED=0 prefill_profile prefill-fp8-pages-f16 --kv-cache-dtype fp8_e4m3
