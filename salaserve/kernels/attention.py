@@ -839,9 +839,10 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_blocks: int, num_sms: 
                       min_blocks_per_split: int = 1, waves: int = 2) -> int:
     """paged_decode_attention's num_splits: up to `waves` programs per SM, each split keeping at least
     `min_blocks_per_split` pages. Static (graph-safe). One page per program and two waves measured
-    faster than one wave of at least two pages (BENCHMARKS run 153-154: at 131080 tokens, batch 1
-    -0.018 ms on bf16 pages and -0.006 on fp8 pages, batch 8 -0.076; at 4K, batch 1, -0.007): with
-    ~1.5 pages per program the second page's dots sat on the critical path, and two programs fit per SM."""
+    faster than one wave of at least two pages (BENCHMARKS runs 153-154: at 131080 tokens, batch 1
+    -0.018 ms on bf16 pages and -0.006 on fp8 pages, batch 8 -0.076; at 4K, batch 1, -0.007). Fewer
+    pages per program shorten each program's serial chain (at batch 8 the old rule gave ~12 pages per
+    split); two programs fit per SM. Batch 32 under this rule is not measured."""
     if DECODE_NUM_SPLITS > 0:
         return DECODE_NUM_SPLITS
     by_sms = max(1, waves * num_sms // max(1, batch_size * kv_heads))

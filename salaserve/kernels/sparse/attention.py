@@ -278,11 +278,11 @@ SPARSE_ATTN_PAGE_LIST = os.environ.get("SALASERVE_SPARSE_ATTN_PAGE_LIST", "1") =
 # 4 for fp8 ones, which spill at 2 (sm_90 compile: 255 registers, 48 bytes of stack).
 _PER_TOKEN_WARPS = {False: 2, True: 4}
 # fp8 pages with bf16 compute: the per-token kernel's dots take fp16 operands (_softmax_block), as the decode
-# attention does (attention.DECODE_FP8_F16_DOTS, measured there). sm_90 compile at 4 warps: 2400 PTX lines
-# against 2996, no bf16 converts, but 168 registers against 128 (3 programs per SM instead of 4). Not in the
-# window kernel, whose 128-register cap then spills more (304 bytes of stack against 136). Off until measured:
-# a 32K prefill on fp8 pages was 8% slower than on bf16 pages (BENCHMARKS run 8); prediction in
-# docs/perf-notes.md, twenty-eighth session.
+# attention does (attention.DECODE_FP8_F16_DOTS). sm_90 compile at 4 warps: 2400 PTX lines against 2996, no bf16
+# converts, but 168 registers against 128 (3 programs per SM instead of 4). Not in the window kernel, whose
+# 128-register cap then spills more (304 bytes of stack against 136). Measured in a 32K prefill (BENCHMARKS run
+# 151): the kernel 225.5 -> 215.4 ms, against 124.0 on bf16 pages; off. With SPARSE_FP8_STAGED (below) the
+# per-token kernel reads fp8 pages only when the staged copy is off or over its size cap.
 SPARSE_FP8_F16_DOTS = os.environ.get("SALASERVE_SPARSE_FP8_F16_DOTS", "0") == "1"
 # fp8 pages: dequantize the prefill batch's pages of the layer once (attention.dequantize_pages, KVPool.gather's
 # values) and run the bf16-page kernels on that copy. The per-token kernel reads each page once for every query
@@ -302,27 +302,35 @@ def _ascending_lists(block_idx: torch.Tensor) -> torch.Tensor:
     return torch.where(key == big, -1, key)
 
 
+def _staged_table(batch: ForwardBatch, block_size: int):
+    """The batch's pages in staging order and a page table [B, width] onto that order, built once per step
+    (every sparse layer of a step stages the same pages; kept in batch.derived). Sequence i's pages
+    0 .. ceil(len / block_size) come in order after sequence i - 1's; the table's columns past them read
+    copy page 0 (never used). Returns (pages [P] on the device, table int32 on the device)."""
+    cache = batch.derived if batch.derived is not None else {}
+    key = ("fp8_staged_table", block_size)
+    if key not in cache:
+        n = torch.tensor([-(-int(L) // block_size) for L in batch.seq_lens_host], dtype=torch.int64)
+        col = torch.arange(batch.page_table.shape[1])
+        used = col[None, :] < n[:, None]
+        table = torch.where(used, (n.cumsum(0) - n)[:, None] + col[None, :], 0)
+        rows, cols = used.nonzero(as_tuple=True)  # row-major: the copy's order
+        dev = batch.page_table.device
+        cache[key] = batch.page_table[rows.to(dev), cols.to(dev)], table.to(device=dev, dtype=torch.int32)
+    return cache[key]
+
+
 def _staged_pages(kv: KVPool, layer: int, batch: ForwardBatch):
     """The batch's pages of `layer` dequantized into a fresh compute-dtype copy (see SPARSE_FP8_STAGED):
-    (K, V [P, block_size, Hkv, d], a page table [B, width] into them, the pool arguments of a plain pool),
-    or None when the copy would exceed SPARSE_FP8_STAGE_MAX_BYTES. Sequence i's pages 0 .. ceil(len / bs)
-    come in order after sequence i - 1's; the table's columns past them read copy page 0 (never used)."""
-    bs = kv.block_size
-    n_pages = [-(-int(n) // bs) for n in batch.seq_lens_host]
-    _, _, hkv, d = kv.k[layer].shape
-    elem = torch.empty((), dtype=kv.compute_dtype).element_size()
-    if 2 * sum(n_pages) * bs * hkv * d * elem > SPARSE_FP8_STAGE_MAX_BYTES:
+    (K, V [P, block_size, Hkv, d], a page table into them (_staged_table), the pool arguments of a plain
+    pool), or None when the copy would exceed SPARSE_FP8_STAGE_MAX_BYTES."""
+    _, bs, hkv, d = kv.k[layer].shape
+    n_pages = sum(-(-int(L) // bs) for L in batch.seq_lens_host)
+    if 2 * n_pages * bs * hkv * d * kv.compute_dtype.itemsize > SPARSE_FP8_STAGE_MAX_BYTES:
         return None
-    width = batch.page_table.shape[1]
-    rows = torch.repeat_interleave(torch.arange(len(n_pages)), torch.tensor(n_pages, dtype=torch.int64))
-    cols = torch.cat([torch.arange(n) for n in n_pages]) if n_pages else torch.zeros(0, dtype=torch.int64)
-    first = torch.tensor([0] + n_pages[:-1], dtype=torch.int64).cumsum(0)
-    col = torch.arange(width)
-    table = torch.where(col[None, :] < torch.tensor(n_pages)[:, None], first[:, None] + col[None, :], 0)
-    dev = batch.page_table.device
-    pages = batch.page_table[rows.to(dev), cols.to(dev)]
+    pages, table = _staged_table(batch, bs)
     k, v = dequantize_pages(kv, layer, pages)
-    return k, v, table.to(device=dev, dtype=torch.int32), dict(k_scale=k, v_scale=v, fp8=False, compute=k.dtype)
+    return k, v, table, dict(k_scale=k, v_scale=v, fp8=False, compute=k.dtype)
 
 
 def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch,
