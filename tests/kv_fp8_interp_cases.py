@@ -135,7 +135,7 @@ def test_paged_decode_fp8_scales_first_same_values(num_splits, monkeypatch):
     q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(12))
     out = {}
     for first in (False, True):
-        monkeypatch.setattr(A, "DECODE_FP8_SCALES_FIRST", first)
+        monkeypatch.setattr(A, "_scales_first", lambda pages, splits, first=first: first)  # the kernel path, not the rule
         out[first] = A.paged_decode_attention(q, kv8, 1, table, count, batch.seq_lens, 0.25, num_splits)
     assert torch.equal(out[True], out[False])
 

@@ -196,9 +196,9 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
         q = torch.randn(3, hq, d, device=dev, generator=g).to(torch.bfloat16)
         for f16_dots, splits in ((False, 1), (False, 4), (True, 1), (True, 4), (True, 16)):  # DECODE_FP8_F16_DOTS
             monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", f16_dots)
-            monkeypatch.setattr(A, "DECODE_FP8_SCALES_FIRST", False)  # V's scale loaded where it is used
+            monkeypatch.setattr(A, "_scales_first", lambda pages, splits: False)  # V's scale loaded where it is used
             late = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
-            monkeypatch.setattr(A, "DECODE_FP8_SCALES_FIRST", True)
+            monkeypatch.setattr(A, "_scales_first", lambda pages, splits: True)  # one page ahead, whatever the split
             a = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             assert torch.equal(a, late), "loading V's page scale one page ahead changed a value"
             b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
