@@ -122,24 +122,6 @@ def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits, monkeypatch
     assert torch.isfinite(A.paged_decode_attention(q, kv8, 1, table, count, batch.seq_lens, 0.25, num_splits)).all()
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
-def test_paged_decode_fp8_scales_first_same_values(num_splits, monkeypatch):
-    """DECODE_FP8_SCALES_FIRST loads each page's V scale one page ahead (the first before the loop): the
-    same scales on the same products, so bit-equal to loading it where it is used, with several pages
-    per split, one, and none (16 splits leave some empty)."""
-    cfg = tiny_cfg()
-    bs, hkv, d, hq = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    kv8, _ = _fp8_pool_and_twin(24, bs, hkv, d, seed=11)
-    batch = make_batch([(37, 1), (90, 1), (5, 1)], bs, 24, "cpu", seed=11)
-    table, count, _ = sparse_lists(batch, hkv, bs, 6, 4, seed=11, device="cpu")
-    q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(12))
-    out = {}
-    for first in (False, True):
-        monkeypatch.setattr(A, "_scales_first", lambda pages, splits, first=first: first)  # the kernel path, not the rule
-        out[first] = A.paged_decode_attention(q, kv8, 1, table, count, batch.seq_lens, 0.25, num_splits)
-    assert torch.equal(out[True], out[False])
-
-
 def test_dense_prefill_fp8_equals_dequantized_pool():
     cfg = tiny_cfg()
     bs, hkv, d, hq = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads

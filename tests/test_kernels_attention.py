@@ -561,17 +561,6 @@ def test_choose_num_splits_override(monkeypatch):
     assert A.choose_num_splits(8, 2, 128) == 96
 
 
-def test_fp8_decode_loads_v_scales_ahead_only_with_several_pages_per_split(monkeypatch):
-    """_scales_first: V's page scales one page ahead where a split can hold more than one page (batch 8's 16
-    splits over 128 listed pages), not at one page per split (batch 1's 128), and never with the switch off."""
-    from salaserve.kernels import attention as A
-
-    assert A._scales_first(128, A.choose_num_splits(8, 2, 128))
-    assert not A._scales_first(128, A.choose_num_splits(1, 2, 128))
-    monkeypatch.setattr(A, "DECODE_FP8_SCALES_FIRST", False)
-    assert not A._scales_first(128, 16)
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("batch_size", [1, 8])

@@ -194,13 +194,9 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
         batch = make_batch([(1000, 1), (3000, 1), (40, 1)], bs, pages, dev, seed=2)
         table, count, _ = sparse_lists(batch, hkv, bs, 16, 10, seed=2, device=dev)
         q = torch.randn(3, hq, d, device=dev, generator=g).to(torch.bfloat16)
-        for f16_dots, splits in ((False, 1), (False, 4), (True, 1), (True, 4), (True, 16)):  # DECODE_FP8_F16_DOTS
+        for f16_dots, splits in ((False, 1), (False, 4), (True, 1), (True, 4)):  # DECODE_FP8_F16_DOTS off / on
             monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", f16_dots)
-            monkeypatch.setattr(A, "_scales_first", lambda pages, splits: False)  # V's scale loaded where it is used
-            late = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
-            monkeypatch.setattr(A, "_scales_first", lambda pages, splits: True)  # one page ahead, whatever the split
             a = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
-            assert torch.equal(a, late), "loading V's page scale one page ahead changed a value"
             b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             err = (a.float() - b.float()).abs().max().item()
             print(f"decode f16_dots={f16_dots} splits={splits}: max |fp8 - dequantized| {err:.3g}, "

@@ -56,10 +56,6 @@ DECODE_CONFIG = dict(num_warps=4, num_stages=3)
 # [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Measured in the
 # twenty-seventh session (BENCHMARKS run 144): 4.973 -> 4.970 ms at 128K; on by default.
 DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "1") == "1"
-# fp8 pages in the decode attention: V's page scale loaded one page ahead instead of after the q.k dot and the
-# softmax, where the sm_90 code issued it as a plain global load in every iteration. Same values. Used where a
-# split can hold more than one page (_scales_first; BENCHMARKS run 160). Also a `profile_step --ab` switch.
-DECODE_FP8_SCALES_FIRST = os.environ.get("SALASERVE_FP8_KV_SCALES_FIRST", "1") == "1"
 # The decode attention's split count, when > 0, instead of choose_num_splits' rule (an experiment switch for
 # `profile_step --ab`: it is read when a step's kernels are launched or captured).
 DECODE_NUM_SPLITS = int(os.environ.get("SALASERVE_DECODE_NUM_SPLITS", "0"))
@@ -658,7 +654,6 @@ def _decode_split_kernel(
     GATED: tl.constexpr = False,  # one split: the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
     O_DT: tl.constexpr = None,  # GATED: the output dtype
     F16_DOTS: tl.constexpr = False,  # fp8 pools: fp16 dot operands, V's scale on p @ v (DECODE_FP8_F16_DOTS)
-    SCALES_FIRST: tl.constexpr = True,  # fp8 pools: V's page scales loaded one page ahead (_scales_first)
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
@@ -689,13 +684,6 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     slot = tl.arange(0, BLOCK_SIZE)
     bt_row = block_table + b.to(tl.int64) * stride_btb + g * stride_bth
-    if KV_FP8 and SCALES_FIRST:
-        # The first page's V scale, before the loop, then each next page's inside it: loaded where it is
-        # used, the sm_90 code issued it as a plain load after the q.k dot and the softmax in every iteration
-        # (the pipeliner takes K's scale, not V's), a dependent round trip per page (_scales_first)
-        first = start < end
-        page_first = tl.load(bt_row + start, mask=first, other=0).to(tl.int64)
-        v_scale_next = tl.load(V_scale + page_first * HKV + g, mask=first, other=0.0)
     for i in range(start, end):
         page = tl.load(bt_row + i).to(tl.int64)
         k_ok = slot < tl.where(i < count - 1, BLOCK_SIZE, last_valid)
@@ -705,24 +693,17 @@ def _decode_split_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if KV_FP8:  # the page's scales for this KV head: on the scores and on the probabilities
             qk = qk * tl.load(K_scale + page * HKV + g)
-            if SCALES_FIRST:  # this page's V scale, loaded one page ahead; then the next page's
-                v_scale = v_scale_next
-                more = i + 1 < end
-                page_next = tl.load(bt_row + i + 1, mask=more, other=0).to(tl.int64)
-                v_scale_next = tl.load(V_scale + page_next * HKV + g, mask=more, other=0.0)
         qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if KV_FP8 and not SCALES_FIRST:
-            v_scale = tl.load(V_scale + page * HKV + g)
         if F16_DOTS:  # p stays in [0, 1] for the fp16 operand; the page's V scale goes on the fp32 product
-            acc += tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC) * v_scale
+            acc += tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC) * tl.load(V_scale + page * HKV + g)
         else:
             if KV_FP8:
-                p = p * v_scale
+                p = p * tl.load(V_scale + page * HKV + g)
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -768,14 +749,6 @@ def _decode_reduce_kernel(
     if GATED:
         out = _gated(out, G_ptr + b * stride_gb + h * HEAD_DIM + d, d < HEAD_DIM, O_DT)
     tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
-
-
-def _scales_first(max_pages: int, num_splits: int) -> bool:
-    """Whether the fp8 decode loads V's page scales one page ahead (DECODE_FP8_SCALES_FIRST): only where a
-    split can hold more than one page. Measured (BENCHMARKS run 160, 131080 tokens): batch 8 (~6 pages per
-    split) 6.279 -> 6.266 ms; batch 1 (one page per split) 4.962 -> 4.966, no gain, the early load then only
-    adds work before the first page."""
-    return DECODE_FP8_SCALES_FIRST and max_pages > num_splits
 
 
 def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: torch.Tensor,
@@ -834,7 +807,7 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
         COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, **(gated if num_splits == 1 else {}),
-        F16_DOTS=f16_dots, SCALES_FIRST=_scales_first(block_table.shape[2], num_splits),
+        F16_DOTS=f16_dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:

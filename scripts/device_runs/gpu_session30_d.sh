@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RUN and REVERTED (runs 160-161): DECODE_FP8_SCALES_FIRST no longer exists; this script ran at commits 1c76362 / 739f161.
 # Thirtieth session, call D: fp8 pages' V scale loaded one page ahead in the decode split kernel
 # (attention.DECODE_FP8_SCALES_FIRST). GPU test first (its decode kind asserts the switch changes no bit), then
 # the A/B at 131080 tokens, batches 1 and 8, and fp8 against bf16 pages at batch 1 with the switch on.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RUN and REVERTED (runs 160-161): DECODE_FP8_SCALES_FIRST no longer exists; this script ran at commits 1c76362 / 739f161.
 # Thirtieth session, call E: V's page scales one page ahead (attention._scales_first) at batch 32, 131080 tokens,
 # fp8 pages, in one process; the GPU test's decode kind first (the kernel path bit-equal with and without).
 # Prediction (docs/perf-notes.md): -0.2..-0.6% on the step.
