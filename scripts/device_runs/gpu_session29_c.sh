@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-ninth session, NOT RUN (device time spent): fp8 against bf16 KV pages under this session's defaults
+# Twenty-ninth session, NOT RUN (device time spent; superseded by gpu_session30_a.sh and _b.sh, runs 157-158): fp8 against bf16 KV pages under this session's defaults
 # (the sparse prefill's staged copy, SPARSE_FP8_STAGED; the two-wave decode split rule).
 # 1. `--ab-kv-cache` at 131080 tokens, batches 1 and 32 (one process each): the issue's "decode at 128K no slower".
 # 2. micro's 32K prefill per page format (the benchmark number; run 8 had 1.42 s against 1.31).

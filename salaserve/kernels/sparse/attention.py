@@ -325,10 +325,9 @@ def _staged_pages(kv: KVPool, layer: int, batch: ForwardBatch):
     (K, V [P, block_size, Hkv, d], a page table into them (_staged_table), the pool arguments of a plain
     pool), or None when the copy would exceed SPARSE_FP8_STAGE_MAX_BYTES."""
     _, bs, hkv, d = kv.k[layer].shape
-    n_pages = sum(-(-int(L) // bs) for L in batch.seq_lens_host)
-    if 2 * n_pages * bs * hkv * d * kv.compute_dtype.itemsize > SPARSE_FP8_STAGE_MAX_BYTES:
+    pages, table = _staged_table(batch, bs)  # once per step; its page count sizes the copy
+    if 2 * pages.numel() * bs * hkv * d * kv.compute_dtype.itemsize > SPARSE_FP8_STAGE_MAX_BYTES:
         return None
-    pages, table = _staged_table(batch, bs)
     k, v = dequantize_pages(kv, layer, pages)
     return k, v, table, dict(k_scale=k, v_scale=v, fp8=False, compute=k.dtype)
 
