@@ -454,6 +454,8 @@ class EngineArgs:
     prefix_cache_slots: int = 4  # prompts kept for reuse as prefixes (a Lightning state slot each); 0: off
     prefix_cache_min_tokens: int = 256  # shorter prompts are not kept
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
+    warmup: bool = True  # on CUDA: run warm-up requests through the engine at start-up (engine/warmup.py)
+    step_trace: str | None = None  # a file that gets one JSON line per engine step (scheduler trace)
     log_level: str = "info"
 
     def validate(self) -> None:

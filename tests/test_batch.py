@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from salaserve.engine.batch import ForwardBatch, PageTableMirror, SeqWork, pack_staged, staged_layout, staged_views
+from salaserve.engine.batch import (ForwardBatch, PageTableMirror, SeqWork, pack_staged, staged_layout, staged_views,
+                                    table_width)
 
 
 def _reference_fields(work, block, dense_len, pad_slot=None):
@@ -22,7 +23,7 @@ def _reference_fields(work, block, dense_len, pad_slot=None):
         cu.append(cu[-1] + len(w.token_ids))
         if w.need_logits:
             rows += range(cu[-1] - w.num_logits, cu[-1])
-    width = max(len(w.pages) for w in work)
+    width = -(-max(len(w.pages) for w in work) // 16) * 16  # padded to a multiple of 16 columns
     table = [w.pages + [0] * (width - len(w.pages)) for w in work]
     return dict(input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=rows, cu_seqlens_q=cu,
                 page_table=table, seq_lens=[w.seq_len for w in work], cache_lens=[w.cache_len for w in work],
@@ -53,6 +54,17 @@ def test_build_fields_match_token_by_token_reference(decode):
         assert b.input_ids.dtype == b.positions.dtype == b.slot_mapping.dtype == torch.int64
         assert b.page_table.dtype == b.seq_lens.dtype == b.cu_seqlens_q.dtype == torch.int32
         assert b.is_decode == decode and b.token_seq is None
+
+
+def test_table_width_is_one_specialisation_class():
+    """Every page table's width (its row stride) is a multiple of 16, never 1: one Triton specialisation."""
+    assert [table_width(n) for n in (0, 1, 15, 16, 17, 129, 1024)] == [16, 16, 16, 16, 32, 144, 1024]
+    mirror = PageTableMirror(4, 3)
+    assert mirror.rows.shape[1] == 16
+    work = [SeqWork(state_slot=1, pages=list(range(40)), cache_len=0, token_ids=[1] * 2500, need_logits=True)]
+    b = ForwardBatch.build(work, 64, 300, "cpu", pages=mirror)
+    assert b.page_table.shape == (1, 48) and mirror.rows.shape[1] % 16 == 0
+    assert b.page_table[0, :40].tolist() == list(range(40)) and not b.page_table[0, 40:].any()
 
 
 def test_build_verify_rows_and_filler():
@@ -117,7 +129,7 @@ def test_page_mirror_table_matches_per_row_fill():
 def test_page_mirror_skipped_for_slots_it_does_not_cover():
     mirror = PageTableMirror(num_slots=2, max_pages=4)
     work = [SeqWork(state_slot=5, pages=[3, 4], cache_len=70, token_ids=[1], need_logits=True)]
-    assert ForwardBatch.build(work, 64, 300, "cpu", pages=mirror).page_table.tolist() == [[3, 4]]
+    assert ForwardBatch.build(work, 64, 300, "cpu", pages=mirror).page_table.tolist() == [[3, 4] + [0] * 14]
 
 
 def test_decode_graphs_refuse_steps_with_a_row_that_does_not_sample():

@@ -4,6 +4,7 @@
                         (--url URL | --model DIR [--server-args "..."])
                         [--workload-dir DIR] [--counts S1=2,S8=8,Smax=16] [--seed N]
                         [--out DIR] [--client ours|sglang] [--tokenizer DIR] [--no-progress]
+    salaserve bench e2e [--config NAME=FLAGS ...] [--out benchmarks/e2e/latest.json]
     salaserve bench make-workload --workload NAME --model DIR --out DIR [--seed N]
     salaserve bench compare A.json B.json [--coefficient C | --eval EVAL.json]
     salaserve bench plot-micro micro.json [--out DIR]
@@ -142,13 +143,46 @@ def report_main(argv: list[str]) -> int:
     return 0
 
 
+def e2e_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="salaserve bench e2e",
+        description="soar-quick end to end on the full-size model (dummy weights) for several server "
+                    "configurations in one run, each tier beside its floor (needs a GPU)")
+    ap.add_argument("--config", action="append", metavar="NAME=FLAGS",
+                    help="a configuration: its name and extra `salaserve serve` flags, e.g. "
+                         "'w4a16=--quantization w4a16' (repeatable; default: bf16, w4a16 and fp8)")
+    ap.add_argument("--out", default="benchmarks/e2e/latest.json", help="the summary JSON")
+    ap.add_argument("--work-dir", help="keep each configuration's bench run here (default: a temporary dir)")
+    ap.add_argument("--tiers", type=_tiers, default=TIERS, help="comma-separated, default S1,S8,Smax")
+    ap.add_argument("--workload", choices=WORKLOADS, default="soar-quick")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    from salaserve.bench.e2e import DEFAULT_CONFIGS, run_e2e, table
+
+    configs = dict(DEFAULT_CONFIGS)
+    if a.config:
+        configs = {}
+        for item in a.config:
+            name, sep, flags = item.partition("=")
+            if not sep or not name:
+                ap.error(f"--config takes NAME=FLAGS, got {item!r}")
+            configs[name] = flags
+    summary = run_e2e(configs, Path(a.out), Path(a.work_dir) if a.work_dir else None, ["e2e", *argv],
+                      seed=a.seed, workload=a.workload, tiers=a.tiers)
+    print(table(summary))
+    print(f"written: {a.out}")
+    ok = all(t["lengths_exact"] for c in summary["configs"].values() for t in c["tiers"].values())
+    return 0 if ok else 3
+
+
 def make_workload_main(argv: list[str]) -> int:
     from salaserve.bench.workload import main as workload_main
 
     return workload_main(argv)
 
 
-COMMANDS = {"run": run_main, "make-workload": make_workload_main, "compare": compare_main, "plot-micro": plot_micro_main, "report": report_main}
+COMMANDS = {"run": run_main, "e2e": e2e_main, "make-workload": make_workload_main, "compare": compare_main,
+            "plot-micro": plot_micro_main, "report": report_main}
 
 
 def main(argv: list[str]) -> int:

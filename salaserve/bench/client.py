@@ -52,9 +52,10 @@ class RequestResult:
 @dataclass
 class TierRun:
     duration: float  # the official "Benchmark duration (s)"
-    results: list[RequestResult]
+    results: list[RequestResult]  # (start_time - window_start: when each request was sent)
     accept_length: float | None
     max_concurrency: int | None
+    window_start: float = 0.0  # perf_counter when the timed window opened
 
 
 def auth_headers() -> dict[str, str]:
@@ -178,7 +179,7 @@ async def run_tier_async(base_url: str, requests: list[BenchRequest], max_concur
     results = list(await asyncio.gather(*tasks))
     accept = await _accept_length(base + "/get_server_info")
     duration = time.perf_counter() - start
-    return TierRun(duration, results, accept, max_concurrency)
+    return TierRun(duration, results, accept, max_concurrency, window_start=start)
 
 
 def run_tier(base_url: str, requests: list[BenchRequest], max_concurrency: int | None,

@@ -23,12 +23,17 @@ def stats_ms(values_s: list[float]) -> dict[str, float] | None:
             "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
-def record_of(res) -> dict:
-    """A record from our client's RequestResult (ITLs kept to the microsecond)."""
-    return {"prompt_len": res.prompt_len, "output_len": res.output_len, "success": res.success,
-            "completion_tokens": res.completion_tokens if res.success else 0,
-            "ttft_s": res.ttft, "e2e_s": res.latency if res.success else None,
-            "itl_s": [round(x, 6) for x in res.itl], "error": res.error}
+def record_of(res, window_start: float | None = None) -> dict:
+    """A record from our client's RequestResult (ITLs kept to the microsecond); with the tier's
+    window_start, `sent_s`: when the request was sent, in seconds into the timed window."""
+    rec = {"prompt_len": res.prompt_len, "output_len": res.output_len, "success": res.success,
+           "completion_tokens": res.completion_tokens if res.success else 0,
+           "ttft_s": res.ttft, "e2e_s": res.latency if res.success else None,
+           "itl_s": [round(x, 6) for x in res.itl], "error": res.error}
+    if window_start is not None:
+        rec["sent_s"] = round(res.start_time - window_start, 6)
+        rec["text"] = res.text
+    return rec
 
 
 def length_check(records: list[dict]) -> dict:

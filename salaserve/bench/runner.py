@@ -77,7 +77,7 @@ def _our_tier(cfg: RunConfig, url: str, requests, tier: str) -> dict:
         records = failed_records(requests, f"tier aborted: {type(e).__name__}: {e}")
         return summarize(records, 0.0, c) | {"error": records[0]["error"] if records else str(e),
                                              "per_request": records}
-    records = [record_of(r) for r in run.results]
+    records = [record_of(r, run.window_start) for r in run.results]
     if not any(r["success"] for r in records):
         # the official client crashes before printing a duration then; the toolkit records 0
         return summarize(records, 0.0, c) | {"window_s": run.duration, "per_request": records}
@@ -104,7 +104,8 @@ def run_bench(cfg: RunConfig, argv: list[str]) -> dict:
         result = {**provenance(argv), "client": cfg.client, "url": url, "model_id": model_id,
                   "server_args": cfg.server_args if server else None,
                   "workload": {"name": cfg.workload, "dir": str(wdir), "seed": cfg.seed, "counts": cfg.counts},
-                  "server_config": _server_config(url), "tiers": {}}
+                  "server_config": _server_config(url), "startup_s": server.startup_s if server else None,
+                  "tiers": {}}
         for tier in cfg.tiers:
             pairs = read_pairs(tier_file(wdir, tier))
             requests = sample_requests(pairs, tok)

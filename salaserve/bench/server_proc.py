@@ -51,6 +51,7 @@ class ServeProcess:
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.startup_s: float | None = None  # from the launch to ready
 
     def log_tail(self, n: int = 4000) -> str:
         if self.log_path is None or not self.log_path.is_file():
@@ -62,11 +63,13 @@ class ServeProcess:
         path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
-        deadline = time.monotonic() + self.start_timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             if server_ready(self.url):
+                self.startup_s = time.monotonic() - t0
                 return self
             time.sleep(0.3)
         self.stop()

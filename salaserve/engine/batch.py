@@ -92,6 +92,17 @@ def to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     return staged_views(buf, arrays, layout)
 
 
+TABLE_ALIGN = 16
+
+
+def table_width(pages: int) -> int:
+    """A page table's width for `pages` pages: a multiple of 16 (at least 16). Triton specialises an
+    int argument (a table's row stride among them) by whether it is 1, a multiple of 16 or
+    neither; one class for every batch means one compiled kernel, warmed at start-up, instead of a
+    compile on the first step that meets another class."""
+    return max(TABLE_ALIGN, -(-pages // TABLE_ALIGN) * TABLE_ALIGN)
+
+
 class PageTableMirror:
     """Every state slot's page list as a row of one int32 array, kept up to date with what each
     request appended since its last step. A step's page table is then one fancy index over the
@@ -103,7 +114,7 @@ class PageTableMirror:
     a shorter one."""
 
     def __init__(self, num_slots: int, max_pages: int):
-        self.rows = np.zeros((num_slots, max(max_pages, 1)), dtype=np.int32)
+        self.rows = np.zeros((num_slots, table_width(max_pages)), dtype=np.int32)
         self.owner: list[list[int] | None] = [None] * num_slots
         self.synced = [0] * num_slots  # entries of owner[slot] already in rows[slot]
 
@@ -121,7 +132,7 @@ class PageTableMirror:
             k = self.synced[s]
             if k < n:
                 if n > self.rows.shape[1]:  # longer than planned (e.g. pages for draft tokens)
-                    grown = np.zeros((self.rows.shape[0], max(n, 2 * self.rows.shape[1])), dtype=np.int32)
+                    grown = np.zeros((self.rows.shape[0], table_width(max(n, 2 * self.rows.shape[1]))), dtype=np.int32)
                     grown[:, :self.rows.shape[1]] = self.rows
                     self.rows = grown
                 self.rows[s, k:n] = pages[k:n]
@@ -206,7 +217,7 @@ class ForwardBatch:
         q_lens = [len(w.token_ids) for w in work]
         cache_lens = [w.cache_len for w in work]
         seq_lens = [w.seq_len for w in work]
-        max_pages = max(len(w.pages) for w in work)
+        max_pages = table_width(max(len(w.pages) for w in work))
         if pages is not None and pages.covers(work):
             table = pages.table(work, max_pages)
         else:

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from salaserve.engine.batch import ForwardBatch
+from salaserve.engine.batch import ForwardBatch, table_width
+from salaserve.kernels.compile_watch import WATCH
 
 log = logging.getLogger("salaserve")
 
@@ -65,6 +66,8 @@ class StepGraphs:
         # Page-table widths, one graph set each: "dense" (dense_len pages, no selection), sparse
         # widths in steps (block selection scans the whole width, ~0.09 ms per 1000 pages per
         # step, so a 128K context should not pay for a 512K one), and "sparse" = the context length.
+        # (multiples of 16, as every eager batch's table: batch.table_width)
+        dense_pages, max_pages = table_width(dense_pages), table_width(max_pages)
         self.widths = {"dense": dense_pages}
         for w in SPARSE_WIDTHS:
             if dense_pages < w < max_pages:
@@ -151,6 +154,7 @@ class StepGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for bs, tokens, mode in self._keys():
+                t = time.perf_counter()
                 batch = self._static_batch(bs, mode, tokens)
                 for _ in range(2):  # compile / autotune outside the capture
                     self.model.forward(batch, self.caches)
@@ -161,6 +165,7 @@ class StepGraphs:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(bs, tokens, mode)] = (graph, logits, batch)
+                WATCH.record("graph", f"step bs={bs} tokens={tokens} {mode}", seconds=time.perf_counter() - t)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
@@ -216,7 +221,8 @@ class StepGraphs:
         for name in BUFFERS_PER_SEQ:
             b[name][:B].copy_(getattr(batch, name), non_blocking=True)
         # columns past a sequence's last page may hold stale ids: kernels never read them
-        self.tables[mode][:B, : batch.page_table.shape[1]].copy_(batch.page_table, non_blocking=True)
+        width = min(batch.page_table.shape[1], self.tables[mode].shape[1])  # (columns past the pages are 0)
+        self.tables[mode][:B, :width].copy_(batch.page_table[:, :width], non_blocking=True)
         if tokens == 1:
             self.padding_from = max(self.padding_from, B)
             if bs > B and self.padding_from > B:

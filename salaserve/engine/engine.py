@@ -11,6 +11,7 @@ step runs while the GPU computes the next, and outputs arrive one step later (se
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, 
 from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history, read_logprobs
 from salaserve.engine.sampling_params import SamplingParams
-from salaserve.engine.scheduler import Scheduler
+from salaserve.engine.scheduler import Scheduler, ScheduledWork
+from salaserve.engine.warmup import warm_up_engine
+from salaserve.kernels.compile_watch import WATCH
 from salaserve.model.default import default_model_dir
 from salaserve.spec.accept import accept_greedy, accept_sampling, spec_generator
 from salaserve.spec.ngram import NgramDrafter
@@ -74,6 +77,15 @@ class Engine:
         self.overlap = args.overlap_schedule and args.speculative_algorithm is None
         self._inflight: _InFlight | None = None
         self._pinned: list[torch.Tensor] = []  # two host buffers for the token copies, alternating
+        self._trace = None
+        if args.warmup and self.runner.device.type == "cuda":
+            t = time.perf_counter()
+            warm_up_engine(self)
+            self.runner.startup_phases["serving warm-up"] = time.perf_counter() - t
+        log.info("ready: %s; built at start-up: %s", self.runner.describe_startup(), WATCH.counts() or "nothing")
+        WATCH.mark_ready()  # from now on a kernel compile, autotune or graph capture is a cold path
+        self._builds_seen = len(WATCH.events)
+        self._trace = open(args.step_trace, "a", buffering=1) if args.step_trace else None
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids) -> list[int]:
@@ -217,8 +229,12 @@ class Engine:
         if not work:
             return outputs + self._resolve()
         prev = self._inflight.tokens if self._inflight is not None else None
+        if self._trace is not None:
+            self._trace_step(work)
         logits = self.runner.forward(work, prev_tokens=prev)
         self.stats["steps"] += 1
+        if len(WATCH.events) != self._builds_seen:
+            self._log_cold_paths()
 
         sampled, rows = [], []
         verified, commits = [], []
@@ -455,6 +471,28 @@ class Engine:
         return None
 
     # ---- introspection (tests, metrics) ------------------------------------------------------
+    def _log_cold_paths(self) -> None:
+        """Kernels compiled, autotuned or graphs captured by this step: start-up missed them."""
+        events, self._builds_seen = WATCH.events[self._builds_seen:], len(WATCH.events)
+        for e in events:
+            if e.after_ready:
+                log.warning("cold path after start-up: %s %s (%.2f s) %s", e.kind, e.name, e.seconds, e.detail[:300])
+
+    def _trace_step(self, work: list[ScheduledWork]) -> None:
+        """One JSON line per step (EngineArgs.step_trace): what the scheduler chose and what it
+        left waiting; the host clock at launch (with overlap scheduling, a step's GPU time shows
+        as the gap to the line after next)."""
+        sched = self.scheduler
+        decode = [w for w in work if w.req.is_decoding]
+        prefill = [w for w in work if not w.req.is_decoding]
+        self._trace.write(json.dumps({
+            "t": round(time.time(), 4), "step": self.stats["steps"], "running": len(sched.running),
+            "waiting": len(sched.waiting), "decode_rows": len(decode),
+            "draft_tokens": sum(len(w.draft) for w in decode),
+            "prefill_seqs": len(prefill), "prefill_tokens": sum(w.num_tokens for w in prefill),
+            "pages_free": sched.kv.allocator.num_free, "cold_builds": WATCH.num_after_ready,
+        }) + "\n")
+
     def resource_counters(self) -> dict:
         """What requests hold (back to its idle value when they are done: the leak checks) and
         what is free for them. The prefix cache's pages and slots count as free (it gives them
@@ -473,6 +511,11 @@ class Engine:
         return {"prefix_cache_entries": len(self.prefix_cache.entries),
                 "prefix_cache_pages": self.prefix_cache.num_pages,
                 "cached_prompt_tokens": self.stats["cached_prompt_tokens"]}
+
+    def reset_stats(self) -> None:
+        """Zero the counters (after the start-up warm-up's requests)."""
+        self.stats = dict.fromkeys(self.stats, 0)
+        self.scheduler.num_preemptions = 0
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only when idle (False otherwise, nothing changed)."""

@@ -15,6 +15,7 @@ from salaserve.config import EngineArgs, ModelConfig
 from salaserve.engine.batch import ForwardBatch, PageTableMirror, SeqWork
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.kernels import get_backend, resolve_backend_name
+from salaserve.kernels.compile_watch import WATCH
 from salaserve.model.loader import load_state_dict
 from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
 
@@ -54,6 +55,7 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: str):
         args.validate()
         t0 = time.perf_counter()
+        WATCH.install()  # what start-up builds (the engine marks when start-up is over)
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)

@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="prompts kept for reuse as prefixes of later prompts (one Lightning state slot each); 0: off")
     a("--prefix-cache-min-tokens", type=int, default=EngineArgs.prefix_cache_min_tokens,
       help="shortest prompt kept in the prefix cache")
+    a("--step-trace", default=None, help="append one JSON line per engine step to this file (scheduler trace)")
     return p
 
 
@@ -132,7 +133,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         overlap_schedule=not ns.disable_overlap_schedule,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         prefix_cache_slots=0 if ns.disable_radix_cache else ns.prefix_cache_slots,
-        prefix_cache_min_tokens=ns.prefix_cache_min_tokens,
+        prefix_cache_min_tokens=ns.prefix_cache_min_tokens, step_trace=ns.step_trace,
     )
     try:
         engine.validate()

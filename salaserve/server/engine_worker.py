@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from salaserve.engine.request import ABORT_REASON, StepOutput
+from salaserve.kernels.compile_watch import WATCH
 
 log = logging.getLogger("salaserve.engine")
 
@@ -161,6 +162,8 @@ class EngineWorker:
             **self.engine.resource_counters(),
             **self.engine.prefix_cache_counters(),
             **{f"engine_{k}": v for k, v in engine_stats.items() if k != SPEC_ACCEPT_KEY},
+            # kernels compiled / autotuned and graphs captured after start-up (cold paths; 0 expected)
+            "cold_builds_after_ready": WATCH.num_after_ready,
         }
         accept = self.engine.avg_spec_accept_length
         if accept is not None:  # with speculative decoding: SGLang's key
