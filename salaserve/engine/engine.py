@@ -78,6 +78,7 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._pinned: list[torch.Tensor] = []  # two host buffers for the token copies, alternating
         self._trace = None
+        self._builds_seen = len(WATCH.events)
         if args.warmup and self.runner.device.type == "cuda":
             t = time.perf_counter()
             warm_up_engine(self)

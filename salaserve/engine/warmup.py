@@ -41,7 +41,9 @@ def warmup_requests(dense_len: int, block_size: int, chunk: int, room: int) -> l
     """The warm-up's requests, for a prefill budget of `chunk` tokens and `room` tokens of cache.
     Step by step (chunk >= dense_len + block_size): one sequence's chunk; a prefill of four
     sequences (a sparse continuation, odd, 1-token and block-aligned prompts); decodes; decode rows
-    beside a new prompt's chunk and beside a repeating prompt's; then decodes to the end."""
+    beside a new prompt's chunk, beside a repeating prompt's (speculation) and beside a short one
+    (under 64 tokens the Lightning layers take fla's recurrent kernel); then, each alone once the
+    others are done, a dense prompt, a short one and one crossing dense_len in two chunks."""
     # longer than a chunk (its first step is its own) and crossing dense_len, where it fits
     long_len = max(1, min(max(dense_len + block_size, chunk) + 37, room // 2))
     return [
@@ -51,6 +53,10 @@ def warmup_requests(dense_len: int, block_size: int, chunk: int, room: int) -> l
         WarmRequest(0, 128, 7, GREEDY),
         WarmRequest(3, 517, 4, SAMPLED),
         WarmRequest(4, 97, 12, GREEDY, repeat=True),
+        WarmRequest(6, 40, 3, GREEDY),
+        WarmRequest(40, 300, 3, GREEDY),
+        WarmRequest(50, 40, 3, SAMPLED),
+        WarmRequest(60, long_len, 3, GREEDY),
     ]
 
 
