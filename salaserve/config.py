@@ -442,6 +442,9 @@ class EngineArgs:
     state_dtype: str = "float32"  # Lightning state slots
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8_e4m3": fp8 K/V, scale per page and head
     quantization: str | None = None  # "fp8" | "w4a16" | "gptq"; None: as the checkpoint says
+    # int4 weights at prefill sizes on the GPU: "fp8" (an fp8 copy of each int4 linear, w8a8 on fp8
+    # tensor cores, where the GPU has them) or "bf16" (the int4 weights dequantized for a bf16 GEMM)
+    w4a16_prefill: str = "fp8"
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
     stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM"
@@ -488,6 +491,8 @@ class EngineArgs:
             raise ValueError("quantize_lm_head quantizes lm_head on load: it needs quantization fp8 or w4a16 "
                              f"(got {self.quantization!r}); a prepared checkpoint says itself whether its lm_head "
                              "is quantized (prepare-model --quantize-lm-head)")
+        if self.w4a16_prefill not in ("fp8", "bf16"):
+            raise ValueError(f"w4a16_prefill must be fp8 or bf16, got {self.w4a16_prefill!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.state_dtype not in ("float32", "bfloat16"):

@@ -225,6 +225,35 @@ def test_quant_linear_cpu_falls_back_to_reference():
     assert quant_linear(x[:0], w).shape == (0, 3, 24)
 
 
+def test_fp8_prefill_copy_of_int4_weights():
+    """The fp8 twin of int4 weights: the dequantized int4 values within e4m3's rounding, the
+    original channel order kept (act-order weights reordered by a perm), and what quant_linear
+    takes above the GEMV sizes only."""
+    from salaserve.kernels.quant_gemm import GEMV_MAX_M, quant_linear
+
+    g = gen(11)
+    W = torch.randn(48, 256, generator=g)
+    for w in (rtn.quantize_w4a16_rtn(W, 64), formats.reorder_act_order(_act_order_w4(W, g))):
+        w.prefill = formats.fp8_prefill_copy(w)
+        ref = w.dequantize()
+        got = w.prefill.dequantize()
+        assert w.prefill.format == "fp8" and got.shape == ref.shape
+        assert ((got - ref).abs() <= ref.abs() / 16 + w.prefill.scale[:, None] * 2**-9).all()
+        small = torch.randn(GEMV_MAX_M, 256, generator=g)
+        large = torch.randn(GEMV_MAX_M + 1, 256, generator=g)
+        torch.testing.assert_close(quant_linear(small, w), small @ ref.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(quant_linear(large, w), large @ got.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="w4a16"):
+        formats.fp8_prefill_copy(rtn.quantize_fp8(W))
+
+
+def _act_order_w4(W, g):
+    """int4 weights of W quantized by GPTQ with act-order (a g_idx that is not the trivial one)."""
+    acc = HessianAccumulator(W.shape[1])
+    acc.add(torch.randn(64, W.shape[1], generator=g))
+    return gptq_quantize(W, acc.hessian, group_size=64, act_order=True)
+
+
 # ---------------------------------------------------------------- GPTQ
 
 

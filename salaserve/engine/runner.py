@@ -72,7 +72,7 @@ class ModelRunner:
 
         if hasattr(backend, "prepare_weights"):  # kernel-specific weight copies, before the memory plan
             t = time.perf_counter()
-            backend.prepare_weights(self.model.p, self.device)
+            backend.prepare_weights(self.model.p, self.device, w4a16_prefill=args.w4a16_prefill)
             self.startup_phases["prepare weights"] = time.perf_counter() - t
         cfg, sc = self.cfg, self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype

@@ -93,14 +93,19 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     _silu_before_down = False
 
     # ---- linear layers -----------------------------------------------------------------------
-    def prepare_weights(self, params, device) -> None:
+    def prepare_weights(self, params, device, w4a16_prefill: str = "fp8") -> None:
         """At load, before the cache plan measures free memory: on the GPU, every int4 linear the
         decode kernels on repacked weights take gets their copies (qweight's bytes again each, ~1/8
         more for the zero/scale words), so that the calibration can offer them: the wgmma kernel's
         (quant_gemm.w4_wgmma, 4-16 rows; SALASERVE_W4_WGMMA=0 skips it, memory for KV pages
-        instead) and, opt-in with SALASERVE_W4_MMA=1, the mma kernel's (quant_gemm.w4_mma, 1-8 rows)."""
+        instead) and, opt-in with SALASERVE_W4_MMA=1, the mma kernel's (quant_gemm.w4_mma, 1-8 rows).
+        w4a16_prefill "fp8" (on GPUs with fp8 tensor cores, sm_89+): every int4 linear also gets an
+        fp8 copy (twice qweight's bytes) that prefill-sized inputs meet through w8a8
+        (formats.fp8_prefill_copy); "bf16": prefill dequantizes the int4 weights for a bf16 GEMM."""
         if torch.device(device).type != "cuda":
             return
+        if w4a16_prefill == "fp8" and torch.cuda.get_device_capability(device) >= (8, 9):
+            self._attach_fp8_prefill_copies(params)
         from salaserve.kernels import quant_gemm as Q
         from salaserve.kernels.quant_gemm import w4_decode
 
@@ -121,6 +126,19 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
             log.info("int4 weights: repacked copies for the decode GEMVs, %.2f GiB (SALASERVE_W4_WGMMA=0 "
                      "skips the wgmma kernel's)", added / 2**30)
+
+    @staticmethod
+    def _attach_fp8_prefill_copies(params) -> None:
+        from salaserve.quant.formats import fp8_prefill_copy
+
+        added = 0
+        for w in _linear_weights(params):
+            if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16" and w.prefill is None:
+                w.prefill = fp8_prefill_copy(w)
+                added += w.prefill.weight.nbytes + w.prefill.scale.nbytes
+        if added:
+            torch.cuda.empty_cache()  # the dequantization's temporaries would count as used memory in the plan
+            log.info("int4 weights: fp8 copies for prefill-sized inputs (w8a8), %.2f GiB", added / 2**30)
 
     @staticmethod
     def keeps_silu_before_down(layers) -> bool:
@@ -275,14 +293,16 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.add_rms_norm_silu_linear(self, h, u, scale, norm_w, eps, w)
 
     @staticmethod
-    def _w8a8_prefill(rows, w) -> bool:
-        """Whether rows [M, K] meet w through w8a8 on cuBLAS (fp8 weights at prefill sizes on the
-        GPU), whose per-token activation quantization a producer kernel can take over."""
+    def _w8a8_prefill(rows, w):
+        """The fp8 weights rows [M, K] meet through w8a8 on cuBLAS at prefill sizes on the GPU (fp8
+        weights, or int4 weights' fp8 prefill copy), whose per-token activation quantization a
+        producer kernel can take over; else None."""
         if not (isinstance(w, QuantizedLinearWeights) and rows.is_cuda):
-            return False
+            return None
         from salaserve.kernels import quant_gemm
 
-        return quant_gemm.fp8_scaled_mm_takes(rows.shape[0], w)
+        w8 = w.prefill if w.prefill is not None else w
+        return w8 if quant_gemm.fp8_scaled_mm_takes(rows.shape[0], w8) else None
 
     def silu_mul_linear(self, gate_up, w):
         """fp8 weights at prefill sizes (w8a8 on cuBLAS): silu_mul and the per-token quantization
@@ -296,10 +316,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             xq, xs = silu_mul(rows, int16_out=True)
             y = quant_gemm.w4a16_decode_rounded(xq, xs, w, choice, out_dtype=rows.dtype)
             return y.view(*gate_up.shape[:-1], w.out_features)
-        if self._w8a8_prefill(rows, w):
+        if (w8 := self._w8a8_prefill(rows, w)) is not None:
             from salaserve.kernels import quant_gemm
 
-            y = quant_gemm.fp8_scaled_mm(rows, w.weight, w.scale, silu=True)
+            y = quant_gemm.fp8_scaled_mm(rows, w8.weight, w8.scale, silu=True)
             return y.view(*gate_up.shape[:-1], w.out_features)
         return TorchBackend.silu_mul_linear(self, gate_up, w)
 
@@ -308,11 +328,11 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         normed rows as their per-token fp8 codes and scales, never in bf16; int4 weights at 1-2 rows
         where the calibration picked it: as the dp2a GEMV's x rounded to int16; else the norm, then
         the linear."""
-        if h.dim() == 2 and self._w8a8_prefill(h, w):
+        if h.dim() == 2 and (w8 := self._w8a8_prefill(h, w)) is not None:
             from salaserve.kernels import quant_gemm
 
             h, (x8, sx) = add_rms_norm(h, u, scale, norm_w, eps, fp8_out=True)
-            return h, quant_gemm.fp8_scaled_mm_quantized(x8, sx, w.weight, w.scale, promote(h.dtype, norm_w.dtype))
+            return h, quant_gemm.fp8_scaled_mm_quantized(x8, sx, w8.weight, w8.scale, promote(h.dtype, norm_w.dtype))
         if (h.dim() == 2 and promote(promote(h.dtype, u.dtype), norm_w.dtype) == torch.bfloat16
                 and (choice := self._w4_rounded(h, w)) is not None):
             from salaserve.kernels import quant_gemm

@@ -156,6 +156,16 @@ def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (w8.float() * scale.float()[:, None]).to(dtype)
 
 
+def fp8_prefill_copy(w: "QuantizedLinearWeights") -> "QuantizedLinearWeights":
+    """The fp8 twin of int4 weights for prefill-sized inputs: the dequantized int4 weights (original
+    channel order) rounded to e4m3 with one scale per output channel. A second rounding on top of
+    int4's (3 mantissa bits per weight), measured by salaserve.quant.quality."""
+    if w.format != "w4a16":
+        raise ValueError(f"fp8_prefill_copy is for w4a16 weights, got {w.format!r}")
+    w8, scale = quantize_fp8_per_channel(w.dequantize(torch.float32))
+    return QuantizedLinearWeights.from_fp8(w8, scale)
+
+
 # ---------------------------------------------------------------- the container
 
 
@@ -187,6 +197,10 @@ class QuantizedLinearWeights:
     # elsewhere
     wgmma: Optional[object] = None
     mma: Optional[object] = None
+    # w4a16 on the GPU: an fp8 copy (format "fp8", from the dequantized int4 weights) that prefill-sized
+    # inputs meet through w8a8 on fp8 tensor cores (fp8_prefill_copy; EngineArgs.w4a16_prefill); None
+    # elsewhere
+    prefill: Optional["QuantizedLinearWeights"] = None
 
     def __post_init__(self):
         if self.format not in ("bf16", "fp8", "w4a16"):
@@ -256,12 +270,13 @@ class QuantizedLinearWeights:
             f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
             for f in dataclasses.fields(self)
         }
-        moved["wgmma"] = moved["mma"] = None  # kernels' copies for the old device; rebuilt where used
+        moved["wgmma"] = moved["mma"] = moved["prefill"] = None  # kernels' copies for the old device; rebuilt where used
         return QuantizedLinearWeights(**moved)
 
     def nbytes(self) -> int:
         extra = (self.wgmma.qweight, self.wgmma.zs) if self.wgmma is not None else ()
         extra += (self.mma.qweight, self.mma.gz) if self.mma is not None else ()
+        extra += (self.prefill.weight, self.prefill.scale) if self.prefill is not None else ()
         return sum(
             t.numel() * t.element_size()
             for t in (self.weight, self.scale, self.qweight, self.qzeros, self.scales, self.g_idx, self.perm, *extra)

@@ -37,8 +37,11 @@ import torch.nn.functional as F
 from salaserve.config import EngineArgs
 from salaserve.engine.batch import ForwardBatch, SeqWork
 
-FORMATS = ("fp8", "w4a16-rtn", "w4a16-gptq", "kv-fp8")  # kv-fp8: bf16 weights, fp8 K/V cache
-_ON_LOAD = {"bf16": None, "fp8": "fp8", "w4a16-rtn": "w4a16"}
+# kv-fp8: bf16 weights, fp8 K/V cache. w4a16-rtn: int4 weights, prefill dequantizing them for a bf16 GEMM;
+# w4a16-fp8-prefill: the same int4 weights, prefill through their fp8 copy (w8a8; GPUs with fp8 tensor cores)
+FORMATS = ("fp8", "w4a16-rtn", "w4a16-gptq", "kv-fp8", "w4a16-fp8-prefill")
+DEFAULT_FORMATS = FORMATS[:4]  # (w4a16-fp8-prefill on request: it needs the GPU)
+_ON_LOAD = {"bf16": None, "fp8": "fp8", "w4a16-rtn": "w4a16", "w4a16-fp8-prefill": "w4a16"}
 
 
 def prompt_logits(runner, ids: list[int]) -> torch.Tensor:
@@ -84,14 +87,23 @@ class Stats:
 
 
 def _runner(model_dir: str, quantization, args: argparse.Namespace, load_format: str, capacity: int,
-            kv_cache_dtype: str = "auto"):
+            kv_cache_dtype: str = "auto", w4a16_prefill: str = "bf16"):
     from salaserve.engine.runner import ModelRunner
 
     eargs = EngineArgs(model=model_dir, device=args.device, dtype=args.dtype, backend=args.backend,
                        load_format=load_format, seed=args.seed, quantization=quantization,
                        max_running_requests=1, max_total_tokens=capacity, enable_cuda_graph=False,
-                       kv_cache_dtype=kv_cache_dtype)
+                       kv_cache_dtype=kv_cache_dtype, w4a16_prefill=w4a16_prefill)
     return ModelRunner(eargs, model_dir)
+
+
+def _check_fp8_prefill(runner) -> None:
+    """w4a16-fp8-prefill needs the int4 weights' fp8 copies, made on GPUs with fp8 tensor cores only."""
+    from salaserve.quant.formats import QuantizedLinearWeights
+
+    if not any(isinstance(w, QuantizedLinearWeights) and w.prefill is not None
+               for layer in runner.model.p["layers"] for w in layer.values()):
+        raise ValueError("w4a16-fp8-prefill needs a CUDA GPU with fp8 tensor cores (sm_89+)")
 
 
 def _free(runner) -> None:
@@ -142,6 +154,9 @@ def evaluate(args: argparse.Namespace) -> dict:
                 runner = _runner(path, None, args, "auto", capacity)
             elif fmt == "kv-fp8":
                 runner = _runner(args.model, None, args, args.load_format, capacity, kv_cache_dtype="fp8_e4m3")
+            elif fmt == "w4a16-fp8-prefill":
+                runner = _runner(args.model, "w4a16", args, args.load_format, capacity, w4a16_prefill="fp8")
+                _check_fp8_prefill(runner)
             else:
                 runner = _runner(args.model, _ON_LOAD[fmt], args, args.load_format, capacity)
             stats = Stats()
@@ -166,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Logit error, KL, top-1 agreement and perplexity of quantized "
                                             "formats against bf16 on the same weights.")
     p.add_argument("--model", required=True, help="bf16 model directory")
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help=f"comma-separated subset of {','.join(FORMATS)}")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="prompts kept for reuse as prefixes of later prompts (one Lightning state slot each); 0: off")
     a("--prefix-cache-min-tokens", type=int, default=EngineArgs.prefix_cache_min_tokens,
       help="shortest prompt kept in the prefix cache")
+    a("--w4a16-prefill", default=EngineArgs.w4a16_prefill, choices=["fp8", "bf16"],
+      help="int4 weights at prefill sizes: fp8 (an fp8 copy of the weights, w8a8 on fp8 tensor cores, sm_89+) "
+           "or bf16 (the int4 weights dequantized for a bf16 GEMM)")
     a("--step-trace", default=None, help="append one JSON line per engine step to this file (scheduler trace)")
     return p
 
@@ -134,6 +137,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         prefix_cache_slots=0 if ns.disable_radix_cache else ns.prefix_cache_slots,
         prefix_cache_min_tokens=ns.prefix_cache_min_tokens, step_trace=ns.step_trace,
+        w4a16_prefill=ns.w4a16_prefill,
     )
     try:
         engine.validate()

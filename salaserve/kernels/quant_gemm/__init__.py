@@ -11,7 +11,9 @@
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
         unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
-      - prefill: `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
+      - prefill: with an fp8 copy (`QuantizedLinearWeights.prefill`, made at start-up on GPUs with fp8
+        tensor cores) w8a8 on cuBLAS as fp8 weights below; else
+        `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
       - M <= GEMV_MAX_M: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows) with the
@@ -116,6 +118,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     use_kernels = backend == "triton" or (backend == "auto" and x.is_cuda)
+    if w.prefill is not None and M > GEMV_MAX_M:  # int4 weights' fp8 copy: w8a8 at prefill sizes
+        return quant_linear(x, w.prefill, backend)
     if M == 0:
         y = x2.new_empty(0, N)
     elif w.format == "bf16":
