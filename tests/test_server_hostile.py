@@ -27,7 +27,8 @@ CASES = settings(max_examples=120, deadline=None, derandomize=True, database=Non
 # made hostile: wrong types, out-of-range numbers, NaN, text with lone surrogates or NUL, remote
 # $refs. Near-valid requests get past the first checks, so the deeper ones are exercised too.
 OK_TEXT = st.text(st.characters(categories=["L", "N", "P", "S", "Zs"]), min_size=1, max_size=24)
-BAD_TEXT = st.text(st.characters(categories=["L", "N", "Zs", "Cc", "Cs", "Mn"]), max_size=24)
+BAD_TEXT = st.tuples(OK_TEXT, st.sampled_from(["\ud800", "\udfff", "\x00", "\ud83d"]), OK_TEXT).map("".join) | st.text(
+    st.characters(categories=["L", "N", "Zs", "Cc", "Cs", "Mn"]), max_size=24)
 SCALAR_JUNK = st.one_of(st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
                         BAD_TEXT)
 JUNK = st.one_of(st.none(), SCALAR_JUNK, st.lists(SCALAR_JUNK, max_size=3), st.dictionaries(BAD_TEXT, SCALAR_JUNK,
@@ -46,8 +47,8 @@ def near_valid(required: dict, optional: dict, hostile: dict) -> st.SearchStrate
         return st.fixed_dictionaries({k: hostile[k] for k in keys})
 
     valid = st.fixed_dictionaries(required, optional=optional)
-    bad = st.lists(st.sampled_from(sorted(hostile)), max_size=2, unique=True).flatmap(overrides)
-    return st.tuples(valid, bad).map(lambda t: {**t[0], **t[1]})
+    bad = st.lists(st.sampled_from(sorted(hostile)), min_size=1, max_size=2, unique=True).flatmap(overrides)
+    return st.tuples(valid, st.just({}) | bad).map(lambda t: {**t[0], **t[1]})
 
 
 def hostile_too(valid: dict, extra: dict | None = None) -> dict:
