@@ -35,3 +35,21 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
     args = tiny_server_args(tiny_model_dir, "--max-running-requests", "16", "--enable-metrics")
     with run_server(args, str(tmp_path_factory.mktemp("server-logs"))) as server:
         yield server
+
+
+# The hardened server of tests/test_server_hardening.py and tests/test_server_hostile.py: keys,
+# small per-request limits, a short read timeout, and a KV pool of 1024 tokens so that a handful
+# of concurrent requests forces preemptions.
+HARDENED_API_KEY = "user-key"
+HARDENED_ADMIN_KEY = "admin-key"
+HARDENED_FLAGS = ("--api-key", HARDENED_API_KEY, "--admin-api-key", HARDENED_ADMIN_KEY, "--enable-metrics",
+                  "--max-batch-prompts", "8", "--max-request-sequences", "64", "--max-running-requests", "8",
+                  "--max-total-tokens", "1024", "--request-read-timeout", "2", "--skip-server-warmup")
+
+
+@pytest.fixture(scope="session")
+def hardened_server(tiny_model_dir, tmp_path_factory):
+    from server_utils import run_server, tiny_server_args
+
+    with run_server(tiny_server_args(tiny_model_dir, *HARDENED_FLAGS), str(tmp_path_factory.mktemp("logs"))) as s:
+        yield s

@@ -42,9 +42,9 @@ def greedy(n):
 
 def test_acks_outputs_and_rejections(worker):
     worker, inbox, outbox = worker
-    inbox.send((w.ADD, "good", [1, 5, 6], greedy(4), 0))
-    inbox.send((w.ADD, "too-long", [1] * 2000, greedy(4), 0))  # more than the 1024-token KV cache
-    inbox.send((w.ADD, "bad-id", [1, 10**7], greedy(4), 0))
+    inbox.send((w.ADD, "good", [1, 5, 6], greedy(4), 0, 0))
+    inbox.send((w.ADD, "too-long", [1] * 2000, greedy(4), 0, 0))  # more than the 1024-token KV cache
+    inbox.send((w.ADD, "bad-id", [1, 10**7], greedy(4), 0, 0))
     updates = drain(worker, outbox)
     acks = dict(a for u in updates for a in u.acks)
     assert acks["good"] is None
@@ -58,7 +58,7 @@ def test_acks_outputs_and_rejections(worker):
 
 def test_abort_and_flush(worker):
     worker, inbox, outbox = worker
-    inbox.send((w.ADD, "long", [1, 5, 6], greedy(500), 0))
+    inbox.send((w.ADD, "long", [1, 5, 6], greedy(500), 0, 0))
     assert worker.run_once()
     inbox.send((w.FLUSH, 7))  # busy: not flushed
     inbox.send((w.ABORT, "long"))
@@ -86,8 +86,8 @@ def test_step_error_aborts_running_requests_and_keeps_serving(worker):
         return forward(work, **kw)
 
     engine.runner.forward = flaky
-    inbox.send((w.ADD, "a", [1, 5, 6], greedy(20), 0))
-    inbox.send((w.ADD, "b", [1, 7], greedy(20), 0))
+    inbox.send((w.ADD, "a", [1, 5, 6], greedy(20), 0, 0))
+    inbox.send((w.ADD, "b", [1, 7], greedy(20), 0, 0))
     updates = drain(worker, outbox)
     ends = {o.rid: o.finish_reason for u in updates for o in u.outputs if o.finished}
     assert set(ends) == {"a", "b"}
@@ -96,7 +96,7 @@ def test_step_error_aborts_running_requests_and_keeps_serving(worker):
         assert "simulated kernel failure" in reason["message"]
     assert worker.stats()["pages_used"] == 0 and worker.stats()["slots_used"] == 0
     # the loop goes on: a new request completes normally
-    inbox.send((w.ADD, "c", [1, 8], greedy(3), 0))
+    inbox.send((w.ADD, "c", [1, 8], greedy(3), 0, 0))
     updates = drain(worker, outbox)
     assert [o.finish_reason for u in updates for o in u.outputs if o.finished] == [{"type": "length", "length": 3}]
 

@@ -59,6 +59,7 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--client", choices=("ours", "sglang"), default="ours",
                     help="ours (built in) or sglang (python -m sglang.bench_serving, the official client)")
     ap.add_argument("--tokenizer", help="tokenizer directory (default: the /v1/models id, as the official client)")
+    ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for a started server")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars or client output")
     ap.add_argument("--no-plots", action="store_true")
@@ -83,7 +84,8 @@ def run_main(argv: list[str]) -> int:
     out = Path(a.out or f"bench-results/{name}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     cfg = RunConfig(out=out, tiers=a.tiers, workload=a.workload, workload_dir=a.workload_dir,
                     counts=a.counts, seed=a.seed, url=a.url, model=a.model, server_args=a.server_args,
-                    client=a.client, tokenizer=a.tokenizer, progress=not a.no_progress,
+                    client=a.client, tokenizer=a.tokenizer, trust_remote_code=a.trust_remote_code,
+                    progress=not a.no_progress,
                     start_timeout_s=a.start_timeout)
     try:
         result = run_bench(cfg, ["run", *argv])

@@ -37,6 +37,7 @@ class RunConfig:
     server_args: str = ""
     client: str = "ours"  # or "sglang"
     tokenizer: str | None = None  # default: the /v1/models id, as the official client loads it
+    trust_remote_code: bool = False  # run the tokenizer directory's own code (the official client does)
     progress: bool = True
     start_timeout_s: float = 900.0
 
@@ -97,7 +98,7 @@ def run_bench(cfg: RunConfig, argv: list[str]) -> dict:
         from transformers import AutoTokenizer
 
         model_id = _get_json(url + "/v1/models")["data"][0]["id"]
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or model_id, trust_remote_code=True)
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or model_id, trust_remote_code=cfg.trust_remote_code)
         wdir = Path(cfg.workload_dir) if cfg.workload_dir else cfg.out / "workload"
         if not cfg.workload_dir:
             write_workload(wdir, cfg.workload, tok, cfg.seed, cfg.counts)

@@ -164,9 +164,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", required=True, help="model directory (its tokenizer sizes the texts)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     t0 = time.perf_counter()
     m = write_workload(args.out, args.name, tok, args.seed)
     for tier, info in m["tiers"].items():

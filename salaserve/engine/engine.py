@@ -107,8 +107,10 @@ class Engine:
                              f"({self.runner.capacity_tokens} tokens)")
         return ids
 
-    def add_request(self, rid: str, prompt_ids, params: SamplingParams | None = None, priority: int = 0) -> Request:
-        """Queue a request; raises ValueError naming the bad field (the engine keeps serving)."""
+    def add_request(self, rid: str, prompt_ids, params: SamplingParams | None = None, priority: int = 0,
+                    share_rank: int = 0) -> Request:
+        """Queue a request; raises ValueError naming the bad field (the engine keeps serving).
+        share_rank: its position among the sequences of one client request (Request.share_rank)."""
         if rid in self.requests:
             raise ValueError(f"rid: a request with id {rid!r} is already running")
         params = params or SamplingParams()
@@ -116,7 +118,9 @@ class Engine:
         ids = self.validate_prompt(prompt_ids)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
-        req = Request(rid=rid, prompt_ids=ids, params=params, priority=priority)
+        if isinstance(share_rank, bool) or not isinstance(share_rank, int) or share_rank < 0:
+            raise ValueError(f"share_rank: must be a non-negative integer, got {share_rank!r}")
+        req = Request(rid=rid, prompt_ids=ids, params=params, priority=priority, share_rank=share_rank)
         sampling = SamplingState(params, ids, eos_token_ids=() if params.ignore_eos else self.eos_ids)
         sampling.grammar = self.grammars.matcher(params)  # (compiled here: a bad grammar is a ValueError)
         req.sampling = sampling
@@ -169,7 +173,8 @@ class Engine:
                           finish_reason=req.finish_reason, num_prompt=req.num_prompt,
                           num_output=req.num_output if num_output is None else num_output, logprobs=logprobs,
                           spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted,
-                          prompt_logprobs=prompt_lp, cached_tokens=req.cached_tokens)
+                          prompt_logprobs=prompt_lp, cached_tokens=req.cached_tokens,
+                          num_preemptions=req.num_preemptions)
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:

@@ -75,7 +75,7 @@ class GrammarCompiler:
         compiler = self.compiler()
         try:
             if key == "json_schema":
-                json.loads(value)  # a clear message for text that is not JSON at all
+                check_local_refs(json.loads(value))
                 # compact JSON (no free whitespace between tokens): with any whitespace allowed,
                 # small or unsure models can emit blanks until max_new_tokens
                 compiled = compiler.compile_json_schema(value, any_whitespace=False)
@@ -97,6 +97,7 @@ class GrammarCompiler:
         "schema", "end"}, ...], "triggers": [...]} (free text until a trigger, then the structure
         it starts), or xgrammar's newer {"type": "structural_tag", "format": ...}."""
         tag = json.loads(value)
+        check_local_refs(tag)  # (the schemas inside it)
         if isinstance(tag, dict) and "structures" in tag and "triggers" in tag:
             xgr = self._xgr()
             structures, triggers = tag["structures"], tag["triggers"]
@@ -110,6 +111,27 @@ class GrammarCompiler:
                 items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]))
             return compiler.compile_structural_tag(items, triggers)
         return compiler.compile_structural_tag(value)
+
+
+REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def check_local_refs(schema) -> None:
+    """ValueError for a reference that is not local to the schema (`#...`): xgrammar cannot
+    resolve a remote or file:// one and would leave that part of the output unconstrained; and
+    the server must not fetch URLs or read files a client names."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in REF_KEYS:
+                ref = node.get(key)
+                if isinstance(ref, str) and not ref.startswith("#"):
+                    raise ValueError(f"{key} {ref!r} cannot be resolved: only references within the schema ('#/...') "
+                                     "are supported")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _message(e: Exception) -> str:

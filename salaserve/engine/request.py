@@ -23,6 +23,10 @@ class Request:
     prompt_ids: list[int]
     params: Any  # SamplingParams
     priority: int = 0  # higher first; FCFS among equals
+    # this sequence's position within its client's request (a batch's prompts times n): within a
+    # priority, lower ranks are admitted first, so one request's many sequences cannot keep a later
+    # request's first one waiting behind all of them (each request gets its share of the slots)
+    share_rank: int = 0
     arrival: float = field(default_factory=time.monotonic)
     order: int = field(default_factory=lambda: next(_counter))
 
@@ -83,7 +87,7 @@ class Request:
         return self.num_pending == 1 and self.num_output > 0
 
     def sort_key(self):
-        return (-self.priority, self.arrival, self.order)
+        return (-self.priority, self.share_rank, self.arrival, self.order)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class StepOutput:
     spec_verify_ct: int = 0  # cumulative speculative verify steps of the request
     spec_accepted: int = 0  # cumulative accepted draft tokens
     cached_tokens: int = 0  # prompt tokens the request did not compute (SGLang's meta_info.cached_tokens)
+    num_preemptions: int = 0  # times the request was preempted so far (SGLang's meta_info.total_retractions)
 
 
 def length_reason(n: int) -> dict:

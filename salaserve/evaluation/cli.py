@@ -41,6 +41,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, help="only the first N rows")
     ap.add_argument("--tasks", help="comma-separated tasks to keep, e.g. mcq,niah")
     ap.add_argument("--out", help="write summary and per-row predictions to this JSON file")
+    ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     return ap
 
 
@@ -54,6 +55,7 @@ def _synthetic_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default="niah,qa,cwe,fwe")
     ap.add_argument("--langs", default="en,zh", help="languages, alternating within each task")
+    ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     return ap
 
 
@@ -63,7 +65,7 @@ def make_synthetic_main(argv: list[str]) -> int:
 
     from salaserve.evaluation.synthetic import make_synthetic
 
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     rows = make_synthetic(tok, [int(x) for x in args.lengths.split(",")], args.per_task,
                           args.seed, tuple(args.tasks.split(",")), tuple(args.langs.split(",")))
     with open(args.out, "w", encoding="utf-8") as f:
@@ -89,7 +91,7 @@ def eval_main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - any failure here means no server to talk to
         print(f"cannot get the model id from {args.url}/v1/models: {e}", file=sys.stderr)
         return 1
-    stop = stop_words_for(model, args.model_path)
+    stop = stop_words_for(model, args.model_path, trust_remote_code=args.trust_remote_code)
     print(f"{len(rows)} rows -> {args.url} model={model} stop={stop} "
           f"concurrency={args.concurrency} max_tokens={args.max_tokens}", flush=True)
     done = [0]

@@ -40,11 +40,12 @@ class Prediction:
         return dict(self.__dict__)
 
 
-def load_stop_words(model_dir: str) -> list[str]:
-    """Stop strings as eval_model.py builds them from the local model directory."""
+def load_stop_words(model_dir: str, trust_remote_code: bool = False) -> list[str]:
+    """Stop strings as eval_model.py builds them from the local model directory (its own
+    tokenizer code runs only with trust_remote_code)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     words: list[str] = []
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
@@ -57,12 +58,12 @@ def load_stop_words(model_dir: str) -> list[str]:
     return list(dict.fromkeys(w for w in words if w))
 
 
-def stop_words_for(model: str, model_path: str | None = None) -> list[str]:
+def stop_words_for(model: str, model_path: str | None = None, trust_remote_code: bool = False) -> list[str]:
     """Stops from `model_path`, else from `model` when that id is a local directory (as the
     platform's is), else the MiniCPM-SALA defaults."""
     for d in (model_path, model):
         if d and os.path.isdir(d):
-            return load_stop_words(d)
+            return load_stop_words(d, trust_remote_code)
     return list(DEFAULT_STOP)
 
 

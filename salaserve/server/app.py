@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, error handlers, the body size limit and the API-key check.
+"""The FastAPI application: routes, error handlers, the body size limit, the body read timeout
+(http_limits.py) and the API-key check (auth.py).
 
 Every error leaves as JSON in the shape of its route (OpenAI on /v1/*, SGLang's elsewhere), and
 the server keeps serving after any of them.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -19,13 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from salaserve.config import EngineArgs
 from salaserve.server import routes_native, routes_openai
 from salaserve.server.args import ServerArgs
+from salaserve.server.auth import ApiKeyMiddleware
+from salaserve.server.http_limits import BodyReadTimeoutMiddleware
 from salaserve.server.protocol import ApiError, error_response
 from salaserve.server.state import ServerState
 
 log = logging.getLogger("salaserve.server")
-
-# Readiness probes and scrapes work without the key, as in SGLang.
-OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/ping")
 
 
 class BodyTooLarge(Exception):
@@ -79,24 +78,6 @@ class BodyLimitMiddleware:
         await error_response(path, 413, msg, headers={"Connection": "close"})(scope, receive, send)
 
 
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes (SGLang's --api-key)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PATHS):
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            response = error_response(scope["path"], 401, "Unauthorized: a valid 'Authorization: Bearer <api key>' "
-                                                          "header is required")
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
 def create_app(server_args: ServerArgs, engine_args: EngineArgs, on_fatal=None) -> FastAPI:
     state = ServerState(server_args, engine_args, on_fatal=on_fatal)
 
@@ -136,6 +117,8 @@ def create_app(server_args: ServerArgs, engine_args: EngineArgs, on_fatal=None) 
         return error_response(request.url.path, 500, f"internal error: {type(e).__name__}: {e}")
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
-    if server_args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+    app.add_middleware(BodyReadTimeoutMiddleware, timeout_s=server_args.request_read_timeout)
+    if server_args.api_key:  # (outermost: a client without the key is turned away before its body is read)
+        app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key, admin_api_key=server_args.admin_api_key,
+                           metrics_no_auth=server_args.metrics_no_auth)
     return app

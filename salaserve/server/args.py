@@ -37,6 +37,12 @@ class ServerArgs:
     max_request_bytes: int = 64 * 2**20  # request bodies beyond this get 413
     enable_cache_report: bool = False  # OpenAI usage.prompt_tokens_details.cached_tokens (SGLang's flag)
     log_level: str = "info"
+    # hardening (salaserve/server/auth.py, http_limits.py; README "Limits and access")
+    admin_api_key: str | None = None  # abort_all, and aborting other clients' requests
+    metrics_no_auth: bool = False  # /metrics answers without the API key
+    max_batch_prompts: int = 256  # prompts in one request
+    max_request_sequences: int = 1024  # sequences one request starts: prompts x n
+    request_read_timeout: float = 60.0  # seconds to send a request head, and then its body
 
     @property
     def model_name(self) -> str:
@@ -44,7 +50,8 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["api_key"] = None if self.api_key is None else "***"  # never echo the key back
+        for key in ("api_key", "admin_api_key"):  # never echo a key back
+            d[key] = None if d[key] is None else "***"
         return d
 
 
@@ -65,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mem-fraction-static", type=float, default=0.88)
     a("--chunked-prefill-size", type=int, default=8192)
     a("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /ping")
     a("--trust-remote-code", action="store_true")
     a("--disable-radix-cache", action="store_true", help="no prefix cache (same as --prefix-cache-slots 0)")
     a("--enable-cache-report", action="store_true",
@@ -104,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
       help="int4 weights at prefill sizes: fp8 (an fp8 copy of the weights, w8a8 on fp8 tensor cores, sm_89+) "
            "or bf16 (the int4 weights dequantized for a bf16 GEMM)")
     a("--step-trace", default=None, help="append one JSON line per engine step to this file (scheduler trace)")
+    # hardening: access and per-request limits
+    a("--admin-api-key", default=None,
+      help="key (Authorization: Bearer KEY) that may abort any client's requests and use abort_all")
+    a("--metrics-no-auth", action="store_true", help="serve /metrics without the API key (for scrapers)")
+    a("--max-batch-prompts", type=int, default=ServerArgs.max_batch_prompts, help="most prompts in one request")
+    a("--max-request-sequences", type=int, default=ServerArgs.max_request_sequences,
+      help="most sequences one request may start (prompts x n)")
+    a("--request-read-timeout", type=float, default=ServerArgs.request_read_timeout,
+      help="seconds a client has to send a request's head, and then its body (408 after)")
     return p
 
 
@@ -120,6 +136,9 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         parser.error(f"--speculative-algorithm {ns.speculative_algorithm}: not supported yet (use NGRAM)")
     if ns.max_request_mb <= 0:
         parser.error(f"--max-request-mb must be positive, got {ns.max_request_mb}")
+    for flag in ("max_batch_prompts", "max_request_sequences", "request_read_timeout"):
+        if getattr(ns, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(ns, flag)}")
     notices = [f"note: --{name.replace('_', '-')} is accepted for SGLang compatibility and ignored: {why}"
                for name, why in IGNORED_FLAGS.items() if getattr(ns, name) not in (None, False)]
     if unknown:
@@ -149,5 +168,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         trust_remote_code=ns.trust_remote_code, stream_interval=ns.stream_interval,
         max_request_bytes=int(ns.max_request_mb * 2**20), log_level=ns.log_level,
         enable_cache_report=ns.enable_cache_report,
+        admin_api_key=ns.admin_api_key, metrics_no_auth=ns.metrics_no_auth, max_batch_prompts=ns.max_batch_prompts,
+        max_request_sequences=ns.max_request_sequences, request_read_timeout=ns.request_read_timeout,
     )
     return engine, server, notices

@@ -4,7 +4,8 @@ The engine runs in its own process ('spawn'), so model work never competes with 
 for the GIL. Two daemon threads move messages: one sends (a pipe write can block while the engine
 is busy stepping), one receives and hands each `Update` to the event loop. Every engine request
 is routed to an asyncio queue owned by its HTTP handler; one queue may serve several requests
-(a batch, `n` siblings), each under its own tag.
+(a batch, `n` siblings), each under its own tag. Each route also records which client started the
+request (an opaque owner string), so that /abort_request stops only the caller's own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from salaserve.config import EngineArgs
@@ -30,6 +32,15 @@ THROUGHPUT_WINDOW_S = 5.0
 
 class EngineUnavailable(RuntimeError):
     """The engine process is not running (failed to start or died)."""
+
+
+@dataclass
+class Route:
+    """Where a running request's outputs go, and who started it."""
+
+    inbox: asyncio.Queue
+    tag: object
+    owner: str | None
 
 
 class ThroughputMeter:
@@ -62,7 +73,7 @@ class EngineClient:
         self.dead: str | None = None
         self.closing = False
         self.process = None
-        self._routes: dict[str, tuple[asyncio.Queue, object]] = {}  # rid -> (handler inbox, tag)
+        self._routes: dict[str, Route] = {}
         self._acks: dict[str, asyncio.Future] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
@@ -158,7 +169,7 @@ class EngineClient:
             route = self._routes.get(out.rid)
             if route is None:  # its handler gave up (cancelled); nothing waits for it
                 continue
-            route[0].put_nowait((route[1], out))
+            route.inbox.put_nowait((route.tag, out))
             if out.finished:
                 del self._routes[out.rid]
         for token, value in update.replies:
@@ -177,8 +188,8 @@ class EngineClient:
         self.dead = f"the engine process exited unexpectedly (code {code})"
         log.error("%s", self.dead)
         reason = w.error_reason(self.dead)
-        for rid, (inbox, tag) in self._routes.items():
-            inbox.put_nowait((tag, StepOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=reason,
+        for rid, route in self._routes.items():
+            route.inbox.put_nowait((route.tag, StepOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=reason,
                                               num_prompt=0, num_output=0)))
         self._routes.clear()
         for fut in [*self._acks.values(), *self._replies.values()]:
@@ -191,17 +202,19 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def add(self, rid: str, prompt_ids: list[int], params, priority: int, inbox: asyncio.Queue,
-                  tag: object) -> None:
+                  tag: object, share_rank: int = 0, owner: str | None = None) -> None:
         """Queue a request in the engine; its outputs go to `inbox` as (tag, StepOutput).
-        Raises ValueError when the engine rejects it (the message names the field)."""
+        share_rank: its position within the client's request (Request.share_rank); owner: who may
+        abort it (None: only the admin). Raises ValueError when the engine rejects it (the message
+        names the field)."""
         if self.dead:
             raise EngineUnavailable(self.dead)
         if rid in self._routes:
             raise ValueError(f"rid: a request with id {rid!r} is already running")
         fut = self._loop.create_future()
         self._acks[rid] = fut
-        self._routes[rid] = (inbox, tag)
-        self._outgoing.put((w.ADD, rid, prompt_ids, params, priority))
+        self._routes[rid] = Route(inbox, tag, owner)
+        self._outgoing.put((w.ADD, rid, prompt_ids, params, priority, share_rank))
         try:
             error = await fut
         except asyncio.CancelledError:
@@ -217,10 +230,20 @@ class EngineClient:
         if self._routes.pop(rid, None) is not None and not self.dead:
             self._outgoing.put((w.ABORT, rid))
 
-    def abort(self, rid: str | None = None) -> None:
-        """/abort_request: the engine ends the request(s); their handlers see finish reason `abort`."""
+    def abort(self, rid: str, owner: str | None) -> bool:
+        """/abort_request: the engine ends `rid` if `owner` started it (owner None: whoever did,
+        for the admin); its handler sees finish reason `abort`. False if there was none to end."""
+        route = self._routes.get(rid)
+        if route is None or (owner is not None and route.owner != owner):
+            return False
         if not self.dead:
-            self._outgoing.put((w.ABORT_ALL,) if rid is None else (w.ABORT, rid))
+            self._outgoing.put((w.ABORT, rid))
+        return True
+
+    def abort_all(self) -> None:
+        """/abort_request with abort_all (admin only): the engine ends every request."""
+        if not self.dead:
+            self._outgoing.put((w.ABORT_ALL,))
 
     def is_active(self, rid: str) -> bool:
         return rid in self._routes

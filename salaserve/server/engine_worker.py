@@ -23,7 +23,7 @@ from salaserve.kernels.compile_watch import WATCH
 log = logging.getLogger("salaserve.engine")
 
 # server -> engine messages (tuples whose first item is one of these)
-ADD = "add"  # (ADD, rid, prompt_ids, SamplingParams, priority)
+ADD = "add"  # (ADD, rid, prompt_ids, SamplingParams, priority, share_rank)
 ABORT = "abort"  # (ABORT, rid)
 ABORT_ALL = "abort_all"  # (ABORT_ALL,)
 FLUSH = "flush"  # (FLUSH, reply_token)
@@ -117,9 +117,9 @@ class EngineWorker:
     def _handle(self, msg: tuple, update: Update) -> None:
         kind = msg[0]
         if kind == ADD:
-            _, rid, prompt_ids, params, priority = msg
+            _, rid, prompt_ids, params, priority, share_rank = msg
             try:
-                self.engine.add_request(rid, prompt_ids, params, priority)
+                self.engine.add_request(rid, prompt_ids, params, priority, share_rank)
                 update.acks.append((rid, None))
             except ValueError as e:
                 update.acks.append((rid, str(e)))
@@ -142,7 +142,8 @@ class EngineWorker:
         if req is None or not self.engine.abort(rid):
             return []
         return [StepOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=dict(reason),
-                           num_prompt=req.num_prompt, num_output=req.num_output)]
+                           num_prompt=req.num_prompt, num_output=req.num_output,
+                           num_preemptions=req.num_preemptions)]
 
     def step(self) -> list[StepOutput]:
         try:

@@ -57,6 +57,7 @@ class Sequence:
         self.spec_verify_ct = 0  # speculative decoding counters, cumulative (from the engine)
         self.spec_accepted = 0
         self.cached_tokens = 0  # prompt tokens the engine copied rather than computed
+        self.num_preemptions = 0  # times the engine preempted it (SGLang's total_retractions)
         # (logprob or None, token id, top list or None) per prompt token from logprob_start_len on
         self.prompt_logprobs: list | None = None
 
@@ -114,6 +115,7 @@ class Sequence:
             self.spec_verify_ct, self.spec_accepted = out.spec_verify_ct, out.spec_accepted
         if out.cached_tokens:
             self.cached_tokens = out.cached_tokens
+        self.num_preemptions = max(self.num_preemptions, out.num_preemptions)
         n = len(out.new_token_ids)
         if n:
             now = time.perf_counter()
@@ -153,10 +155,14 @@ class Sequence:
 
 
 class RequestGroup:
-    def __init__(self, client, tokenizer, metrics=None):
+    """The engine requests of one HTTP request (its prompts times n). `owner`: the client that
+    may abort them (auth.request_owner; None: only the admin)."""
+
+    def __init__(self, client, tokenizer, metrics=None, owner: str | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.owner = owner
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.seqs: list[Sequence] = []
 
@@ -171,9 +177,12 @@ class RequestGroup:
 
     async def start(self) -> None:
         """Hand every sequence to the engine. On a rejection (ValueError, naming the field) or
-        any failure, the ones already queued are cancelled and the error is raised."""
+        any failure, the ones already queued are cancelled and the error is raised. A sequence's
+        index is its share rank: the engine lets other requests' first sequences in before this
+        request's later ones (Request.share_rank)."""
         results = await asyncio.gather(
-            *(self.client.add(s.rid, s.prompt_ids, s.params, s.priority, self.inbox, s.index) for s in self.seqs),
+            *(self.client.add(s.rid, s.prompt_ids, s.params, s.priority, self.inbox, s.index, share_rank=s.index,
+                              owner=self.owner) for s in self.seqs),
             return_exceptions=True)
         for seq, result in zip(self.seqs, results):
             seq.in_engine = not isinstance(result, BaseException)

@@ -37,6 +37,7 @@ def run(argv: list[str]) -> int:
     import uvicorn
 
     from salaserve.server.app import create_app
+    from salaserve.server.http_limits import MAX_HEAD_BYTES, guarded_protocol
 
     fatal: list[str] = []
     server: uvicorn.Server | None = None
@@ -47,9 +48,13 @@ def run(argv: list[str]) -> int:
             server.should_exit = True
 
     app = create_app(server_args, engine_args, on_fatal=on_fatal)
+    # proxy_headers off: X-Forwarded-For must not let a client pose as another address (request
+    # owners, auth.py); requests through a local proxy then all share the proxy's address
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
                             access_log=level <= logging.DEBUG, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=30, backlog=4096)
+                            timeout_keep_alive=30, backlog=4096, proxy_headers=False,
+                            http=guarded_protocol(server_args.request_read_timeout),
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     server = uvicorn.Server(config)
     server.run()
     if fatal:

@@ -8,6 +8,7 @@ Unknown request fields are ignored, as SGLang does.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -16,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -146,9 +150,49 @@ JSON_MEDIA_TYPES = ("application/json",)
 LENIENT_MEDIA_TYPES = ("", "application/x-www-form-urlencoded")
 
 
+# A JSON `\uD800`-`\uDFFF` escape. Raw UTF-8 cannot carry a surrogate (decoding the body fails
+# first), so only bodies with such an escape can hold one; a valid pair decodes to one character.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def is_valid_unicode(s: str) -> bool:
+    """False for a string holding a lone surrogate (no UTF-8 form: no tokenizer or response takes it)."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not is_valid_unicode(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def reject_lone_surrogates(raw: bytes, body: Any) -> None:
+    """400 if any string of the parsed JSON body holds a lone surrogate; the parsed body is walked
+    only when the raw bytes hold a surrogate escape at all."""
+    if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise ApiError(400, "the request contains a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                            "pair), which is not valid Unicode text")
+
+
 async def read_json(request, openai: bool) -> Any:
     """The request body as JSON. The OpenAI routes insist on `Content-Type: application/json`
-    (as SGLang's do); native routes also take a body sent without one, or as curl's default."""
+    (as SGLang's do); native routes also take a body sent without one, or as curl's default.
+    Strings with a lone surrogate are refused here, for every route."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     json_like = media in JSON_MEDIA_TYPES or media.endswith("+json")
     if not json_like and (openai or media not in LENIENT_MEDIA_TYPES):
@@ -157,9 +201,11 @@ async def read_json(request, openai: bool) -> Any:
     if not raw.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError too
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    reject_lone_surrogates(raw, body)
+    return body
 
 
 def parse_model(model: type[BaseModel], body: Any) -> Any:

@@ -22,7 +22,7 @@ def meta_info(seq: Sequence, return_logprob: bool = False, top_logprobs_num: int
         "finish_reason": dict(seq.finish_reason) if seq.finished and seq.finish_reason else None,
         "prompt_tokens": seq.prompt_tokens,
         "weight_version": WEIGHT_VERSION,
-        "total_retractions": 0,
+        "total_retractions": seq.num_preemptions,
         "completion_tokens": seq.completion_tokens,
         "cached_tokens": seq.cached_tokens,
     }

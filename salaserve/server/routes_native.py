@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from salaserve import __version__
 from salaserve.engine.sampling_params import SamplingParams
+from salaserve.server.auth import is_admin, request_owner
 from salaserve.server.generate_request import parse_generate_request
 from salaserve.server.generation import RequestGroup, run_unless_disconnected
 from salaserve.server.protocol import ApiError, read_json
@@ -38,20 +39,19 @@ async def generate(request: Request):
     state = server_state(request)
     state.require_ready()
     req = parse_generate_request(await read_json(request, openai=False))
-    group = state.new_group()
+    # the cheap checks first: a request that asks for too much is refused before any tokenizing
+    item_params = [item_sampling_params(state, item) for item in req.items]
+    state.check_request_size(len(req.items), sum(p.n for p in item_params), "text")
+    texts = [item.text for item in req.items if item.text is not None]
+    for text in texts:
+        state.check_text(text, "text")
+    encoded = iter(await state.tokenization.encode_many(texts) if texts else [])
+    group = state.new_group(request_owner(request.scope))
     opts = []  # per sequence: (return_logprob, top_logprobs_num)
     aliases = {}
     multi = req.is_batch
-    for item in req.items:
-        ids = item.input_ids if item.input_ids is not None else await state.tokenization.encode(item.text)
-        params = state.sampling_params(item.sampling_params)
-        if item.return_logprob:
-            params.logprobs, params.top_logprobs = True, item.top_logprobs_num
-            params.logprob_start_len = item.logprob_start_len
-            try:
-                params.validate()
-            except ValueError as e:
-                raise ApiError(400, f"top_logprobs_num: {e}") from None
+    for item, params in zip(req.items, item_params):
+        ids = item.input_ids if item.input_ids is not None else next(encoded)
         state.check_lengths(len(ids), params)
         siblings = state.siblings(params)
         multi = multi or len(siblings) > 1
@@ -85,6 +85,18 @@ async def generate(request: Request):
         raise ApiError(500, errors[0])
     outs = [body(s) for s in seqs]
     return JSONResponse(outs if multi else outs[0])
+
+
+def item_sampling_params(state: ServerState, item) -> SamplingParams:
+    params = state.sampling_params(item.sampling_params)
+    if item.return_logprob:
+        params.logprobs, params.top_logprobs = True, item.top_logprobs_num
+        params.logprob_start_len = item.logprob_start_len
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ApiError(400, f"top_logprobs_num: {e}") from None
+    return params
 
 
 async def _stream(state: ServerState, group: RequestGroup, body, multi: bool, aliases: dict):
@@ -130,6 +142,9 @@ async def flush_cache(request: Request):
 
 @router.post("/abort_request")
 async def abort_request(request: Request):
+    """Ends the caller's own request `rid` (all its `n` samples); the admin key may end anyone's,
+    and alone may use abort_all. A rid that is not the caller's is treated as unknown: 200, no
+    effect, as SGLang answers for a request that already finished."""
     state = server_state(request)
     body = await read_json(request, openai=False)
     if not isinstance(body, dict):
@@ -139,11 +154,15 @@ async def abort_request(request: Request):
         raise ApiError(400, f"rid: must be a string, got {rid!r}", "rid")
     if not isinstance(abort_all, bool):
         raise ApiError(400, f"abort_all: must be a boolean, got {abort_all!r}", "abort_all")
+    admin = is_admin(request.scope, state.args.admin_api_key)
     if abort_all:
-        state.client.abort(None)
+        if not admin:
+            raise ApiError(403, "abort_all: needs the admin API key (the server's --admin-api-key)", "abort_all")
+        state.client.abort_all()
     elif rid:
+        owner = None if admin else request_owner(request.scope)
         for r in state.rid_aliases.get(rid, [rid]):
-            state.client.abort(r)
+            state.client.abort(r, owner)
     return Response(status_code=200)
 
 

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from salaserve.engine.grammar import GRAMMAR_KEYS
+from salaserve.server.auth import request_owner
 from salaserve.server.generation import RequestGroup, run_unless_disconnected
 from salaserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, openai_error_body, parse_model, read_json)
@@ -160,14 +161,19 @@ async def completions(request: Request):
     prompts = completion_prompts(req.prompt)
     base = state.sampling_params(sampling_dict(req, checked_max_tokens(req.max_tokens, "max_tokens",
                                                                        state.context_length)))
+    state.check_request_size(len(prompts), len(prompts) * base.n, "prompt")
+    texts = [p for p in prompts if isinstance(p, str)]
+    for text in texts:
+        state.check_text(text, "prompt")
+    encoded = iter(await state.tokenization.encode_many(texts) if texts else [])
     if req.logprobs is not None:
         base = with_logprobs(state, base, req.logprobs, "logprobs")
         if req.echo:  # the echoed prompt's tokens come with their logprobs too
             base.logprob_start_len = 0
-    group = state.new_group()
+    group = state.new_group(request_owner(request.scope))
     echo = []
     for prompt in prompts:
-        ids = await state.tokenization.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = next(encoded) if isinstance(prompt, str) else list(prompt)
         seqs = add_samples(state, group, ids, base, rid=req.rid if len(prompts) == 1 else None)
         text = (prompt if isinstance(prompt, str) else state.tokenization.decode(ids)) if req.echo else ""
         echo.extend([text] * len(seqs))
@@ -277,15 +283,17 @@ async def chat_completions(request: Request):
     base = state.sampling_params(sampling_dict(req, max_new))
     if req.logprobs:
         base = with_logprobs(state, base, req.top_logprobs or 0, "top_logprobs")
+    state.check_request_size(1, base.n, "messages")
     try:
-        ids = await state.tokenization.encode_chat(template_messages(req), tools=req.tools,
-                                                   template_kwargs=req.chat_template_kwargs,
-                                                   continue_final_message=req.continue_final_message)
+        ids = await state.tokenization.encode_chat(
+            template_messages(req), tools=req.tools, template_kwargs=req.chat_template_kwargs,
+            continue_final_message=req.continue_final_message,
+            check_text=lambda text: state.check_text(text, "messages"))  # the rendered prompt
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
     if not ids:
         raise ApiError(400, "messages: the chat template rendered an empty prompt", "messages")
-    group = state.new_group()
+    group = state.new_group(request_owner(request.scope))
     add_samples(state, group, ids, base, rid=req.rid)
     await state.start(group)
     head = response_head("chat.completion", req.model, state)
@@ -338,11 +346,13 @@ async def tokenize(request: Request):
     state = server_state(request)
     state.require_ready()
     req: TokenizeRequest = parse_model(TokenizeRequest, await read_json(request, openai=request.url.path.startswith("/v1")))
-    enc = state.tokenization.encode
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    state.check_request_size(len(prompts), len(prompts), "prompt")
+    for text in prompts:
+        state.check_text(text, "prompt")
+    tokens = await state.tokenization.encode_many(prompts, req.add_special_tokens)
     if isinstance(req.prompt, str):
-        tokens = await enc(req.prompt, req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.context_length}
-    tokens = [await enc(p, req.add_special_tokens) for p in req.prompt]
+        return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": state.context_length}
     return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": state.context_length}
 
 
@@ -356,9 +366,13 @@ async def detokenize(request: Request):
     batch = bool(req.tokens) and isinstance(req.tokens[0], list)
     seqs = req.tokens if batch else [req.tokens]
     vocab = state.client.info["vocab_size"]
+    state.check_request_size(len(seqs), len(seqs), "tokens")
     for ids in seqs:
+        if len(ids) > state.context_length:
+            raise ApiError(400, f"tokens: {len(ids)} ids; at most the context length ({state.context_length}) "
+                                "per sequence", "tokens")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    texts = [state.tokenization.decode(ids) for ids in seqs]
+    texts = await state.tokenization.decode_many(seqs)
     return {"text": texts if batch else texts[0]}

@@ -15,6 +15,7 @@ from salaserve.engine.sampling_params import SamplingParams
 from salaserve.server.args import ServerArgs
 from salaserve.server.engine_client import EngineClient, EngineUnavailable
 from salaserve.server.generation import RequestGroup
+from salaserve.server.input_checks import check_prompt_text
 from salaserve.server.metrics import ServerMetrics
 from salaserve.server.protocol import ApiError
 from salaserve.server.tokenization import Tokenization, load_tokenizer
@@ -99,8 +100,29 @@ class ServerState:
     def context_length(self) -> int:
         return self.client.info["context_length"]
 
-    def new_group(self) -> RequestGroup:
-        return RequestGroup(self.client, self.tokenization.tokenizer, self.metrics)
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """No text longer than this fits the context, whatever it tokenizes to (see
+        tokenization.max_chars_per_token); None where the tokenizer allows no such bound."""
+        per_token = self.tokenization.max_chars_per_token
+        return None if per_token is None else self.context_length * per_token
+
+    def check_text(self, text: str, field: str) -> None:
+        """400 for a prompt text the tokenizer must not see: invalid Unicode, NUL, or too long."""
+        check_prompt_text(text, field, self.max_prompt_chars, self.context_length)
+
+    def check_request_size(self, num_prompts: int, num_sequences: int, field: str) -> None:
+        """400 for a request that asks for more prompts, or prompts x n sequences, than one
+        request may (--max-batch-prompts, --max-request-sequences); checked before any tokenizing."""
+        if num_prompts > self.args.max_batch_prompts:
+            raise ApiError(400, f"{field}: {num_prompts} prompts in one request; the limit is "
+                                f"{self.args.max_batch_prompts} (--max-batch-prompts)", field)
+        if num_sequences > self.args.max_request_sequences:
+            raise ApiError(400, f"n: {num_prompts} prompt(s) x n make {num_sequences} sequences in one request; the "
+                                f"limit is {self.args.max_request_sequences} (--max-request-sequences)", "n")
+
+    def new_group(self, owner: str | None) -> RequestGroup:
+        return RequestGroup(self.client, self.tokenization.tokenizer, self.metrics, owner=owner)
 
     def sampling_params(self, d: dict) -> SamplingParams:
         try:
