@@ -398,7 +398,8 @@ def _compress_level_fp8(
         tl.store(dst, mean.to(C_pool.dtype.element_ty), mask=hd_ok)
 
 
-@triton.jit
+# the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
+@triton.jit(do_not_specialize=['n_progs'])
 def _update_compressed_kernel(
     K_pool, C1_pool, C2_pool, page_table, seq_lens, cache_lens, n_progs, K_scale,
     stride_pt, stride_kp, stride_kt, stride_c1p, stride_c1e, stride_c2p, stride_c2e,
@@ -526,7 +527,8 @@ def _prefill_kv_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
+@triton.jit(do_not_specialize=['num_tiles'])
 def _dense_prefill_kernel(
     Q, K_pool, V_pool, Out, page_table, cu_seqlens_q, seq_lens, K_scale, V_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_kp, stride_kt, stride_kh,

@@ -44,7 +44,8 @@ def _visible(pos, KERNEL: tl.constexpr, STRIDE: tl.constexpr):
     return tl.where(pos + 1 >= KERNEL, (pos + 1 - KERNEL) // STRIDE + 1, 0)
 
 
-@triton.jit
+# the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
+@triton.jit(do_not_specialize=['entries_per_split', 'tok_base'])
 def _stage1_lse_kernel(
     q_ptr, c2_ptr, page_table_ptr, positions_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
     m_part_ptr, l_part_ptr,
@@ -161,7 +162,8 @@ def _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T: tl.constexpr, GP: tl.con
     return tl.maximum(own, prev)
 
 
-@triton.jit
+# the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
+@triton.jit(do_not_specialize=['stride_kg', 'stride_kt', 'n_split2', 'nb_out', 'blocks_per_split', 'tok_base'])
 def _stage1_block_keys_kernel(
     q_ptr, c1_ptr, page_table_ptr, seq_lens_ptr, positions_ptr,
     tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,

@@ -231,7 +231,8 @@ def _row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW: tl.constexpr):
     return lim
 
 
-@triton.jit
+# the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
+@triton.jit(do_not_specialize=['stride_kg', 'stride_kt', 'stride_og', 'stride_ot', 'nb', 'k', 'width'])
 def _topk_blocks_kernel(
     keys_ptr, qb_ptr, limit_ptr, out_ptr,
     stride_kg, stride_kt, stride_og, stride_ot,
