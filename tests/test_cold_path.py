@@ -91,3 +91,22 @@ def test_serving_warmup_with_speculation_verifies(tiny_model_dir):
     engine._verify = lambda *a: verify_steps.append(1) or verify(*a)
     warm_up_engine(engine)
     assert verify_steps and engine.stats["spec_verify_steps"] == 0
+
+
+def test_a_new_specialisation_names_the_arguments_that_made_it():
+    """The watch's detail for a rebuilt kernel: which arguments Triton specialised differently
+    (types, divisibility by 16, constexpr values) than in its nearest earlier build."""
+    from salaserve.kernels.compile_watch import describe_new, specialisation
+
+    def compile_dict(n_divisible: bool, width_one: bool):
+        signature = {"x": "*bf16", "n": "i32", "width": "constexpr" if width_one else "i32", "B": "constexpr"}
+        constants = {(3,): 16, **({(2,): 1} if width_one else {})}
+        attrs = {(0,): [["tt.divisibility", 16]], **({(1,): [["tt.divisibility", 16]]} if n_divisible else {})}
+        return {"signature": signature, "constants": constants, "configs": [attrs]}
+
+    first = specialisation(compile_dict(True, False))
+    assert first == {"x": "*bf16/16", "n": "i32/16", "width": "i32", "B": "constexpr=16"}
+    assert describe_new(first, []) == ""
+    second = specialisation(compile_dict(False, True))
+    assert describe_new(second, [first]) == ("new specialisation: n i32/16 -> i32, "
+                                             "width i32 -> constexpr=1")

@@ -36,6 +36,7 @@ class CompileWatch:
         self.num_after_ready = 0
         self._lock = threading.Lock()
         self._started: dict[int, float] = {}  # id of a compile's key -> start time
+        self._specs: dict[str, list[dict[str, str]]] = {}  # kernel -> its builds' specialisations
         self._installed = False
 
     # ---- recording ---------------------------------------------------------------------------
@@ -66,10 +67,18 @@ class CompileWatch:
         self._started[id(key)] = time.perf_counter()
         return None  # (a true value would tell Triton to skip the compile)
 
-    def _after_compile(self, *, key, repr, fn, **_) -> None:
+    def _after_compile(self, *, key, repr, fn, compile=None, **_) -> None:
         start = self._started.pop(id(key), None)
         seconds = time.perf_counter() - start if start is not None else 0.0
-        self.record("compile", getattr(fn, "name", str(fn)), repr, seconds)
+        name = getattr(fn, "name", str(fn))
+        detail = repr
+        try:  # which arguments made this specialisation new (never let the diagnosis break a compile)
+            spec = specialisation(compile or {})
+            detail = describe_new(spec, self._specs.setdefault(name, [])) or repr
+            self._specs[name].append(spec)
+        except Exception:  # noqa: BLE001
+            pass
+        self.record("compile", name, detail, seconds)
         return None
 
     def install(self) -> bool:
@@ -103,6 +112,36 @@ class CompileWatch:
         Autotuner.prune_configs = prune_configs
         self._installed = True
         return True
+
+
+def specialisation(compile: dict) -> dict[str, str]:
+    """Argument name -> how Triton specialised it, from a compile hook's `compile` dict: the type
+    ('*bf16', 'i32', 'fp32', ...), '/16' where the value (or pointer) was divisible by 16, and
+    '=value' for constexprs (an int argument equal to 1 becomes one)."""
+    signature = compile.get("signature") or {}
+    constants = {k[0] if isinstance(k, tuple) and len(k) == 1 else k: v
+                 for k, v in (compile.get("constants") or {}).items()}
+    attrs = (compile.get("configs") or [{}])[0] or {}
+    divisible = {k[0] for k, v in attrs.items() if isinstance(k, tuple) and len(k) == 1
+                 and any("divisibility" in str(a) for a in v)}
+    out = {}
+    for i, (name, ty) in enumerate(signature.items()):
+        desc = str(ty) + ("/16" if i in divisible else "")
+        if i in constants or name in constants:
+            value = constants.get(i, constants.get(name))
+            desc += f"={getattr(value, 'value', value)!r}"[:40]
+        out[name] = desc
+    return out
+
+
+def describe_new(spec: dict[str, str], earlier: list[dict[str, str]]) -> str:
+    """How `spec` differs from the nearest earlier specialisation of the same kernel, e.g.
+    'new specialisation: nb i32 -> i32/16, width i32/16 -> constexpr=1' ('' for the first)."""
+    if not earlier or not spec:
+        return ""
+    nearest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items()))
+    diffs = [f"{k} {nearest.get(k)} -> {v}" for k, v in spec.items() if nearest.get(k) != v]
+    return "new specialisation: " + (", ".join(diffs) if diffs else "same arguments (options or dtypes differ)")
 
 
 def _chain(existing, hook):
