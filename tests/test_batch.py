@@ -87,8 +87,9 @@ def test_build_verify_rows_and_filler():
 
 
 def test_staged_buffer_round_trip():
-    """The GPU path's packing: every dtype group 8-byte aligned in one byte buffer, each array a
-    view of it with its dtype and shape (checked here on a CPU buffer)."""
+    """The GPU path's packing: every array 16-byte aligned in one byte buffer (one Triton pointer
+    specialisation whatever the step's sizes), each a view of it with its dtype and shape (checked
+    here on a CPU buffer)."""
     rng = np.random.default_rng(0)
     arrays = [rng.integers(-2**40, 2**40, 5), rng.integers(-9, 9, (3, 7)).astype(np.int32),
               rng.random(3) < 0.5, rng.integers(0, 9, 0), rng.integers(0, 2**31 - 1, 1).astype(np.int32)]
@@ -98,7 +99,8 @@ def test_staged_buffer_round_trip():
     views = staged_views(torch.from_numpy(raw), arrays, layout)
     for a, v in zip(arrays, views):
         assert v.shape == a.shape and v.numpy().dtype == a.dtype and (v.numpy() == a).all()
-    assert all(start % 8 == 0 for _, _, start in layout)
+    assert all(start % 16 == 0 for start, _ in layout)
+    assert all(v.data_ptr() % 16 == 0 for v in views if v.numel())
     with pytest.raises(TypeError):
         staged_layout([np.zeros(2, dtype=np.float32)])
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_GROUPS = ((np.dtype(np.int64), torch.int64), (np.dtype(np.int32), torch.int32), (np.dtype(np.bool_), torch.bool))
+_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
 
 
 class _PinnedRing:
@@ -43,37 +43,33 @@ class _PinnedRing:
 _RING = _PinnedRing()
 
 
-def staged_layout(arrays: list[np.ndarray]) -> tuple[list, int]:
-    """Where each array goes in one byte buffer: per dtype group (int64, int32, bool) the group's
-    arrays back to back from an 8-byte aligned start. Returns ([(group index list, sizes, start
-    byte)] per group, total bytes)."""
-    groups = [[i for i, a in enumerate(arrays) if a.dtype == nd] for nd, _ in _GROUPS]
-    if sum(map(len, groups)) != len(arrays):
-        raise TypeError(f"to_device takes int64, int32 and bool arrays, got {[a.dtype for a in arrays]}")
+STAGED_ALIGN = 16  # bytes
+
+
+def staged_layout(arrays: list[np.ndarray]) -> tuple[list[tuple[int, int]], int]:
+    """Where each array goes in one byte buffer: (start byte, element count) per array, every start
+    a multiple of 16. Triton specialises a pointer argument by whether it is 16-byte aligned: packed
+    back to back, a field's alignment would follow the step's token and sequence counts, and a step
+    with new parities would compile new kernels. Returns (the places, total bytes)."""
     layout, nbytes = [], 0
-    for (nd, _), g in zip(_GROUPS, groups):
-        sizes = [arrays[i].size for i in g]
-        layout.append((g, sizes, nbytes))
-        nbytes += -(-sum(sizes) * nd.itemsize // 8) * 8
-    return layout, max(nbytes, 8)
+    for a in arrays:
+        if a.dtype not in _DTYPES:
+            raise TypeError(f"to_device takes int64, int32 and bool arrays, got {a.dtype}")
+        layout.append((nbytes, a.size))
+        nbytes += -(-a.size * a.dtype.itemsize // STAGED_ALIGN) * STAGED_ALIGN
+    return layout, max(nbytes, STAGED_ALIGN)
 
 
-def pack_staged(arrays: list[np.ndarray], layout: list, raw: np.ndarray) -> None:
+def pack_staged(arrays: list[np.ndarray], layout: list[tuple[int, int]], raw: np.ndarray) -> None:
     """Write the arrays into the uint8 buffer `raw` at their places in `layout`."""
-    for (nd, _), (g, sizes, start) in zip(_GROUPS, layout):
-        if g:
-            np.concatenate([arrays[i].reshape(-1) for i in g],
-                           out=raw[start:start + sum(sizes) * nd.itemsize].view(nd))
+    for a, (start, n) in zip(arrays, layout):
+        raw[start:start + n * a.dtype.itemsize].view(a.dtype)[:] = a.reshape(-1)
 
 
-def staged_views(buf: torch.Tensor, arrays: list[np.ndarray], layout: list) -> list[torch.Tensor]:
+def staged_views(buf: torch.Tensor, arrays: list[np.ndarray], layout: list[tuple[int, int]]) -> list[torch.Tensor]:
     """The arrays as views of the uint8 tensor `buf` (a copy of the packed buffer), in their shapes."""
-    out = [None] * len(arrays)
-    for (nd, td), (g, sizes, start) in zip(_GROUPS, layout):
-        if g:
-            for i, t in zip(g, buf[start:start + sum(sizes) * nd.itemsize].view(td).split(sizes)):
-                out[i] = t if arrays[i].ndim == 1 else t.view(arrays[i].shape)
-    return out
+    return [buf[start:start + n * a.dtype.itemsize].view(_DTYPES[a.dtype]).view(a.shape)
+            for a, (start, n) in zip(arrays, layout)]
 
 
 def to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
