@@ -95,32 +95,29 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # ---- linear layers -----------------------------------------------------------------------
     def prepare_weights(self, params, device) -> None:
         """At load, before the cache plan measures free memory: on the GPU, every int4 linear the
-        decode kernels on repacked weights take gets their copies (qweight's bytes again each, ~1/8
-        more for the zero/scale words), so that the calibration can offer them: the wgmma kernel's
-        (quant_gemm.w4_wgmma, 4-16 rows; SALASERVE_W4_WGMMA=0 skips it, memory for KV pages
-        instead) and, opt-in with SALASERVE_W4_MMA=1, the mma kernel's (quant_gemm.w4_mma, 1-8 rows)."""
+        wgmma decode kernel takes gets its repacked copy (quant_gemm.w4_wgmma, 4-16 rows; qweight's
+        bytes again, ~1/8 more for the zero/scale words), so that the calibration can offer it.
+        SALASERVE_W4_WGMMA=0 skips the copies: memory for KV pages instead, and the FMA kernel up
+        to 4 rows and the tl.dot GEMV above."""
         if torch.device(device).type != "cuda":
             return
         from salaserve.kernels import quant_gemm as Q
-        from salaserve.kernels.quant_gemm import w4_decode
 
         self._silu_before_down = self.keeps_silu_before_down(params["layers"])
 
-        wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
+        if os.environ.get("SALASERVE_W4_WGMMA", "1") == "0":
+            return
         added = 0
         for w in _linear_weights(params):
             if not isinstance(w, QuantizedLinearWeights):
                 continue
-            if w4_decode.W4_MMA and w.mma is None and Q.w4_mma_usable(w):
-                w.mma = Q.repack_w4_for_mma(w)
-                added += w.mma.qweight.nbytes + w.mma.gz.nbytes
-            if wgmma and w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):
+            if w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):
                 w.wgmma = Q.repack_w4_for_wgmma(w)
                 added += w.wgmma.qweight.nbytes + w.wgmma.zs.nbytes
         if added:
             torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
-            log.info("int4 weights: repacked copies for the decode GEMVs, %.2f GiB (SALASERVE_W4_WGMMA=0 "
-                     "skips the wgmma kernel's)", added / 2**30)
+            log.info("int4 weights: repacked copies for the wgmma decode GEMV, %.2f GiB (SALASERVE_W4_WGMMA=0 "
+                     "skips them)", added / 2**30)
 
     @staticmethod
     def keeps_silu_before_down(layers) -> bool:

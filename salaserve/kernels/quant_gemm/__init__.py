@@ -4,9 +4,8 @@
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
       - M <= 16 (decode, verify), where `calibrate_w4` timed the shape at start-up: the fastest of
         `w4a16_gemv_dp2a` (M <= 2: x rounded to int16, integer dot products; where it cannot run,
-        `w4a16_gemv_fma` instead), `w4a16_gemv_fma` (3 <= M <= 4), `w4a16_gemv_wgmma` (M >= 4)
-        and, opt-in (SALASERVE_W4_MMA=1), `w4a16_gemv_mma` (M <= 8), the last two on repacked
-        copies of the weights (kernel, config and split-K per shape and M bucket).
+        `w4a16_gemv_fma` instead), `w4a16_gemv_fma` (3 <= M <= 4) and `w4a16_gemv_wgmma` (M >= 4,
+        on a repacked copy of the weights) (kernel, config and split-K per shape and M bucket).
       - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
@@ -37,8 +36,7 @@ kernels then gather x through perm and keep one scale row per K tile; the per-ch
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
 Modules: w4_decode.py (the int4 decode calibration and its dispatch), w4_fma.py (the int4 decode
-GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_mma.py (the int4
-decode GEMV on mma.sync behind a cp.async pipeline, opt-in), w4_wgmma.py (the
+GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_wgmma.py (the
 int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
 prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
 w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
@@ -68,8 +66,7 @@ from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quant
 from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
                                                  _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, W4_DP2A, W4_MMA, W4_ROUNDED_X,
-                                                    _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
+from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
                                                     w4_rounded_choice, w4_rounded_usable, w4_silu_out_usable,
                                                     w4a16_decode, w4a16_decode_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,
@@ -78,8 +75,6 @@ from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP
                                                   W4_DP2A_ROUNDED_CONFIGS,
                                                   X_TILE, _w4_gemv_dp2a_kernel, round_x_int16, w4_dp2a_layout,
                                                   w4_dp2a_usable, w4a16_gemv_dp2a, w4a16_gemv_dp2a_rounded)
-from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, W4MmaWeights,
-                                                 _w4_mma_gemv_kernel, repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
                                                    _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
                                                    w4a16_gemv_wgmma, w4a16_wgmma_ref)
