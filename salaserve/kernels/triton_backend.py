@@ -137,8 +137,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sizes and verify row counts (M buckets 1..128; above 16 the tensor-core GEMV only), so
         `linear` takes the faster one (seconds, plus Triton compiles cached on disk; before graph
         capture); int4 weights (in `params`, the model's fused weights): the decode
-        FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's, or
-        (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16. max_rows: the most rows a
+        kernels' configs and splits among themselves; fp8 weights: the fp8 FMA GEMV's configs
+        against w8a16. max_rows: the most rows a
         decode or verify step can have (buckets above it are not timed). The picks are kept on disk
         (kernels/plan_cache.py, SALASERVE_PLAN_CACHE): a restart on the same GPU and code times only
         shapes it has not seen, and compiles only the picked kernels."""
@@ -162,9 +162,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if w4:
             quant_gemm.calibrate_w4(list(w4.values()), device)
         fp8 = {(w.out_features, w.in_features): w for w in quantized if w.format == "fp8"}
-        if fp8 and quant_gemm.FP8_DECODE == "w8a8":
-            quant_gemm.calibrate_w8a8(list(fp8.values()), device)
-        if fp8 and quant_gemm.FP8_DECODE == "gemv":
+        if fp8:
             # gate_up at one row runs through the silu_mul junction: timed that way
             silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
             quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device, silu_shapes=silu)
@@ -219,14 +217,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     @staticmethod
     def _fp8_silu_config(x, w):
         """The fp8 GEMV config under which an fp8 [gate | up] weight takes the silu_mul epilogue
-        (gemv_fp8(silu_out=True)), or None: SALASERVE_FP8_DECODE=gemv and its start-up calibration
-        chose the GEMV for this shape and row count, with an even BLOCK_N; bf16 x."""
+        (gemv_fp8(silu_out=True)), or None: the start-up calibration chose the GEMV for this shape
+        and row count, with an even BLOCK_N; bf16 x."""
         if not (isinstance(w, QuantizedLinearWeights) and w.format == "fp8" and x.dim() == 2
                 and x.dtype == torch.bfloat16 and (x.is_cuda or gemv_ops._INTERPRET)):
             return None
         from salaserve.kernels import quant_gemm
 
-        cfg = quant_gemm.fp8_gemv_choice(x.shape[0], w, x.device) if quant_gemm.FP8_DECODE == "gemv" else None
+        cfg = quant_gemm.fp8_gemv_choice(x.shape[0], w, x.device)
         return cfg if cfg is not None and cfg.block_n % 2 == 0 else None
 
     def silu_linear(self, x, w):
