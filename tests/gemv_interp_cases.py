@@ -374,15 +374,14 @@ def test_backend_junction_ops_match_torch(silu, last):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_backend_silu_epilogue_at_one_row(monkeypatch, enabled):
-    """SILU_EPILOGUE: one-row steps take silu_mul in the gate_up junction (silu_after_gate_up), and
-    the gate_up GEMV writes it (gemv_silu_out); the down junction then gets the activation.
-    Equal to TorchBackend's composition; 2 rows keep silu_mul before down; off, the silu_mul
-    kernel runs after a plain gate_up GEMV."""
-    from salaserve.kernels import triton_backend
+def test_backend_silu_epilogue_at_one_row(enabled):
+    """One-row steps take silu_mul in the gate_up junction (silu_after_gate_up), and the gate_up
+    GEMV writes it (gemv_silu_out); the down junction then gets the activation. Equal to
+    TorchBackend's composition; 2 rows keep silu_mul before down; where silu_mul stays before down
+    at one row too (_silu_before_down: int4 MLPs whose gate_up the dp2a epilogue cannot take), the
+    silu_mul kernel runs after a plain gate_up GEMV."""
     from salaserve.kernels.triton_backend import TritonBackend
 
-    monkeypatch.setattr(triton_backend, "SILU_EPILOGUE", enabled)
     gen = torch.Generator().manual_seed(95)
     H, F, N2 = 64, 48, 32
     h = torch.randn(1, H, generator=gen).to(bf16)
@@ -393,6 +392,7 @@ def test_backend_silu_epilogue_at_one_row(monkeypatch, enabled):
     w_down = (0.1 * torch.randn(H, F, generator=gen)).to(bf16)
     w_next = (0.1 * torch.randn(N2, H, generator=gen)).to(bf16)
     tb = TritonBackend()
+    tb._silu_before_down = not enabled
     assert tb.silu_after_gate_up(1) == enabled and not tb.silu_after_gate_up(2)
     assert not TB.silu_after_gate_up(1)
     launches = []

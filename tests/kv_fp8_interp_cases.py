@@ -102,8 +102,8 @@ def test_paged_decode_fp8_equals_dequantized_pool(num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits, monkeypatch):
-    """DECODE_FP8_F16_DOTS (bf16 compute: fp16 dot operands, q clamped to fp16's range, V's scale on the
+def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits):
+    """bf16 compute on fp8 pages (attention._f16_dots: fp16 dot operands, q clamped to fp16's range, V's scale on the
     fp32 product) against fp32 attention over the dequantized pages: q and p rounded to fp16 (2^-11) and
     the bf16 output (2^-9) keep it within 2^-7 of the largest output. A q past fp16's range stays finite."""
     cfg = tiny_cfg()
@@ -113,7 +113,6 @@ def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits, monkeypatch
     batch = make_batch([(37, 1), (90, 1), (5, 1)], bs, 24, "cpu", seed=9)
     table, count, _ = sparse_lists(batch, hkv, bs, 6, 4, seed=9, device="cpu")
     q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-    monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", True)
     a = A.paged_decode_attention(q, kv8, 1, table, count, batch.seq_lens, 0.25, num_splits)
     b = A.paged_decode_attention(q.float(), twin, 1, table, count, batch.seq_lens, 0.25, num_splits)
     assert a.dtype == torch.bfloat16

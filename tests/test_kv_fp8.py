@@ -194,13 +194,11 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
         batch = make_batch([(1000, 1), (3000, 1), (40, 1)], bs, pages, dev, seed=2)
         table, count, _ = sparse_lists(batch, hkv, bs, 16, 10, seed=2, device=dev)
         q = torch.randn(3, hq, d, device=dev, generator=g).to(torch.bfloat16)
-        for f16_dots, splits in ((False, 1), (False, 4), (True, 1), (True, 4)):  # DECODE_FP8_F16_DOTS off / on
-            monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", f16_dots)
+        for splits in (1, 4):  # bf16 compute: fp16 dot operands (attention._f16_dots)
             a = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             err = (a.float() - b.float()).abs().max().item()
-            print(f"decode f16_dots={f16_dots} splits={splits}: max |fp8 - dequantized| {err:.3g}, "
-                  f"equal {torch.equal(a, b)}")
+            print(f"decode splits={splits}: max |fp8 - dequantized| {err:.3g}, equal {torch.equal(a, b)}")
             assert err <= 2 ** -6 * b.float().abs().max().item()
     elif kind == "sparse":
         # the block-sparse prefill (window kernel for the forced blocks, then the per-token kernel), with

@@ -540,11 +540,11 @@ def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
         w4_decode.w4a16_decode_rounded(None, None, w, ("dp2a", w4_decode.W4_DP2A_CONFIGS[1][0], 2))
 
 
-def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row(monkeypatch):
-    """With SALASERVE_W4_SILU_OUT on (the default), one-row int4 MLPs whose every gate_up the dp2a GEMV's
-    silu_out takes apply silu_mul in the gate_up junction; off, or with one gate_up it cannot take (an
-    act-order perm, F not a multiple of 4), silu_mul stays before down, where its kernel writes down's x
-    rounded; bf16 MLPs never keep it there. The silu_out route asks the GPU: None for CPU x."""
+def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row():
+    """One-row int4 MLPs whose every gate_up the dp2a GEMV's silu_out takes apply silu_mul in the gate_up
+    junction; with one gate_up it cannot take (an act-order perm, F not a multiple of 4), silu_mul stays
+    before down, where its kernel writes down's x rounded; bf16 MLPs never keep it there. The silu_out
+    route asks the GPU: None for CPU x."""
     from salaserve.kernels import triton_backend as tb
     from salaserve.kernels.quant_gemm import w4_decode
     from salaserve.quant import rtn
@@ -556,14 +556,11 @@ def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row(monkeypatch)
         return {"gate_up": gate_up, "down": rtn.quantize_w4a16_rtn(torch.randn(512, f), 128)}
 
     int4 = [layer(), layer()]
-    assert tb.W4_SILU_OUT and w4_decode.w4_silu_out_usable(int4[0]["gate_up"])
+    assert w4_decode.w4_silu_out_usable(int4[0]["gate_up"])
     assert not tb.TritonBackend.keeps_silu_before_down(int4)
     assert tb.TritonBackend.keeps_silu_before_down([layer(), layer(perm=True)])
     assert not w4_decode.w4_silu_out_usable(rtn.quantize_w4a16_rtn(torch.randn(2 * 130, 512), 128))  # F = 130
     assert not tb.TritonBackend.keeps_silu_before_down([{"gate_up": torch.randn(512, 512), "down": torch.randn(512, 256)}])
-    monkeypatch.setattr(tb, "W4_SILU_OUT", False)
-    assert tb.TritonBackend.keeps_silu_before_down(int4)
-    monkeypatch.setattr(tb, "W4_SILU_OUT", True)
     assert tb.TritonBackend._w4_silu_choice(torch.randn(1, 512).to(torch.bfloat16), int4[0]["gate_up"]) is None
 
 

@@ -34,21 +34,11 @@ from salaserve.quant.formats import QuantizedLinearWeights
 log = logging.getLogger(__name__)
 
 
-# One-row steps apply the MLP's silu_mul in the gate_up GEMV's epilogue (gemv.gemv_silu_out)
-# instead of a silu_mul kernel before down: 32 fewer kernels per step, 4K step -54 us (run 32).
-# 2-16 rows keep the silu_mul prologue on the down GEMV, which costs no kernel either (the
-# epilogue there, with the RMSNorm prologue on gate_up, measured 5.838 vs 5.779 ms at batch 8,
-# run 33). SALASERVE_SILU_EPILOGUE=0: the separate kernel at one row.
-SILU_EPILOGUE = os.environ.get("SALASERVE_SILU_EPILOGUE", "1") == "1"
-# The same for int4 MLPs: the dp2a gate_up GEMV writes silu_mul of its output (silu_out), and down
-# reads it as bf16 x, instead of the silu_mul kernel writing down's x rounded to int16: the w4a16
-# step at 4K, batch 1, 2.41 -> 2.35 ms (BENCHMARKS runs 130-131). SALASERVE_W4_SILU_OUT=0: the kernel.
-W4_SILU_OUT = os.environ.get("SALASERVE_W4_SILU_OUT", "1") == "1"
-# Decode steps apply the sparse layers' output gate (sigmoid_mul) in the attention's last kernel
-# (attention.paged_decode_attention(gate=)) instead of a sigmoid_mul kernel after it: 8 kernels fewer
-# per step. Bit-equal on the H200, but no faster (w4a16 step at 4K, batch 1: 2.351 -> 2.349 ms, BENCHMARKS
-# run 133), so off; SALASERVE_GATED_DECODE=1 turns it on. Read when the forward runs (profile_step --ab).
-GATED_DECODE = os.environ.get("SALASERVE_GATED_DECODE", "0") == "1"
+# One-row steps apply the MLP's silu_mul in the gate_up GEMV's epilogue (gemv.gemv_silu_out; for fp8
+# weights gemv_fp8(silu_out=True), for int4 ones the dp2a GEMV's silu_out) instead of a silu_mul kernel
+# before down: 32 fewer kernels per step (bf16 4K step -54 us; w4a16 2.41 -> 2.35 ms). 2-16 rows keep
+# the silu_mul prologue on the down GEMV, which costs no kernel either (the epilogue there, with the
+# RMSNorm prologue on gate_up, measured 1% slower at batch 8).
 
 
 def _has_verify(batch) -> bool:
@@ -87,9 +77,8 @@ def _split_verify_step(batch) -> tuple[list[int], list[int]]:
 
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
-    # int4 MLPs with SALASERVE_W4_SILU_OUT=0 (or a gate_up the dp2a epilogue cannot take) whose down linear
-    # may take x rounded by the silu_mul kernel: silu_mul stays before down at one row too (set by
-    # prepare_weights)
+    # int4 MLPs with a gate_up the dp2a epilogue cannot take whose down linear may take x rounded by
+    # the silu_mul kernel: silu_mul stays before down at one row too (set by prepare_weights)
     _silu_before_down = False
 
     # ---- linear layers -----------------------------------------------------------------------
@@ -123,10 +112,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def keeps_silu_before_down(layers) -> bool:
         """Whether one-row steps keep silu_mul before down (a kernel writing down's x rounded to int16)
         rather than in the gate_up GEMV's epilogue: for int4 MLPs whose down takes rounded x, unless
-        W4_SILU_OUT is on and every gate_up can take the dp2a GEMV's silu_out."""
+        every gate_up can take the dp2a GEMV's silu_out."""
         from salaserve.kernels import quant_gemm as Q
 
-        if W4_SILU_OUT and all(isinstance(layer["gate_up"], QuantizedLinearWeights)
+        if all(isinstance(layer["gate_up"], QuantizedLinearWeights)
                                and Q.w4_silu_out_usable(layer["gate_up"]) for layer in layers):
             return False
         return any(isinstance(layer["down"], QuantizedLinearWeights) and Q.w4_rounded_usable(layer["down"])
@@ -194,7 +183,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.norm_linear(self, x, norm_w, eps, w)
 
     def silu_after_gate_up(self, rows: int) -> bool:
-        return SILU_EPILOGUE and rows == 1 and not self._silu_before_down
+        return rows == 1 and not self._silu_before_down
 
     @staticmethod
     def _w4_rounded(rows, w):
@@ -230,7 +219,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def silu_linear(self, x, w):
         """silu_mul(linear(x, w)) with the activation written by the gate_up GEMV itself where it
         can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones, the dp2a GEMV's
-        silu_out for int4 ones (W4_SILU_OUT); else the linear and the silu_mul kernel."""
+        silu_out for int4 ones; else the linear and the silu_mul kernel."""
         if self._silu_epilogue(x, w):
             return gemv_ops.gemv_silu_out(x, w)
         if (cfg := self._fp8_silu_config(x, w)) is not None:
@@ -244,8 +233,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     @staticmethod
     def _w4_silu_choice(x, w):
         """The calibrated dp2a (kernel, config, split) for bf16 x [1-2, K] on the GPU meeting a [gate | up]
-        int4 weight that takes silu_out, with W4_SILU_OUT on; else None."""
-        if not (W4_SILU_OUT and isinstance(w, QuantizedLinearWeights) and x.dim() == 2 and x.is_cuda
+        int4 weight that takes silu_out; else None."""
+        if not (isinstance(w, QuantizedLinearWeights) and x.dim() == 2 and x.is_cuda
                 and x.dtype == torch.bfloat16):
             return None
         from salaserve.kernels import quant_gemm
@@ -259,7 +248,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """int4 [gate | up] weights at 1-2 rows whose calibration picked x rounded by its producer: the
         add + RMSNorm kernel writes it, the dp2a GEMV's silu_out epilogue the activation; else
         TorchBackend's (add + RMSNorm, then silu_linear)."""
-        if (W4_SILU_OUT and h.dim() == 2 and isinstance(w, QuantizedLinearWeights)
+        if (h.dim() == 2 and isinstance(w, QuantizedLinearWeights)
                 and promote(promote(h.dtype, u.dtype), norm_w.dtype) == torch.bfloat16
                 and (choice := self._w4_rounded(h, w)) is not None and choice[0] == "dp2a_rounded"):
             from salaserve.kernels import quant_gemm
@@ -383,14 +372,6 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         # graph batches: a fixed grid (the kernel loops over however many entries were born)
         attn.update_compressed(kv, comp, layer, batch, max_new_entries=1 if batch.decode_mode else None)
 
-    def sparse_attention_gated(self, q, kv, comp, layer, batch, cfg, gate):
-        """Decode steps (GATED_DECODE): the gate in the decode attention's last kernel; else TorchBackend's
-        (the attention, then the sigmoid_mul kernel)."""
-        if (GATED_DECODE and batch.is_decode and not _has_verify(batch) and q.is_cuda and gate.dtype == q.dtype
-                and gate.stride(-1) == 1):
-            return self._decode_attention(q, kv, comp, layer, batch, cfg, gate=gate).reshape(q.shape[0], -1)
-        return TorchBackend.sparse_attention_gated(self, q, kv, comp, layer, batch, cfg, gate)
-
     def sparse_attention(self, q, kv, comp, layer, batch, cfg):
         if _has_verify(batch):
             return self._verify_attention(q, kv, comp, layer, batch, cfg)
@@ -420,14 +401,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
         return sparse_ops.sparse_attention(q, kv, comp, layer, batch, cfg)
 
-    def _decode_attention(self, q, kv, comp, layer, batch, cfg, gate=None):
+    def _decode_attention(self, q, kv, comp, layer, batch, cfg):
         """One token per sequence over a page list: all pages for dense sequences, the InfLLM-v2
-        selection for sparse ones. Graph-safe. gate: the output gate, applied in the last kernel."""
+        selection for sparse ones. Graph-safe."""
         sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
         return self._query_attention(q, kv, comp, layer, batch.page_table, batch.seq_lens, sparse, batch.derived,
-                                     "dense_table", cfg, gate)
+                                     "dense_table", cfg)
 
-    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg, gate=None):
+    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg):
         """Each row of q is a decode query: the last token of a sequence of length lens[row] with
         page_table[row]. `sparse` says whether any row is at or past dense_len (then the InfLLM-v2
         selection runs, which lists every block for the rows below it)."""
@@ -442,7 +423,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             table, count = derived[table_key]
         # the split count depends only on static sizes, so eager and graph runs use the same kernels
         splits = attn.choose_num_splits(q.shape[0], hkv, self.max_decode_blocks(cfg))
-        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits, gate=gate)
+        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits)
 
     def _verify_attention(self, q, kv, comp, layer, batch, cfg):
         """Verify and plain-decode tokens as decode queries of their own (length position + 1);

@@ -408,7 +408,7 @@ def sparse_prefill_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: For
         q, k, v, out, block_idx, page_table, tok_seq, batch.positions, pa["k_scale"], pa["v_scale"],
         *strides, block_idx.stride(0), block_idx.stride(1), page_table.stride(0), scale * LOG2E,
         W=block_idx.shape[-1], **consts, **kernel_kw,
-        F16_DOTS=_f16_dots(pa, SPARSE_FP8_F16_DOTS),
+        F16_DOTS=SPARSE_FP8_F16_DOTS and _f16_dots(pa),
         **{"num_warps": _PER_TOKEN_WARPS[pa["fp8"]], **SPARSE_ATTN_LAUNCH})
     return out
 
