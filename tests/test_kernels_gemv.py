@@ -250,8 +250,8 @@ def test_large_m_dispatch_rules():
 
 
 def test_calibrate_skips_rows_above_the_gemv_limit(monkeypatch):
-    """With SALASERVE_GEMV_MAX_ROWS=16 (DOT_MAX_M 16) calibration times nothing above 16 rows (the
-    GEMV refuses them) and linear keeps cuBLAS there. Timings faked: no GPU here."""
+    """With DOT_MAX_M 16 calibration times nothing above 16 rows (the GEMV refuses them) and linear
+    keeps cuBLAS there. Timings faked: no GPU here."""
     from salaserve.kernels import gemv as G
 
     monkeypatch.setattr(G, "DOT_MAX_M", 16)
@@ -533,7 +533,7 @@ def _unfused_chain(seed=0):
 @gpu
 @needs_cuda
 def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
-    """SALASERVE_PDL's switch also launches fused.py's row kernels with PDL: the batch-1 chain of
+    """PDL (set_pdl) also launches fused.py's row kernels with PDL: the batch-1 chain of
     GEMVs and row kernels, captured and replayed with PDL on, equals the eager chain without it,
     bit for bit (where the GPU cannot launch with PDL, both runs are plain)."""
     from salaserve.kernels import _triton_utils as U
@@ -564,7 +564,7 @@ def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
 @pytest.mark.parametrize("name", ["_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel"])
 def test_row_kernels_compile_with_and_without_pdl(name):
     """fused.py's row kernels for sm_90: with PDL (the default) they signal and wait on the grid
-    dependency, and without it (SALASERVE_PDL=0) their code has neither."""
+    dependency, and without it (set_pdl(False)) their code has neither."""
     import triton.language as tl
     from kernel_checks import compile_sm90_without_spills
 

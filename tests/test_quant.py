@@ -374,7 +374,7 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
 
 @pytest.mark.parametrize("bucket,cfg,given", [(b, c, g) for b, c, even, g in _w4_dp2a_cases() if even and b == 1])
 def test_w4a16_dp2a_sz_ahead_loads_scales_and_zeros_before_the_wait(bucket, cfg, given):
-    """SZ_AHEAD (W4_SZ_AHEAD, one-row launches): with PDL, the first tiles' group scales and zero points are loaded
+    """SZ_AHEAD (one-row launches): with PDL, the first tiles' group scales and zero points are loaded
     before griddepcontrol.wait together with the weight tiles (the scales of a thread's 4 columns as
     one 8-byte load, their zero words as 4-byte loads, per column vector and tile in flight), and
     nothing else is; without it only the weight tiles' 16-byte vectors are. No spills either way."""

@@ -327,8 +327,8 @@ def main(argv=None) -> int:
                     help="weights quantized on load (default: bf16)")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head on load too")
     ap.add_argument("--no-pdl", action="store_true",
-                    help="launch without PDL, so that kernel times do not overlap (the step is slower); unlike "
-                         "SALASERVE_PDL=0 it keeps the plan cache's fingerprint, so the PDL run's picks are reused")
+                    help="launch without PDL, so that kernel times do not overlap (the step is slower); the plan "
+                         "cache's fingerprint stays, so the PDL run's picks are reused")
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--ab", default=None, metavar="MODULE:ATTR=V1,V2",

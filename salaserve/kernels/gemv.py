@@ -75,8 +75,8 @@ With these, a decode layer's linears chain as gemv_rmsnorm(qkv) | attention | ge
 gemv_rmsnorm(gate_up) -> gemv_silu_mul(down, residual): the add_rms_norm and silu_mul kernels
 disappear (3 of the 7 linear-side kernels per layer).
 
-PDL (programmatic dependent launch, sm_90, on by default; SALASERVE_PDL=0 or
-`_triton_utils.set_pdl(False)` turn it off, for fused.py's row kernels too): the kernel is launched
+PDL (programmatic dependent launch, sm_90, on by default; `_triton_utils.set_pdl(False)` turns it
+off, for fused.py's row kernels too): the kernel is launched
 so that it may start while the previous kernel in the stream is still finishing. The FMA path
 loads its first W tile (weights never depend on the previous kernel) and then waits
 (griddepcontrol.wait) before touching x, the residual, the output or the workspace; the DOT path
@@ -107,9 +107,9 @@ from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
-# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128), a power of
-# two; SALASERVE_GEMV_MAX_ROWS=16 keeps cuBLAS for every linear above 16 rows
-DOT_MAX_M = max(GEMV_MAX_M, min(128, 1 << (int(os.environ.get("SALASERVE_GEMV_MAX_ROWS", "128")).bit_length() - 1)))
+# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128, a power of two);
+# the calibration decides per shape against cuBLAS (the GEMV won at 32 rows, cuBLAS at 128)
+DOT_MAX_M = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)

@@ -32,7 +32,6 @@ ASM=False (the Triton interpreter) computes the same integers with plain shifts 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -50,10 +49,8 @@ W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators
 # SZ_AHEAD: a tile's group scales and zero points are loaded with the tile, PREFETCH tiles ahead, the
 # first ones before the PDL wait, instead of at the step that consumes them (a DRAM round trip after the
 # wait that nothing hid in the short splits of the decode step). Same values, same arithmetic: the
-# results are bit-identical either way. On for one-row launches (the w4a16 step at 4K, batch 1: 2.432 ->
-# 2.397 ms, BENCHMARKS run 129); SALASERVE_W4_SZ_AHEAD=0 turns it off. Not at two rows: the PREFETCH-2
-# rounded config would spill on sm_90.
-W4_SZ_AHEAD = os.environ.get("SALASERVE_W4_SZ_AHEAD", "1") == "1"
+# results are bit-identical either way. One-row launches take it (the w4a16 step at 4K, batch 1: 2.432
+# -> 2.397 ms); two-row ones do not: the PREFETCH-2 rounded config would spill on sm_90.
 X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
 X_TILE = 128  # channels per x scale of w4a16_gemv_dp2a_rounded's input (BLOCK_R * 8 of its configs)
 _X_TILE = tl.constexpr(X_TILE)  # the same, for the kernels
@@ -501,7 +498,7 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
                     silu_out: bool = False) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
-    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default W4_SZ_AHEAD; same results).
+    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default: at one row; same results).
     silu_out: w is a [gate | up] weight (N = 2F) and the result is silu_mul of the output, [M, F]:
     fused.silu_mul's values on the bf16 output, written by the GEMV's epilogue (no silu_mul kernel)."""
     K = w.in_features
@@ -574,7 +571,7 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: O
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
         ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
-        SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
+        SZ_AHEAD=block_m == 1 if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
         Y_DT=tl_dtype(out_dtype) if silu_out else None, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out
 
