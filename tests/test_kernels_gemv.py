@@ -153,7 +153,7 @@ def test_gemv_compiles_for_sm90(name):
             assert "cvt.rn.f16x2.e4m3x2" in body and "prmt" not in body, "fp8 codes not converted by the asm"
         # W and x come back from the pipeline's shared memory in the math's layout: no conversion
         # (a shared-memory round trip with barriers) per step; the int4 kernel's stream form had 25
-        # and ran 3-5x slower (BENCHMARKS run 84)
+        # and ran 3-5x slower
         loop = _ttgir_loop(kernel.asm["ttgir"])
         assert loop.count("ttg.local_load") == 2 and "ttg.convert_layout" not in loop
     elif extra.get("W_SCALE"):  # fp8: 16-byte vectors of 16 weights per thread and row, cvt-converted

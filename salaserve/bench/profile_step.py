@@ -18,7 +18,7 @@ total. With --prefill N it profiles one whole N-token prompt instead, chunked as
 chunks it (the micro-benchmark's prefill): kernels by total time over all chunks. Without a GPU it
 profiles the CPU ops instead (for tests of the tool). With --ab it compares a module switch's values
 instead, in one process: graphs captured per value, replays timed in interleaved rounds (machine
-starts differ by ~0.05 ms per step, more than most changes: BENCHMARKS run 132). --ab-kv-cache does
+starts differ by ~0.05 ms per step, more than most changes). --ab-kv-cache does
 the same for the KV cache's format: a second pool of the other format, same pages and contents.
 """
 
@@ -256,7 +256,7 @@ def ab_kv_cache_replays(runner: ModelRunner, batch: int, context: int, rounds: i
     shares the compressed keys and the Lightning states. Returns {"<dtype> pages": [device ms per
     round]}, the runner's own format first; the runner keeps its own caches and graphs afterwards.
     The issue's fp8 KV criterion compares the two formats, and separate processes differ by more than
-    the difference (BENCHMARKS, runs 141-143)."""
+    the difference (a fraction of a percent at 128K)."""
     from salaserve.bench.micro import step_device_ms
     from salaserve.cache.pages import FP8, KVPool
     from salaserve.model.sala import Caches

@@ -365,7 +365,7 @@ def _compress_level_fp8(
 ):
     """_compress_level's loop on an fp8 pool with the token's keys as a [CHUNK, Hkv, d] tile: the
     (page, KV head) scales are one [CHUNK, Hkv] load broadcast over d (the flat [CHUNK, Hkv * d] form
-    gathered a scale per element: 0.008 ms slower per window-closing step, BENCHMARKS run 143). Values
+    gathered a scale per element: 0.008 ms slower per window-closing step at 128K). Values
     as KVPool.gather (fp8 * scale rounded once), summed in fp32 over the window."""
     D: tl.constexpr = HD // HKV
     h = tl.arange(0, BLOCK_HKV)
@@ -805,10 +805,10 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_blocks: int, num_sms: 
                       min_blocks_per_split: int = 1, waves: int = 2) -> int:
     """paged_decode_attention's num_splits: up to `waves` programs per SM, each split keeping at least
     `min_blocks_per_split` pages. Static (graph-safe). One page per program and two waves measured
-    faster than one wave of at least two pages (BENCHMARKS runs 153-154: at 131080 tokens, batch 1
-    -0.018 ms on bf16 pages and -0.006 on fp8 pages, batch 8 -0.076; at 4K, batch 1, -0.007). Fewer
-    pages per program shorten each program's serial chain (at batch 8 the old rule gave ~12 pages per
-    split); two programs fit per SM. Batch 32 (4 splits against 2): 8.134 -> 7.879 ms (run 157)."""
+    faster than one wave of at least two pages (at 131080 tokens, batch 1 -0.018 ms on bf16 pages and
+    -0.006 on fp8 pages, batch 8 -0.076, batch 32 (4 splits against 2) 8.134 -> 7.879 ms; at 4K,
+    batch 1, -0.007). Fewer pages per program shorten each program's serial chain (at batch 8 the old
+    rule gave ~12 pages per split); two programs fit per SM."""
     by_sms = max(1, waves * num_sms // max(1, batch_size * kv_heads))
     by_blocks = max(1, math.ceil(max_blocks / min_blocks_per_split))
     return max(1, min(by_sms, by_blocks))

@@ -43,7 +43,7 @@ flight per SM); small N (4096) is split over K to get there. Inner paths, chosen
     Or (`stream` configs, one or two rows of x) all of a program's BLOCK_N rows per K step in one
     plain loop whose loads Triton's software pipeliner turns into cp.async copies 3-5 steps ahead
     in shared memory (`_fp8_stream_sums`): more bytes in flight per warp than registers allow,
-    which won the large shapes (BENCHMARKS run 80).
+    which wins the large shapes at one row.
 fp32 accumulation everywhere (tensor cores accumulate in fp32 too).
 
 Split-K reduction: "last program reduces", inside the same launch. Every split stores its fp32
@@ -347,11 +347,11 @@ def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, 
     """fp8 weights through a deep cp.async pipeline (a `stream` config): the same per-word math as
     `_fp8_sums` (int32 words of 4 codes, cvt-converted, fp32 FMAs against x's 4 matching values),
     but all BN rows' [BN, BK / 4] word tiles of a K step are one load that Triton's software
-    pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu (run 78) put the
+    pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu put the
     register-prefetch loop at ~2 KB in flight per warp and 59% DRAM busy; queued copies in shared
     memory hold no registers, so a CTA keeps (STAGES - 1) * BN * BK bytes in flight. PDL: the
     pipeline's first copies carry x too, so they wait for the previous kernel (an L2 prefetch of
-    the first stages before the wait measured slower, runs 81-82: docs/perf-notes.md)."""
+    the first stages before the wait measured 15-50% slower)."""
     kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
     wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     w_rows = wp + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
@@ -576,7 +576,7 @@ FP8_FMA_CONFIGS = {
 # an FFMA per weight) plus the loads and x's shifts, 3.6 in all at (16, 512) and 4.3 at (8, 512).
 # Explicit splits: a split shortens every program's pipelined loop, and each program pays the
 # pipeline's fill and drain; at one row split 1 was the fastest at every shape but down, where 2
-# came close (run 80). At 8 rows the FFMAs per weight make it 1.1 TB/s (w8a16: 2-3.6): none there.
+# came close. At 8 rows the FFMAs per weight make it 1.1 TB/s (w8a16: 2-3.6): none there.
 FP8_STREAM_CONFIGS = {
     1: (GemvConfig(8, 512, 4, 4, split_k=1, stream=True),  # 56 registers, 15 KB shared memory
         GemvConfig(16, 512, 4, 6, split_k=1, stream=True),  # 64, 45 KB

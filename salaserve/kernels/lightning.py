@@ -154,7 +154,7 @@ def _check_rows(name, x, n, H, d):
 
 
 def _pick_block_v(num_rows: int, heads: int, d: int) -> int:
-    # bench_lightning's sweep on the H200 (BENCHMARKS run 16, 24 layers, us per layer): batch 1
+    # bench_lightning's sweep on the H200 (24 layers, us per layer): batch 1
     # best at 16-column blocks (4.7; 32: 5.0), batch 128 at 32 (170.9; 64 with 8 warps: 229.0).
     # Small programs with few warps keep many state tiles in flight per SM.
     bv = 16 if num_rows * heads < 512 else 32
@@ -162,7 +162,7 @@ def _pick_block_v(num_rows: int, heads: int, d: int) -> int:
 
 
 def _pick_slot_major(num_rows: int, heads: int) -> bool:
-    # bench_lightning's order sweep on the H200 (BENCHMARKS run 25, us per layer): batch 128
+    # bench_lightning's order sweep on the H200 (us per layer): batch 128
     # 170.3 sequence-fastest -> 151.5 slot-major (neighbouring programs stream one slot's
     # contiguous state); batch 1 4.8 vs 4.9, within noise, so small batches keep the first order.
     # (An evict-first hint on the state's loads and stores did not help: 154.4 / 5.0.)
@@ -420,7 +420,7 @@ def gla_prefill(q, k, v, batch, states, layer, log_decay, scale, *, input_dtype=
         # one sequence (a long prompt's chunks): fla's fixed-length call. Its varlen path reads
         # chunk counts back to the host twice per call (fla 0.6: chunk_fwd_h's .item(),
         # chunk_fwd_o's index preparation), and each stream sync leaves the GPU idle while
-        # Python launches the next kernels: 192 syncs in a 32K prefill (BENCHMARKS run 48).
+        # Python launches the next kernels: 192 syncs in a 32K prefill.
         o, ht = chunk_simple_gla(q1, k1, v1, g_gamma=g_gamma, scale=scale, initial_state=h0,
                                  output_final_state=True)
     else:

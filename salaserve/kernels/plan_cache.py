@@ -1,6 +1,6 @@
 """Start-up calibration picks kept on disk ("plans"): a restart skips the timing, and with an
 empty Triton kernel cache compiles only the kernels that were picked instead of every candidate
-(the w4a16 engine's cold start-up: 217-244 s, BENCHMARKS runs 77 and 84).
+(an fp8 engine's cold start-up: 117 s calibrating, 84 s with a plan).
 
     load(device) -> int            picks restored into the calibration tables (0: none on file)
     save(device) -> Path | None    this device's picks written (merged with the file's)

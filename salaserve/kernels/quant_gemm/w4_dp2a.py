@@ -3,7 +3,7 @@ rounded to int16, and each packed word of 8 nibbles costs a shift, two lop3 and 
 16-bit x 8-bit two-way dot product into an int32) against the FMA kernel's ~28 instructions
 (w4_fma.py, which ncu shows issue-bound at one row: 0.68 issued per scheduler and cycle). With
 x's conversion the one-row loop runs 2.5-2.6 instructions per nibble on sm_90 (FMA: 3.3-3.7),
-12-25% faster per shape (BENCHMARKS runs 94-97).
+12-25% faster per shape.
 
 Exactness. x is rounded per thread and K tile: the thread's 8 * SLABS channels of the tile share
 one scale, v = round(x * 32767 / max|x|), so each x is off by at most max|x| / 65534 (2^-16 of
@@ -14,7 +14,7 @@ X_PREP configs round x once per CTA instead, into a scratch, one scale per K til
 1.6-1.7 instructions per nibble, but the prologue costs more than it saves at one row; at two
 rows it won 4 of 5 shapes). `w4a16_gemv_dp2a_rounded` runs that loop on x rounded by its producer
 (the add + RMSNorm and silu_mul kernels write round_x_int16's layout through x_int16_tiles): at two
-rows 1.08-1.19x the bf16-x pick at every shape, at one row level with it (run 102).
+rows 1.08-1.19x the bf16-x pick at every shape, at one row level with it.
 
 Layout: the GPTQ layout as stored (qweight [K/8, N]), no repacked copy, the same thread mapping
 as the FMA kernel (w4_fma_layout's [VECS, RS, NV/4, 4] slabs, x read as 16-byte int32 pairs in
@@ -447,15 +447,15 @@ def _w4_gemv_dp2a_kernel(
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA) per M bucket: a thread
 # holds SLABS packed rows x VECS column vectors (w4_dp2a_layout), one quantization group per K tile.
-# Kept from the sweeps of runs 94-97 (every config per shape in docs/bench/run97-w4-dp2a-sweep): at one
-# row SLABS 4 with x converted in the loop won every shape (X_PREP lost by 4-15%); at two rows X_PREP
-# won 4 of 5 shapes.
+# Kept from a sweep of every config per shape: at one row SLABS 4 with x converted in the loop won every
+# shape (X_PREP lost by 4-15%; two column vectors per thread, 128+ registers, ran 1.8x slower); at two
+# rows X_PREP won 4 of 5 shapes.
 W4_DP2A_CONFIGS = {
     1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False)),
     2: ((128, 16, 4, 4, 1, True), (64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False)),
 }
 # w4a16_gemv_dp2a_rounded's configs (x rounded by its producer; the X_PREP field unused); BLOCK_R * 8 = X_TILE.
-# Kept from run 102 (scripts/w4_rounded_ab.py, 12 configs): at two rows the rounded loop is 1.08-1.19x the
+# Kept from a sweep of 12 configs: at two rows the rounded loop is 1.08-1.19x the
 # bf16-x pick at every shape; at one row 0.98-1.04x (the one-row kernel is not issue-bound), so one config
 # is left there (qkvg's 1.04x).
 W4_DP2A_ROUNDED_CONFIGS = {
