@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--ab", default=None, metavar="MODULE:ATTR=V1,V2",
                     help="with --graph: time the replay with a module switch at each value, interleaved in this "
-                         "process (e.g. salaserve.kernels.gemv:PROGRAMS_PER_SM=8,4); switches read when the "
+                         "process (e.g. salaserve.kernels._triton_utils:_PDL=1,0); switches read when the "
                          "forward runs, not at start-up")
     ap.add_argument("--ab-kv-cache", action="store_true",
                     help="with --graph: time the replay on the KV pages of --kv-cache-dtype and on a second pool of "

@@ -982,14 +982,3 @@ def model_linear_shapes(cfg) -> list[tuple[str, int, int, int]]:
         ("lm_head", cfg.vocab_size, h, 1),
     ]
     return [s for s in shapes if s[3] > 0]
-
-
-def distinct_linear_shapes(cfg, skip=("lm_head",)) -> dict[str, tuple[int, int]]:
-    """{name: (N, K)} of model_linear_shapes, the first name for each distinct shape, without `skip`
-    (by default lm_head, which stays bf16 when the others are quantized): what the GEMV A/B
-    scripts time."""
-    out = {}
-    for name, N, K, _ in model_linear_shapes(cfg):
-        if name not in skip and (N, K) not in out.values():
-            out[name] = (N, K)
-    return out
