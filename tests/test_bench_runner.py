@@ -276,7 +276,7 @@ def test_compare_soar_score(tmp_path, capsys):
 
 
 def test_plot_micro(tmp_path):
-    src = REPO / "docs" / "bench" / "micro-2026-11-29.json"
+    src = REPO / "tests" / "data" / "micro-h200.json"  # a micro-benchmark JSON of the H200
     assert bench_main(["plot-micro", str(src), "--out", str(tmp_path)]) == 0
     for name in ("decode_vs_batch", "decode_vs_context", "prefill"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_MAGIC, name
