@@ -284,13 +284,12 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int = 32, tile_tokens: int = 0,
-                    window_tokens: int = 0, page_list: bool = False) -> dict:
+def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int = 32,
+                    window_tokens: int | None = None) -> dict:
     """sparse_prefill_attention against the torch twin on the kernel's own selection
-    (shuffle=True: entries in random order, which the kernel must accept too); tile_tokens > 0
-    runs the tile kernel (that many tokens per program), 0 the per-token one; window_tokens > 0
-    the window kernel (that many tokens per program) before the per-token one; page_list: the
-    per-token kernel reads pages from a list (sparse.SPARSE_ATTN_PAGE_LIST)."""
+    (shuffle=True: entries in random order, which the kernel must accept too); window_tokens: the
+    window kernel (that many tokens per program) before the per-token one; None: the per-token
+    kernel over every listed block."""
     from salaserve.kernels import sparse as ks
 
     cfg, kv, comp, batch, q = case["cfg"], case["kv"], case["comp"], case["batch"], case["q"]
@@ -300,10 +299,9 @@ def check_attention(case: dict, shuffle: bool = False, block_t: int = 4, bb: int
         g = torch.Generator().manual_seed(1)
         key = torch.rand(idx.shape, generator=g).to(idx.device) + (idx < 0).float() * 2
         idx = torch.gather(idx, -1, key.argsort(-1))
-    with _knobs(SPARSE_ATTN_PAGE_LIST=page_list):
-        got = ks.sparse_prefill_attention(q, kv, LAYER, batch, idx, scale, tile_tokens=tile_tokens,
-                                          window=(cfg.sparse.init_blocks, cfg.sparse.local_blocks),
-                                          window_tokens=window_tokens)
+    window = {} if window_tokens is None else dict(window=(cfg.sparse.init_blocks, cfg.sparse.local_blocks),
+                                                   window_tokens=window_tokens)
+    got = ks.sparse_prefill_attention(q, kv, LAYER, batch, idx, scale, **window)
     want = sparse_twin(q, kv, LAYER, batch, idx, scale)
     return dict(max_abs=float((got.float() - want.float()).abs().max()), rel=_rel_err(got, want),
                 dtype_ok=got.dtype == q.dtype)
@@ -336,31 +334,11 @@ def check_full(case: dict, **select_kw) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def _knobs(**kw):
-    """Temporarily set module-level knobs of salaserve.kernels.sparse (split sizes, switches), in
+    """Temporarily set module-level knobs of salaserve.kernels.sparse (split sizes, functions), in
     whichever of its modules read them."""
     from salaserve.kernels import sparse as ks
 
     return ks.knobs(**kw)
-
-
-def check_stage1_fast(case: dict, block_t: int, bb: int) -> dict:
-    """Stage-1 keys with SALASERVE_STAGE1_FAST's variant (scan shift, unmasked interior steps)
-    against the default one: equal bit for bit (the interior conditions only skip masks that
-    cannot change a key)."""
-    from salaserve.kernels import sparse as ks
-
-    cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
-    sc = cfg.sparse
-    nb = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
-    tiles = ks.tile_tensors(ks._prefill_tiles(batch, block_t), q.device)
-    args = (q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles, batch.num_tokens, 0, nb,
-            cfg.head_dim ** -0.5, block_t, bb)
-    with _knobs(_STAGE1_FAST=True):
-        fast = ks._stage1_keys(*args)
-    with _knobs(_STAGE1_FAST=False):
-        masked = ks._stage1_keys(*args)
-    qb = (batch.positions // sc.block_size).max()
-    return dict(equal=bool(torch.equal(fast, masked)), keys=fast.numel(), blocks=nb, qb_max=int(qb))
 
 
 def _part_select() -> dict:
@@ -389,16 +367,13 @@ def _part_select() -> dict:
         # 2 local blocks and 3 data-dependent ones: top-k and ties matter more
         res["select_small_topk"] = check_prefill_selection(
             make_case(tiny_cfg(topk=3, window_size=32), [(0, 150), (200, 40)], seed=7), block_t=8, bb=4)
-    # long prompts, where most steps are interior (full tiles and a ragged last one; bb 4 and 8)
+    # long prompts, where most steps are interior (the unmasked path): full tiles and a ragged last
+    # one, bb 4 and 8
     long_case = make_case(cfg, [(700, 13), (420, 8)], seed=14)
-    res["interior_fast_t4_bb4"] = check_stage1_fast(long_case, block_t=4, bb=4)
-    res["interior_fast_t8_bb8"] = check_stage1_fast(long_case, block_t=8, bb=8)
     res["select_long_interior"] = check_prefill_selection(long_case, block_t=4, bb=4)
-    with _knobs(_STAGE1_FAST=True):  # the fast variant against the reference too
-        res["select_long_interior_fast"] = check_prefill_selection(long_case, block_t=4, bb=4)
-        res["select_chunked_struct_fast"] = check_prefill_selection(make_case(cfg, chunked, seed=3), block_t=8, bb=4)
-        res["decode_fast"] = check_decode_selection(
-            make_case(cfg, [(130, 1), (255, 1), (1000, 1)], seed=15), max_sel=16, bb=4)
+    res["select_long_interior_t8_bb8"] = check_prefill_selection(long_case, block_t=8, bb=8)
+    res["decode_long"] = check_decode_selection(
+        make_case(cfg, [(130, 1), (255, 1), (1000, 1)], seed=15), max_sel=16, bb=4)
     # several programs per tile: split C2 (lse partials merged) and split block ranges
     with _knobs(_TARGET_PROGRAMS=64, _LSE_BLOCK_N=16):
         res["select_splits"] = check_prefill_selection(
@@ -425,15 +400,11 @@ def _part_attention() -> dict:
         att = make_case(cfg, [(140, 20), (0, 30), (90, 10)], seed=10)
         res["attention"] = check_attention(att, **sel)
         res["attention_shuffled"] = check_attention(att, shuffle=True, **sel)
-        # the tile kernel: tiles of 4 (crossing the 20- and 10-token sequences' ends) and 2 tokens
-        res["attention_tiles4"] = check_attention(att, tile_tokens=4, **sel)
-        res["attention_tiles2_shuffled"] = check_attention(att, shuffle=True, tile_tokens=2, **sel)
         # the window kernel: tiles of 4 (crossing the sequences' ends and 16-token blocks) and 8
         res["attention_window4"] = check_attention(att, window_tokens=4, **sel)
         res["attention_window8_shuffled"] = check_attention(att, shuffle=True, window_tokens=8, **sel)
-        res["attention_pages_shuffled"] = check_attention(att, shuffle=True, page_list=True, **sel)
-        res["attention_window8_pages"] = check_attention(att, window_tokens=8, page_list=True, **sel)
-        with _knobs(SPARSE_ATTN_WINDOW=4):  # through sparse_attention, dense sequence included
+        res["attention_window8"] = check_attention(att, window_tokens=8, **sel)
+        with _knobs(SPARSE_WINDOW_TOKENS=4):  # through sparse_attention, dense sequence included
             res["full_mixed_window"] = check_full(make_case(cfg, [(150, 10), (40, 30)], seed=12), **sel)
         res["full_chunked"] = check_full(make_case(cfg, [(131, 20), (250, 7), (300, 3)], seed=11), **sel)
         res["full_mixed"] = check_full(make_case(cfg, [(150, 10), (40, 30)], seed=12), **sel)
@@ -445,12 +416,11 @@ def _part_attention() -> dict:
 
 
 def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_lens=None,
-                     device: str = "cpu", search: str = "score", levels: int = 0) -> dict:
+                     device: str = "cpu", levels: int = 0) -> dict:
     """The fused top-k-to-pages kernel against the torch path on random packed keys: sparse rows,
     dense rows, rows shorter than top-k, -inf scored blocks, and +inf forced ones. Default: the
-    tiny config (block 16, dense_len 128, topk_eff 8), 40 blocks. search: the kernel's threshold
-    search ("score" or "key"). levels > 0: scores drawn from that many values only, so that many
-    blocks tie at the top-k threshold score."""
+    tiny config (block 16, dense_len 128, topk_eff 8), 40 blocks. levels > 0: scores drawn from
+    that many values only, so that many blocks tie at the top-k threshold score."""
     from salaserve.kernels import sparse as ks
 
     g = torch.Generator().manual_seed(seed)
@@ -471,7 +441,7 @@ def check_topk_pages(seed: int, sc=None, nb: int = 40, max_sel: int = 16, seq_le
     table = torch.randperm(max(1000, B * nb), generator=g)[: B * nb].view(B, nb).to(torch.int32) + 1
     keys, table, seq_lens = keys.to(device), table.to(device), seq_lens.to(device)
     ref_pages, ref_count = ks.topk_pages_torch(keys, table, seq_lens, sc, max_sel)
-    pages, count = ks.topk_pages(keys, table, seq_lens, sc, max_sel, search=search)
+    pages, count = ks.topk_pages(keys, table, seq_lens, sc, max_sel)
     return {"equal": bool(torch.equal(pages, ref_pages) and torch.equal(count, ref_count)),
             "counts": ref_count.cpu().tolist()}
 
@@ -495,7 +465,7 @@ def stage1_like_keys(g: torch.Generator, hkv: int, qb: torch.Tensor, nb: int, de
 
 
 def check_topk_blocks(seed: int, rows: int = 8, nb: int = 40, width: int = 8, limit="int", keys: str = "stage1",
-                      levels: int = 0, search: str = "score", device: str = "cpu", init: int = 1,
+                      levels: int = 0, device: str = "cpu", init: int = 1,
                       sparse_limit: int | None = None) -> dict:
     """The fused prefill top-k (topk_blocks) against _topk_blocks on random packed keys [2, rows, nb]:
     equal output, bit for bit. limit: "int" (width: every row sparse), an int (below width), or
@@ -527,21 +497,28 @@ def check_topk_blocks(seed: int, rows: int = 8, nb: int = 40, width: int = 8, li
     k, qb = k.to(device), qb.to(device)
     lim = lim.to(device) if isinstance(lim, torch.Tensor) else lim
     want = ks._topk_blocks(k, width, lim, qb)
-    got = ks.topk_blocks(k, width, lim, qb, search=search)
+    got = ks.topk_blocks(k, width, lim, qb)
     count = (want >= 0).sum(-1)
     full = torch.minimum(torch.as_tensor(lim, device=device).expand(rows), torch.clamp(qb + 1, max=nb)).clamp(min=0)
     return {"equal": bool(torch.equal(got, want)), "short": int((count < full[None]).sum()),
             "counts": sorted(set(count.flatten().tolist()))}
 
 
-def check_prefill_topk_switch(case: dict, block_t: int = 8, bb: int = 4) -> dict:
-    """select_blocks_prefill with SALASERVE_FUSED_PREFILL_TOPK on (topk_blocks) and off (the
-    torch _topk_blocks): the same block indices, and both used (calls counted)."""
+def _torch_topk_blocks(keys, width, limit, qb, out=None):
+    """topk_blocks' contract through the torch function it matches (_topk_blocks)."""
+    from salaserve.kernels import sparse as ks
+
+    want = ks._topk_blocks(keys, width, limit, qb)
+    return want if out is None else out.copy_(want)
+
+
+def check_prefill_topk_fused_vs_torch(case: dict, block_t: int = 8, bb: int = 4) -> dict:
+    """select_blocks_prefill with the fused top-k (topk_blocks) and with the torch function in its
+    place (_torch_topk_blocks): the same block indices, and both used (calls counted)."""
     from salaserve.kernels import sparse as ks
 
     cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
     calls = {"fused": 0, "torch": 0}
-    fused, torch_fn = ks.topk_blocks, ks._topk_blocks
 
     def counting(name, fn):
         def wrapped(*a, **kw):
@@ -550,25 +527,20 @@ def check_prefill_topk_switch(case: dict, block_t: int = 8, bb: int = 4) -> dict
         return wrapped
 
     out = {}
-    with _knobs(topk_blocks=counting("fused", fused), _topk_blocks=counting("torch", torch_fn)):
-        for on in (True, False):
-            with _knobs(FUSED_PREFILL_TOPK=on):
-                out[on] = ks.select_blocks_prefill(q, comp, LAYER, batch, cfg.sparse, cfg.head_dim ** -0.5,
-                                                   block_t=block_t, bb=bb)
-    return {"equal": bool(torch.equal(out[True], out[False])), "width": out[True].shape[-1], **calls}
+    for name, fn in (("fused", ks.topk_blocks), ("torch", _torch_topk_blocks)):
+        with _knobs(topk_blocks=counting(name, fn)):
+            out[name] = ks.select_blocks_prefill(q, comp, LAYER, batch, cfg.sparse, cfg.head_dim ** -0.5,
+                                                 block_t=block_t, bb=bb)
+    return {"equal": bool(torch.equal(out["fused"], out["torch"])), "width": out["fused"].shape[-1], **calls}
 
 
 def _part_topk() -> dict:
-    from salaserve.kernels import sparse as ks
-
-    res = {}
-    for search in ("score", "key"):
-        res.update({f"topk_pages_{s}_{search}": check_topk_pages(s, search=search) for s in range(3)})
-        # 3 score levels over 40 blocks: the threshold score is shared by many blocks in most rows
-        res[f"topk_pages_ties_{search}"] = check_topk_pages(7, search=search, levels=3)
-        with _knobs(TOPK_ONE_PASS_BLOCKS=16, TOPK_SEGMENT=16):  # 40 blocks: 3 segments (+1 empty) and a merge
-            res.update({f"topk_pages_segmented_{s}_{search}": check_topk_pages(s, search=search) for s in range(2)})
-            res[f"topk_pages_segmented_ties_{search}"] = check_topk_pages(8, search=search, levels=3)
+    res = {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
+    # 3 score levels over 40 blocks: the threshold score is shared by many blocks in most rows
+    res["topk_pages_ties"] = check_topk_pages(7, levels=3)
+    with _knobs(TOPK_ONE_PASS_BLOCKS=16, TOPK_SEGMENT=16):  # 40 blocks: 3 segments (+1 empty) and a merge
+        res.update({f"topk_pages_segmented_{s}": check_topk_pages(s) for s in range(2)})
+        res["topk_pages_segmented_ties"] = check_topk_pages(8, levels=3)
     return res
 
 
@@ -584,36 +556,33 @@ TOPK_BLOCKS_SEGMENTED = {  # TOPK_ONE_PASS_BLOCKS = TOPK_SEGMENT = 16: 40 blocks
     "segmented_stage1_rows": dict(seed=6, rows=6, limit="rows"),
     "segmented_random_ties": dict(seed=7, rows=6, keys="random", limit="rows", levels=3),
 }
-TOPK_BLOCKS_KEY_SEARCH = ("stage1_rows_ties", "random_rows", "segmented_random_ties")  # also with search="key"
 
 
 def _part_topk_blocks() -> dict:
-    """The fused prefill top-k: topk_blocks against _topk_blocks, both searches, one pass and
-    segmented; select_blocks_prefill with SALASERVE_FUSED_PREFILL_TOPK on and off."""
+    """The fused prefill top-k: topk_blocks against _topk_blocks, one pass and segmented;
+    select_blocks_prefill with the fused top-k and with the torch function in its place."""
     res = {}
-    for search in ("score", "key"):
-        for cases, knobs in ((TOPK_BLOCKS_CASES, {}), (TOPK_BLOCKS_SEGMENTED, dict(TOPK_ONE_PASS_BLOCKS=16,
-                                                                                   TOPK_SEGMENT=16))):
-            with _knobs(**knobs):
-                res.update({f"blocks_{n}_{search}": check_topk_blocks(search=search, **kw) for n, kw in cases.items()
-                            if search == "score" or n in TOPK_BLOCKS_KEY_SEARCH})
+    for cases, knobs in ((TOPK_BLOCKS_CASES, {}), (TOPK_BLOCKS_SEGMENTED, dict(TOPK_ONE_PASS_BLOCKS=16,
+                                                                               TOPK_SEGMENT=16))):
+        with _knobs(**knobs):
+            res.update({f"blocks_{n}": check_topk_blocks(**kw) for n, kw in cases.items()})
     cfg = tiny_cfg()
     with _knobs(_TARGET_PROGRAMS=1):
         with _knobs(_SELECT_BUFFER_BYTES=1):  # a chunk per tile: topk_blocks writes into slices of the output
-            res["switch_sparse_chunks"] = check_prefill_topk_switch(make_case(cfg, [(250, 9), (131, 5)], seed=18))
+            res["fused_sparse_chunks"] = check_prefill_topk_fused_vs_torch(make_case(cfg, [(250, 9), (131, 5)], seed=18))
         # a dense sequence mixed in: the per-row limit; all dense: nb (2) < width (8)
-        res["switch_mixed"] = check_prefill_topk_switch(make_case(cfg, [(170, 6), (40, 10)], seed=19))
-        res["switch_dense_narrow"] = check_prefill_topk_switch(make_case(cfg, [(10, 20)], seed=20))
+        res["fused_mixed"] = check_prefill_topk_fused_vs_torch(make_case(cfg, [(170, 6), (40, 10)], seed=19))
+        res["fused_dense_narrow"] = check_prefill_topk_fused_vs_torch(make_case(cfg, [(10, 20)], seed=20))
     return res
 
 
 def _torch_prefill_topk(part):
-    """`part` with select_blocks_prefill's torch top-k (SALASERVE_FUSED_PREFILL_TOPK=0): the
+    """`part` with the torch function in the place of select_blocks_prefill's fused top-k: the
     interpreter runs topk_blocks at ~12 ms per (row, KV head) program, which added ~45 s to the
-    select and attention parts. The topk_blocks part shows both paths equal; the GPU tests select
-    with the fused one."""
+    select and attention parts. The topk_blocks part shows both equal; the GPU tests select with
+    the fused one."""
     def run():
-        with _knobs(FUSED_PREFILL_TOPK=False):
+        with _knobs(topk_blocks=_torch_topk_blocks):
             return part()
     return run
 

@@ -102,8 +102,8 @@ def test_paged_decode_fp8_equals_dequantized_pool(num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits, monkeypatch):
-    """DECODE_FP8_F16_DOTS (bf16 compute: fp16 dot operands, q clamped to fp16's range, V's scale on the
+def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits):
+    """bf16 compute on fp8 pages (attention._f16_dots: fp16 dot operands, q clamped to fp16's range, V's scale on the
     fp32 product) against fp32 attention over the dequantized pages: q and p rounded to fp16 (2^-11) and
     the bf16 output (2^-9) keep it within 2^-7 of the largest output. A q past fp16's range stays finite."""
     cfg = tiny_cfg()
@@ -113,7 +113,6 @@ def test_paged_decode_fp8_f16_dots_near_dequantized_pool(num_splits, monkeypatch
     batch = make_batch([(37, 1), (90, 1), (5, 1)], bs, 24, "cpu", seed=9)
     table, count, _ = sparse_lists(batch, hkv, bs, 6, 4, seed=9, device="cpu")
     q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-    monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", True)
     a = A.paged_decode_attention(q, kv8, 1, table, count, batch.seq_lens, 0.25, num_splits)
     b = A.paged_decode_attention(q.float(), twin, 1, table, count, batch.seq_lens, 0.25, num_splits)
     assert a.dtype == torch.bfloat16
@@ -152,33 +151,11 @@ def test_sparse_prefill_fp8_equals_dequantized_pool():
             blocks = sorted(set(others + [own]))
             idx[h, t, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     assert nb >= 5
-    with S.knobs(SPARSE_FP8_STAGED=False):  # the in-kernel converts (the staged copy: the test below)
+    # the in-kernel converts (past the staged copy's size cap; the staged copy: the test below)
+    with S.knobs(SPARSE_FP8_STAGE_MAX_BYTES=0):
         a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
     b = S.sparse_prefill_attention(q, twin, 1, batch, idx, 0.25)
     _close(a, b)
-
-
-def test_sparse_prefill_fp8_f16_dots_near_dequantized_pool():
-    """SPARSE_FP8_F16_DOTS (bf16 compute: the per-token kernel's dots take fp16 operands, q clamped to fp16's
-    range, V's scale on the fp32 product) against fp32 attention over the dequantized pages: q and p rounded
-    to fp16 (2^-11) and the bf16 output (2^-9) keep it within 2^-7 of the largest output. A q past fp16's
-    range stays finite. Without the window kernel: it keeps bf16 dots, and the interpreter's bf16 tl.dot is
-    wrong (Triton 3.9: off by ~1e10 on a 16x16 product; fp16 and fp32 are exact), so the window case is in the
-    GPU test (test_kv_fp8.py, kind "sparse")."""
-    cfg = tiny_cfg()
-    bs, hkv, d, hq = cfg.sparse.block_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    kv8, twin = _fp8_pool_and_twin(24, bs, hkv, d, seed=13)
-    kv8.compute_dtype = torch.bfloat16
-    batch = make_batch([(60, 20)], bs, 24, "cpu", seed=13)
-    q = torch.randn(20, hq, d, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
-    idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=14)
-    with S.knobs(SPARSE_FP8_F16_DOTS=True, SPARSE_FP8_STAGED=False):
-        a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)
-        b = S.sparse_prefill_attention(q.float(), twin, 1, batch, idx, 0.25)
-        assert a.dtype == torch.bfloat16
-        _close(a.float(), b, tol=2 ** -7)
-        q[0, 0, 0] = 1e6  # beyond fp16: clamped, not inf
-        assert torch.isfinite(S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25)).all()
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
@@ -199,13 +176,13 @@ def test_dequantize_pages_equals_gather(dtype):
         A.dequantize_pages(_fp8_pool_and_twin(12, bs, hkv, d, seed=21)[1], 1, pages)
 
 
-@pytest.mark.parametrize("mode", ["per-token", "window", "tile"])
+@pytest.mark.parametrize("mode", ["per-token", "window"])
 def test_sparse_prefill_fp8_staged_equals_dequantized_pool(mode, monkeypatch):
-    """SPARSE_FP8_STAGED: the batch's pages dequantized once, then the plain-pool kernels on that copy through
-    a remapped page table: bit-equal to the same kernels on a pool holding the dequantized values (two
-    sequences, one with cached context, so the remap crosses sequences): the per-token kernel, after the window
-    kernel, and the tile kernel.
-    Past SPARSE_FP8_STAGE_MAX_BYTES the in-kernel fp8 path runs instead (no copy made)."""
+    """fp8 pages: the batch's pages dequantized once, then the plain-pool kernels on that copy through a
+    remapped page table: bit-equal to the same kernels on a pool holding the dequantized values (two
+    sequences, one with cached context, so the remap crosses sequences): the per-token kernel on its own and
+    after the window kernel. Past SPARSE_FP8_STAGE_MAX_BYTES the in-kernel fp8 path runs instead (no copy
+    made)."""
     from salaserve.kernels.sparse import attention as SA
 
     cfg = tiny_cfg()
@@ -214,18 +191,16 @@ def test_sparse_prefill_fp8_staged_equals_dequantized_pool(mode, monkeypatch):
     batch = make_batch([(60, 20), (0, 40)], bs, 24, "cpu", seed=17)
     q = torch.randn(60, hq, d, generator=torch.Generator().manual_seed(18))
     idx = prefill_block_lists(batch, hkv, bs, others=2, width=8, seed=18)
-    kw = {"per-token": dict(tile_tokens=0), "tile": dict(tile_tokens=4),
-          "window": dict(tile_tokens=0, window=(1, 1), window_tokens=4, ascending=True)}[mode]
+    kw = {"per-token": {}, "window": dict(window=(1, 1), window_tokens=4, ascending=True)}[mode]
     calls = []
     real = SA.dequantize_pages
     monkeypatch.setattr(SA, "dequantize_pages", lambda *a: calls.append(a[2].tolist()) or real(*a))
-    with S.knobs(SPARSE_FP8_STAGED=True):
-        a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25, **kw)
+    a = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25, **kw)
     b = S.sparse_prefill_attention(q, twin, 1, batch, idx, 0.25, **kw)
     assert torch.equal(a, b)
     pt = batch.page_table.tolist()
     assert calls == [pt[0][:5] + pt[1][:3]]  # ceil(80 / 16) pages, then ceil(40 / 16)
-    with S.knobs(SPARSE_FP8_STAGED=True, SPARSE_FP8_STAGE_MAX_BYTES=0):
+    with S.knobs(SPARSE_FP8_STAGE_MAX_BYTES=0):
         c = S.sparse_prefill_attention(q, kv8, 1, batch, idx, 0.25, **kw)
     assert len(calls) == 1  # too large: the in-kernel path
     _close(c, b)

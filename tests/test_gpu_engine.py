@@ -359,20 +359,22 @@ def graph_vs_eager(runner, B, ctx, eager_mode):
 
 def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
     """fp8 weights quantized on load: decode batches through the graphs with the default fp8 decode
-    kernels (SALASERVE_FP8_DECODE=gemv: the calibrated FMA or stream GEMV, at one row its silu_mul epilogue
-    on gate_up) give the logits of an eager forward through w8a16 on tensor cores: the same fp8
-    products summed in fp32 by other kernels, so the bf16 noise bound applies."""
+    kernels (the calibrated FMA or stream GEMV, at one row its silu_mul epilogue on gate_up) give the
+    logits of an eager forward through w8a16 on tensor cores (the calibration's picks set aside): the
+    same fp8 products summed in fp32 by other kernels, so the bf16 noise bound applies."""
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.kernels import quant_gemm as Q
 
     @contextlib.contextmanager
     def through_w8a16():
-        monkeypatch.setattr(Q, "FP8_DECODE", "w8a16")
-        yield
-        monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
+        picks = dict(Q._FP8_GEMV_TABLE)
+        Q._FP8_GEMV_TABLE.clear()  # no calibrated GEMV: quant_linear takes w8a16
+        try:
+            yield
+        finally:
+            Q._FP8_GEMV_TABLE.update(picks)
 
-    monkeypatch.setattr(Q, "FP8_DECODE", "gemv")
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     quantization="fp8", max_running_requests=8, max_total_tokens=100_000), full_dir)
     assert Q._FP8_GEMV_TABLE, "the start-up calibration chose no fp8 GEMV config for any shape"

@@ -9,8 +9,6 @@ fp32 summation-order differences (~1e-6). The dense prefill path rounds W to bf1
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -122,7 +120,7 @@ def test_w4a16_dp2a_silu_out_equals_the_gemv_then_silu_mul(M):
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
 def test_decode_kernels(fmt, name, M):
     """quant_linear as the engine calls it at decode sizes, and the alternatives it chose between:
-    every w4a16 FMA config (M <= 4), every mma config (M <= 8) and wgmma config, every w8a8 candidate, w8a16 and its FMA path at M = 1."""
+    every w4a16 FMA config (M <= 4) and wgmma config, w8a16."""
     from salaserve.kernels import quant_gemm as Q
 
     N, K = SHAPES[name]
@@ -139,21 +137,9 @@ def test_decode_kernels(fmt, name, M):
         for cfg in Q.W4_WGMMA_CONFIGS:
             for split in (None, 1):
                 assert _rel(Q.w4a16_gemv_wgmma(x, w, packed, config=cfg, split_k=split), ref) < TOL, (cfg, split)
-        if M <= Q.W4_MMA_MAX_M:  # the mma kernel on its own copy
-            mma = Q.repack_w4_for_mma(w)
-            for cfg in Q.W4_MMA_CONFIGS:
-                for split in (None, 1):
-                    assert _rel(Q.w4a16_gemv_mma(x, w, mma, config=cfg, split_k=split), ref) < TOL, (cfg, split)
     if fmt == "fp8":
-        # w8a8: its twin to TOL, and the twin to the unquantized product as prefill's w8a8 (e4m3 x)
-        twin = Q.w8a8_block_ref(x, w.weight, w.scale)
-        assert _rel(Q.quant_linear(x, w), twin if Q.FP8_DECODE == "w8a8" else ref) < TOL
-        assert _rel(twin, ref) < 3e-2
-        for cfg in Q._w8a8_candidates(M, N, K, x.device):
-            assert _rel(Q.w8a8_gemv(x, w.weight, w.scale, config=cfg), twin) < TOL, cfg
+        assert _rel(Q.quant_linear(x, w), ref) < TOL
         assert _rel(Q.w8a16_gemv(x, w.weight, w.scale), ref) < TOL
-    if fmt == "fp8" and M == 1:
-        assert _rel(Q.w8a16_gemv(x, w.weight, w.scale, block_m=1), ref) < TOL
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "w4a16"])
@@ -224,8 +210,8 @@ def test_fp8_prefill_down_quantizes_inside_silu_mul():
 
 def test_w4a16_calibration_picks_a_valid_config():
     """calibrate_w4 times the FMA and wgmma kernels' configs and splits at the real shape (the
-    wgmma kernel's on the copy TritonBackend.prepare_weights attaches; with SALASERVE_W4_MMA=1 the
-    mma kernel's too); quant_linear then runs the recorded choice and still equals the reference."""
+    wgmma kernel's on the copy TritonBackend.prepare_weights attaches); quant_linear then runs the
+    recorded choice and still equals the reference."""
     from salaserve.kernels import quant_gemm as Q
     from salaserve.kernels.triton_backend import TritonBackend
 
@@ -233,13 +219,8 @@ def test_w4a16_calibration_picks_a_valid_config():
     w = _weights("w4a16", N, K, 11)
     TritonBackend().prepare_weights({"lm_head": None, "layers": [{"qkvg": w, "o_proj": None, "gate_up": None,
                                                                   "down": None}]}, "cuda")
-    from salaserve.kernels.quant_gemm import w4_decode
-
     assert w.wgmma is not None
     assert any(c[0] == "wgmma" for c in Q._w4_candidates(16, w, "cuda"))
-    # the mma kernel's copy and candidates only when opted in (SALASERVE_W4_MMA=1)
-    assert (w.mma is not None) == w4_decode.W4_MMA
-    assert any(c[0] == "mma" for c in Q._w4_candidates(1, w, "cuda")) == w4_decode.W4_MMA
     res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
     assert set(res) == {(1, N, K), (2, N, K), (16, N, K)}
     for m in (1, 2, 16):
@@ -276,32 +257,19 @@ def test_precompile_leaves_nothing_to_compile():
     assert len(cache) == compiled
 
 
-def test_w8a8_calibration_records_a_candidate():
-    from salaserve.kernels import quant_gemm as Q
-
-    N, K = SHAPES["o_proj"]
-    w = _weights("fp8", N, K, 12)
-    res = Q.calibrate_w8a8([w], "cuda", m_values=(1, 32))
-    assert set(res) <= {(1, N, K), (32, N, K)}
-    key = (1, N, K, f"cuda:{torch.cuda.current_device()}")
-    assert Q._W8A8_TABLE[key] in Q._w8a8_candidates(1, N, K, torch.device("cuda"))
-    x = torch.randn(3, K, device="cuda").to(torch.bfloat16)
-    assert _rel(Q.w8a8_gemv(x, w.weight, w.scale), Q.w8a8_block_ref(x, w.weight, w.scale)) < TOL
-
-
 @pytest.mark.sweep
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("M", [1, 2, 8])
 def test_fp8_fma_gemv_every_config(name, M):
-    """gemv.gemv_fp8 (SALASERVE_FP8_DECODE=gemv) with every FP8_FMA_CONFIGS config of the M bucket
-    and every FP8_DOT_CONFIGS one against the dequantize-then-matmul reference at the real shapes."""
+    """gemv.gemv_fp8 with every FP8_FMA_CONFIGS config of the M bucket against the
+    dequantize-then-matmul reference at the real shapes."""
     from salaserve.kernels import gemv as G
 
     N, K = SHAPES[name]
     w = _weights("fp8", N, K, 20 + M)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = linear_ref(x, w)
-    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)] + G.FP8_DOT_CONFIGS + G.FP8_MMA_CONFIGS:
+    for cfg in G.FP8_FMA_CONFIGS[G._bucket(M)]:
         assert _rel(G.gemv_fp8(x, w.weight, w.scale, cfg), ref) < TOL, cfg
 
 
@@ -327,15 +295,6 @@ def _fp8_configs_at_real_shapes(M, configs, seed):
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("M", [1, 3, 5, 8])
-def test_fp8_mma_gemv_every_config(M):
-    """The mma.sync GEMV (FP8_MMA_CONFIGS, automatic splits) at every token count it takes."""
-    from salaserve.kernels import gemv as G
-
-    _fp8_configs_at_real_shapes(M, G.FP8_MMA_CONFIGS, 40 + M)
-
-
-@pytest.mark.sweep
 @pytest.mark.parametrize("M", [1, 2, 5])
 def test_fp8_stream_gemv_every_config(M):
     """The cp.async-pipelined fp8 GEMV (FP8_STREAM_CONFIGS of the M bucket, their explicit splits;
@@ -347,7 +306,7 @@ def test_fp8_stream_gemv_every_config(M):
 
 def test_fp8_gemv_calibration_records_a_choice():
     """calibrate_fp8_gemv times w8a16 and the fp8 FMA configs; quant_linear then follows the table
-    (set to the GEMV by FP8_DECODE = "gemv") and still equals the reference."""
+    and still equals the reference."""
     import dataclasses
 
     from salaserve.kernels import gemv as G
@@ -364,15 +323,10 @@ def test_fp8_gemv_calibration_records_a_choice():
         cands = Q._fp8_candidates(m, w)
         assert cfg is None or cfg in cands or dataclasses.replace(cfg, split_k=0) in cands
         assert (cfg is None) == (t == t_ref)
-    old = Q.FP8_DECODE
-    try:
-        Q.FP8_DECODE = "gemv"
-        for m in (1, 8):
-            x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-            assert _rel(Q.quant_linear(x, w), linear_ref(x, w)) < TOL
-        assert Q.fp8_gemv_choice(1, w, "cuda") is res[(1, N, K)][0]
-    finally:
-        Q.FP8_DECODE = old
+    for m in (1, 8):
+        x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+        assert _rel(Q.quant_linear(x, w), linear_ref(x, w)) < TOL
+    assert Q.fp8_gemv_choice(1, w, "cuda") is res[(1, N, K)][0]
 
 
 def test_fp8_gemv_calibration_times_the_silu_junction():
@@ -387,79 +341,11 @@ def test_fp8_gemv_calibration_times_the_silu_junction():
     res = Q.calibrate_fp8_gemv([w], "cuda", m_values=(1,), silu_shapes={(N, K)})
     cfg, t, t_ref = res[(1, N, K)]
     assert t > 0 and t_ref > 0 and (cfg is None) == (t == t_ref)
-    old = Q.FP8_DECODE
-    try:
-        Q.FP8_DECODE = "gemv"
-        g = torch.Generator(device="cuda").manual_seed(3)
-        h = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
-        o = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
-        w_o = (torch.randn(K, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
-        nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
-        _, act = TritonBackend().residual_norm_linear(h, o, w_o, 0.5, nw, 1e-6, w, silu_out=True)
-        _, ref = TorchBackend().residual_norm_linear(h, o, w_o, 0.5, nw, 1e-6, w, silu_out=True)
-        assert act.shape == (1, N // 2) and _rel(act, ref) < 2e-2
-    finally:
-        Q.FP8_DECODE = old
-
-
-JUNCTIONS = {"o_proj->gate_up": ("o_proj", "gate_up"), "down->qkvg": ("down", "qkvg"), "down->qkvz": ("down", (16384, 4096))}
-
-
-@pytest.mark.sweep
-@pytest.mark.parametrize("junction", sorted(JUNCTIONS))
-def test_w4_junction_every_config(junction):
-    """The one-row junction kernel (w4_junction: both GEMVs and the add + RMSNorm in one persistent grid,
-    a grid barrier between the phases) at the model's shapes, every config at its default grid:
-    bit-equal to its two-launch form (same stream ranges, partials summed in the same order: the barrier
-    lets nothing through early), bit-equal from launch to launch, within TOL of dequantize-then-matmul
-    for both outputs, and the barrier never gave up."""
-    from salaserve.kernels.quant_gemm import w4_junction as J
-    from salaserve.kernels.torch_ops import TorchBackend
-
-    a, b = JUNCTIONS[junction]
-    shape_a = SHAPES[a]
-    shape_b = SHAPES[b] if isinstance(b, str) else b
-    w_out, w_in = _weights("w4a16", *shape_a, 1), _weights("w4a16", *shape_b, 2)
     g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(1, shape_a[1], device="cuda", generator=g).to(torch.bfloat16)
-    h = (torch.randn(1, 4096, device="cuda", generator=g) * 4).to(torch.bfloat16)
-    norm_w = (1 + 0.2 * torch.randn(4096, device="cuda", generator=g)).to(torch.bfloat16)
-    u = linear_ref(x.float(), w_out).to(torch.bfloat16)
-    h_ref, xn = TorchBackend().add_rms_norm(h, u, 0.25, norm_w, 1e-6)
-    y_ref = linear_ref(xn.float(), w_in)
-    for cfg in J.W4_JUNCTION_CONFIGS:
-        h1, y1 = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg)
-        h2, y2 = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg)
-        h3, y3 = J.w4_junction(h, x, w_out, 0.25, norm_w, 1e-6, w_in, config=cfg, phases_apart=True)
-        assert torch.equal(h1, h2) and torch.equal(y1, y2), cfg
-        assert torch.equal(h1, h3) and torch.equal(y1, y3), cfg
-        assert _rel(h1, h_ref) < TOL and _rel(y1, y_ref) < TOL, (cfg, _rel(h1, h_ref), _rel(y1, y_ref))
-    assert not J.barrier_error(torch.device("cuda"))
-
-
-@pytest.mark.sweep
-@pytest.mark.parametrize("name", sorted(SHAPES))
-def test_w4a16_tma_every_config(name):
-    """The TMA-streamed GEMV (opt-in) at the model's shapes, every config at splits 1 and 4: within TOL
-    of dequantize-then-matmul, and reproducible call to call."""
-    from salaserve.kernels import quant_gemm as Q
-    from salaserve.kernels.compile_ahead import precompile
-    from salaserve.kernels.quant_gemm import w4_tma as T
-
-    N, K = SHAPES[name]
-    w = _weights("w4a16", N, K, 5)
-    x = torch.randn(1, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)).to(torch.bfloat16)
-    xq, xs = Q.round_x_int16(x)
-    ref = linear_ref(x.float(), w)
-    # every variant's compile in threads first (one by one, the five shapes took over 200 s in run 122)
-    precompile(functools.partial(T.w4a16_gemv_tma, xq, xs, w, config=cfg, split_k=split)
-               for cfg in T.W4_TMA_CONFIGS for split in (1, 4))
-    for cfg in T.W4_TMA_CONFIGS:
-        for split in (1, 4):
-            y = T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)
-            assert _rel(y, ref) < TOL, (cfg, split, _rel(y, ref))
-            # the same call again gives the same bits (fixed-order split-K partials). Not asserted here:
-            # bit-equality with the rounded dp2a kernel, which holds in the interpreter (tests/
-            # quant_kernel_checks.py) but not compiled: run 126 found it off at split 4, its fp32 sums
-            # contracted and ordered differently
-            assert torch.equal(y, T.w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split)), (cfg, split)
+    h = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+    o = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+    w_o = (torch.randn(K, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+    nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+    _, act = TritonBackend().residual_norm_linear(h, o, w_o, 0.5, nw, 1e-6, w, silu_out=True)
+    _, ref = TorchBackend().residual_norm_linear(h, o, w_o, 0.5, nw, 1e-6, w, silu_out=True)
+    assert act.shape == (1, N // 2) and _rel(act, ref) < 2e-2

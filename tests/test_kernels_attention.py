@@ -225,7 +225,7 @@ def check_dense_prefill(seqs, hq, hkv, d, block_size, dtype, device, num_pages, 
 
 
 def check_paged_decode(seq_lens, hq, hkv, d, block_size, dtype, device, num_pages, num_splits, sparse_keep=None,
-                       max_sel=None, seed=0, tol=1e-4, gated=False):
+                       max_sel=None, seed=0, tol=1e-4):
     from salaserve.kernels import attention as A
 
     layer = 1
@@ -249,22 +249,6 @@ def check_paged_decode(seq_lens, hq, hkv, d, block_size, dtype, device, num_page
     for i in range(len(seq_lens)):
         e = rel_err(out[i], ref[i])
         assert e < tol, f"seq {i} (len {seq_lens[i]}, splits {num_splits}): relative error {e:.3g}"
-    if gated:
-        # the sparse layers' output gate in the kernel that writes the output: the gate a strided view
-        # into a wider projection, as the engine passes it
-        proj = torch.randn(len(seq_lens), 3 * hq * d, generator=g).to(device=device, dtype=dtype)
-        gate = proj[:, hq * d:2 * hq * d]
-        out_g = A.paged_decode_attention(q, kv, layer, table, count, batch.seq_lens, scale, num_splits=num_splits,
-                                         gate=gate)
-        assert out_g.dtype == q.dtype and out_g.shape == q.shape
-        want = (ref.float() * torch.sigmoid(gate.float()).reshape(ref.shape)).to(dtype)
-        for i in range(len(seq_lens)):
-            e = rel_err(out_g[i], want[i])
-            assert e < tol, f"gated seq {i} (len {seq_lens[i]}, splits {num_splits}): relative error {e:.3g}"
-        if device != "cpu":  # the GPU rounds its stores as round_to does: sigmoid_mul's values exactly
-            from salaserve.kernels.fused import sigmoid_mul
-
-            assert torch.equal(out_g.reshape(len(seq_lens), -1), sigmoid_mul(out.reshape(len(seq_lens), -1), gate))
     return out
 
 
@@ -323,25 +307,6 @@ if INTERP:
     def test_interp_paged_decode_sparse(num_splits):
         check_paged_decode([1, 16, 40, 95, 150], 8, 2, 16, 16, torch.float32, "cpu", num_pages=40,
                            num_splits=num_splits, sparse_keep=4, max_sel=6)
-
-    @pytest.mark.parametrize("num_splits", [1, 3])
-    def test_interp_paged_decode_gated(num_splits):
-        """gate=: the output times sigmoid(gate), written by the split kernel (one split) or the reduce
-        kernel, against the fp32 reference times torch.sigmoid (fp32 here, as the other interpreter
-        decode checks; bf16 and bit-equality with sigmoid_mul: the GPU test); a gate of the wrong
-        shape, dtype or stride is refused."""
-        from salaserve.kernels import attention as A
-
-        check_paged_decode([1, 17, 50, 95], 8, 2, 16, 16, torch.float32, "cpu", num_pages=30,
-                           num_splits=num_splits, gated=True)
-        kv, _ = make_pools(8, 16, 2, 16, torch.float32, "cpu", 0)
-        batch = make_batch([(20, 1)], 16, 8, "cpu", 0)
-        table, count = A.dense_block_table(batch.page_table, batch.seq_lens, 2, 16)
-        q = torch.randn(1, 8, 16)
-        for bad in (torch.randn(1, 64), torch.randn(1, 128, dtype=torch.float64), torch.randn(1, 256)[:, ::2]):
-            with pytest.raises(ValueError, match="gate must be"):
-                A.paged_decode_attention(q, kv, 1, table, count, batch.seq_lens, 0.25, num_splits=num_splits,
-                                         gate=bad)
 
     @pytest.mark.parametrize("num_splits", [1, 2])
     def test_interp_paged_decode_padding_rows(num_splits):
@@ -436,7 +401,7 @@ else:
                          **fp8_kw),
                     **A.DECODE_CONFIG)
                 results.append(res)
-            if fp8:  # DECODE_FP8_F16_DOTS: the codes go to fp16 dot operands, one cvt per two, no bf16 repacking
+            if fp8:  # bf16 compute on fp8 pages (_f16_dots): the codes go to fp16 dot operands, one cvt per two, no bf16 repacking
                 f16, res = _compile_sm90(
                     A._decode_split_kernel, dec_ptrs,
                     dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
@@ -462,14 +427,6 @@ else:
                                              dict(HKV=2, HEAD_DIM=128, BLOCK_H=2), num_warps=4)[1])
         results.append(_compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
                                      dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128), num_warps=4)[1])
-        # the sparse layers' output gate in the decode kernel that writes the output (one split: the
-        # split kernel; more: the reduce kernel)
-        gated = dict(GATED=True, O_DT=tl.bfloat16)
-        results.append(_compile_sm90(A._decode_split_kernel, dict(dec_ptrs, G_ptr=bf),
-                                     dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=1,
-                                          DOT_PREC=None, **fp8_kw, **gated), **A.DECODE_CONFIG)[1])
-        results.append(_compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf, G_ptr=bf),
-                                     dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128, **gated), num_warps=4)[1])
         for res in results:
             assert "STACK:0 " in res and "LOCAL:0 " in res, res
         # programmatic dependent launch (on by default): the decode kernels signal and wait
@@ -542,40 +499,20 @@ def test_gpu_paged_decode(batch_size, mode):
     num_pages = sum(-(-L // BS) for L in lens) + 8
     keep = None if mode == "dense" else 96
     max_sel = -(-max(lens) // BS) if mode == "dense" else 96
-    # 128: one page per split and more splits than pages (the DECODE_NUM_SPLITS experiments)
+    # 128: one page per split and more splits than pages
     for splits in sorted({1, choose_num_splits(batch_size, HKV, max_sel), 128}):
         check_paged_decode(lens, HQ, HKV, D, BS, torch.bfloat16, "cuda", num_pages, splits,
                            sparse_keep=keep, max_sel=max_sel, tol=BF16_TOL)
 
 
-def test_choose_num_splits_override(monkeypatch):
-    """DECODE_NUM_SPLITS > 0 replaces the rule; 0 keeps it (two programs per SM, >= 1 page each)."""
+def test_choose_num_splits_rule():
+    """Two programs per SM, at least one page each."""
     from salaserve.kernels import attention as A
 
     assert A.choose_num_splits(1, 2, 96) == 96  # by pages
     assert A.choose_num_splits(1, 2, 128) == 128  # by pages (2 * 132 // 2 = 132 by SMs)
     assert A.choose_num_splits(8, 2, 128) == 16  # by SMs: 2 * 132 // 16
     assert A.choose_num_splits(256, 2, 128) == 1
-    monkeypatch.setattr(A, "DECODE_NUM_SPLITS", 96)
-    assert A.choose_num_splits(1, 2, 128) == 96
-    assert A.choose_num_splits(8, 2, 128) == 96
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_gpu_paged_decode_gated(batch_size):
-    """The output gate in the decode kernels (gate=) equals the attention then the sigmoid_mul kernel bit
-    for bit, at one split and at the engine's split count, dense and sparse."""
-    from salaserve.kernels.attention import choose_num_splits
-
-    g = torch.Generator().manual_seed(batch_size + 100)
-    lens = torch.randint(1024, 9217, (batch_size,), generator=g).tolist()
-    num_pages = sum(-(-L // BS) for L in lens) + 8
-    for keep, max_sel in ((None, -(-max(lens) // BS)), (96, 96)):
-        for splits in sorted({1, choose_num_splits(batch_size, HKV, max_sel)}):
-            check_paged_decode(lens, HQ, HKV, D, BS, torch.bfloat16, "cuda", num_pages, splits,
-                               sparse_keep=keep, max_sel=max_sel, tol=BF16_TOL, gated=True)
 
 
 @pytest.mark.gpu

@@ -70,9 +70,6 @@ def _aot_cases():
                 cases[f"m128-{cfg}-residual"] = (cfg, 128, dict(SPLIT_K=cfg.split_k, PDL=True, RESIDUAL=True))
                 cases[f"m128-{cfg}-uneven-k"] = (cfg, 128, dict(SPLIT_K=cfg.split_k, PDL=True, EVEN_K=False,
                                                                 divisible=("K",)))
-    for cfg in G.FP8_DOT_CONFIGS:  # fp8 weights on tensor cores (SALASERVE_FP8_DOT), as launched
-        cases[f"fp8-dot-{cfg}"] = (cfg, 16, dict(W_SCALE=True, PDL=True, SPLIT_K=2))
-        cases[f"fp8-dot-{cfg}-silu-out"] = (cfg, 16, dict(W_SCALE=True, PDL=True, SILU_OUT=True))
     for bucket, cfgs in G.FP8_FMA_CONFIGS.items():  # fp8 weights with their scales (gemv_fp8)
         for cfg in cfgs:
             cases[f"fp8-m{bucket}-{cfg}"] = (cfg, bucket, dict(W_SCALE=True, X_WORDS=True, PDL=True, SPLIT_K=2))
@@ -156,7 +153,7 @@ def test_gemv_compiles_for_sm90(name):
             assert "cvt.rn.f16x2.e4m3x2" in body and "prmt" not in body, "fp8 codes not converted by the asm"
         # W and x come back from the pipeline's shared memory in the math's layout: no conversion
         # (a shared-memory round trip with barriers) per step; the int4 kernel's stream form had 25
-        # and ran 3-5x slower (BENCHMARKS run 84)
+        # and ran 3-5x slower
         loop = _ttgir_loop(kernel.asm["ttgir"])
         assert loop.count("ttg.local_load") == 2 and "ttg.convert_layout" not in loop
     elif extra.get("W_SCALE"):  # fp8: 16-byte vectors of 16 weights per thread and row, cvt-converted
@@ -180,90 +177,18 @@ def test_gemv_compiles_for_sm90(name):
                 assert op not in body, f"{op} inside an FMA main loop (x not in W's thread mapping)"
 
 
-def _mma_cases():
-    from salaserve.kernels import gemv as G
-
-    cases = {}
-    for cfg in G.FP8_MMA_CONFIGS:  # as launched: PDL on, the automatic split (> 1 at the model's shapes)
-        cases[f"{cfg}-split4"] = (cfg, dict(SPLIT_K=4))
-        cases[f"{cfg}-silu-out-split2"] = (cfg, dict(SPLIT_K=2, SILU_OUT=True))
-        cases[f"{cfg}-split1"] = (cfg, dict(SPLIT_K=1))
-    return cases
-
-
-@pytest.mark.parametrize("name", sorted(_mma_cases()))
-def test_fp8_mma_gemv_compiles_for_sm90(name):
-    """quant_gemm/fp8_mma.py for sm_90: no spills; per loop step 4 mma.sync per row tile, W in
-    16-byte loads (two rows per tile, the loop's prefetch), every code pair converted by one cvt,
-    and no shared memory or shuffle in the loop (the fragments are loaded in the mma's layout)."""
-    import triton.language as tl
-
-    from kernel_checks import compile_sm90_without_spills
-    from salaserve.kernels.quant_gemm import fp8_mma
-
-    cfg, extra = _mma_cases()[name]
-    rt = cfg.block_n // (16 * cfg.num_warps)
-    ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32",
-                cnt_ptr="*i32")
-    constexprs = dict(RT=rt, NUM_WARPS=cfg.num_warps, SPLIT_K=1, SILU_OUT=False, X_BF16=True, Y_DT=tl.bfloat16,
-                      OUT_DT=tl.bfloat16, PDL=True, ASM=True)
-    constexprs.update(extra)
-    kernel = compile_sm90_without_spills(fp8_mma._fp8_mma_gemv_kernel, ptrs, constexprs, cfg.num_warps,
-                                         num_stages=cfg.num_stages, fp_fusion=True,
-                                         divisible=("K_WORDS", "SPLIT_WORDS"))
-    ptx = kernel.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    main = [b for b in _loops(ptx) if "mma.sync" in b]
-    assert len(main) == 1, "no single mma main loop"
-    body = main[0]
-    assert body.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4 * rt
-    assert body.count("cvt.rn.f16x2.e4m3x2") == 16 * rt  # 4 code pairs per mma
-    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body)) == 2 * rt + 2  # W rows g, g + 8 (3 ahead); x
-    for op in ("ld.shared", "st.shared", "bar.sync", "shfl.sync"):
-        assert op not in body, f"{op} inside the mma main loop"
-
-
-def test_fp8_mma_candidates_follow_the_switch(monkeypatch):
-    """The fp8 calibration times the mma configs only with SALASERVE_FP8_MMA=1, and only where the
-    kernel takes the shape: up to 8 rows, K in 64-channel chunks, W rows 16-byte aligned."""
+def test_fp8_calibration_candidates():
+    """The fp8 calibration's candidates: the FMA configs of the M bucket, and the stream configs
+    (explicit splits) at 1-2 rows only."""
     from salaserve.kernels import gemv as G
     from salaserve.kernels.quant_gemm import fp8 as F8
     from salaserve.quant import rtn
 
     w = rtn.quantize_fp8(torch.randn(64, 128))
-    monkeypatch.setattr(F8, "FP8_MMA", False)  # whatever the environment says
-    assert F8._mma_candidates(1, w) == ()
-    monkeypatch.setattr(F8, "FP8_MMA", True)
-    assert F8._mma_candidates(1, w) == F8._mma_candidates(8, w) == G.FP8_MMA_CONFIGS
-    assert all(c.mma and c.block_k == 64 and c.block_n % (16 * c.num_warps) == 0 for c in G.FP8_MMA_CONFIGS)
-    assert F8._mma_candidates(9, w) == ()
-    assert F8._mma_candidates(1, rtn.quantize_fp8(torch.randn(64, 96))) == ()
-
-
-def test_fp8_calibration_switch_defaults_and_stream_candidates(monkeypatch):
-    """Defaults of the fp8 calibration's switches in a clean environment (mma and dot off, the
-    stream configs on), and the stream configs among the candidates at 1-2 rows only."""
-    import subprocess
-    import sys
-
-    from salaserve.kernels import gemv as G
-    from salaserve.kernels.quant_gemm import fp8 as F8
-    from salaserve.quant import rtn
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SALASERVE_FP8_")}
-    code = "from salaserve.kernels.quant_gemm import fp8; print(fp8.FP8_MMA, fp8.FP8_DOT, fp8.FP8_STREAM)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False", "True"]
-    w = rtn.quantize_fp8(torch.randn(64, 128))
-    monkeypatch.setattr(F8, "FP8_MMA", False)
-    monkeypatch.setattr(F8, "FP8_DOT", False)
-    monkeypatch.setattr(F8, "FP8_STREAM", True)
     assert F8._fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1] + G.FP8_STREAM_CONFIGS[1]
     assert F8._fp8_candidates(2, w) == G.FP8_FMA_CONFIGS[2] + G.FP8_STREAM_CONFIGS[2]
     assert F8._fp8_candidates(8, w) == G.FP8_FMA_CONFIGS[8]
     assert all(c.stream and c.split_k for cs in G.FP8_STREAM_CONFIGS.values() for c in cs)
-    monkeypatch.setattr(F8, "FP8_STREAM", False)
-    assert F8._fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1]
 
 
 def test_large_m_configs_and_limits():
@@ -325,8 +250,8 @@ def test_large_m_dispatch_rules():
 
 
 def test_calibrate_skips_rows_above_the_gemv_limit(monkeypatch):
-    """With SALASERVE_GEMV_MAX_ROWS=16 (DOT_MAX_M 16) calibration times nothing above 16 rows (the
-    GEMV refuses them) and linear keeps cuBLAS there. Timings faked: no GPU here."""
+    """With DOT_MAX_M 16 calibration times nothing above 16 rows (the GEMV refuses them) and linear
+    keeps cuBLAS there. Timings faked: no GPU here."""
     from salaserve.kernels import gemv as G
 
     monkeypatch.setattr(G, "DOT_MAX_M", 16)
@@ -608,7 +533,7 @@ def _unfused_chain(seed=0):
 @gpu
 @needs_cuda
 def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
-    """SALASERVE_PDL's switch also launches fused.py's row kernels with PDL: the batch-1 chain of
+    """PDL (set_pdl) also launches fused.py's row kernels with PDL: the batch-1 chain of
     GEMVs and row kernels, captured and replayed with PDL on, equals the eager chain without it,
     bit for bit (where the GPU cannot launch with PDL, both runs are plain)."""
     from salaserve.kernels import _triton_utils as U
@@ -639,7 +564,7 @@ def test_row_kernels_with_pdl_in_a_graph_change_no_bit():
 @pytest.mark.parametrize("name", ["_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel"])
 def test_row_kernels_compile_with_and_without_pdl(name):
     """fused.py's row kernels for sm_90: with PDL (the default) they signal and wait on the grid
-    dependency, and without it (SALASERVE_PDL=0) their code has neither."""
+    dependency, and without it (set_pdl(False)) their code has neither."""
     import triton.language as tl
     from kernel_checks import compile_sm90_without_spills
 

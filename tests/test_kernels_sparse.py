@@ -52,7 +52,7 @@ def interp():
     return results
 
 
-SELECT_CASES = ["select_long_interior", "select_long_interior_fast", "select_chunked_struct_fast",
+SELECT_CASES = ["select_long_interior", "select_long_interior_t8_bb8",
                 "select_oneshot_struct", "select_oneshot_noise", "select_chunked_struct", "select_chunked_noise",
                 "select_mixed", "select_small_topk", "select_splits"]
 
@@ -75,17 +75,9 @@ def test_prefill_selection_matches_reference(interp, name):
     assert r["rows"] > 0
 
 
-@pytest.mark.parametrize("name", ["interior_fast_t4_bb4", "interior_fast_t8_bb8"])
-def test_stage1_fast_variant_equals_default(interp, name):
-    """SALASERVE_STAGE1_FAST's variant (scan shift, unmasked interior steps of long prompts) writes
-    exactly the keys of the default kernel."""
-    r = interp[name]
-    assert r["equal"] and r["keys"] > 0 and r["blocks"] >= 40, r
-
-
-def test_stage1_fast_variant_decode_matches_reference(interp):
-    r = interp["decode_fast"]
-    _assert_selection(r, "decode_fast")
+def test_decode_selection_of_long_sequences_matches_reference(interp):
+    r = interp["decode_long"]
+    _assert_selection(r, "decode_long")
     assert r["layout_ok"] and r["dense_rows_ok"], r
 
 
@@ -116,9 +108,8 @@ def test_decode_selection_does_not_depend_on_table_width_or_batch(interp):
     assert r["wide"] and r["wide_padded_batch"] and r["splits"] >= 3, r
 
 
-@pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_tiles4", "attention_tiles2_shuffled",
-                                  "attention_window4", "attention_window8_shuffled", "attention_pages_shuffled",
-                                  "attention_window8_pages"])
+@pytest.mark.parametrize("name", ["attention", "attention_shuffled", "attention_window4", "attention_window8_shuffled",
+                                  "attention_window8"])
 def test_sparse_prefill_attention_matches_twin(interp, name):
     r = interp[name]
     assert r["dtype_ok"] and r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
@@ -132,32 +123,27 @@ def test_sparse_attention_matches_torch_backend(interp, name):
     assert r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
 
 
-@pytest.mark.parametrize("search", ["score", "key"])
 @pytest.mark.parametrize("case", ["topk_pages_0", "topk_pages_1", "topk_pages_2", "topk_pages_ties",
                                   "topk_pages_segmented_0", "topk_pages_segmented_1", "topk_pages_segmented_ties"])
-def test_fused_topk_pages_equals_torch_path(interp, case, search):
-    """The fused decode top-k kernel (SALASERVE_FUSED_TOPK=1) picks the same pages as the torch
-    path: forced and -inf blocks, ties, dense rows and rows shorter than top-k; also through the
-    segment + merge kernels that wide rows (256K-512K contexts) take. Both threshold searches
-    (SALASERVE_TOPK_SEARCH); the *_ties cases draw scores from 3 values, so the score search's
-    tie step decides most rows."""
-    r = interp[f"{case}_{search}"]
+def test_fused_topk_pages_equals_torch_path(interp, case):
+    """The fused decode top-k kernel picks the same pages as the torch path: forced and -inf blocks,
+    ties, dense rows and rows shorter than top-k; also through the segment + merge kernels that
+    wide rows (256K-512K contexts) take. The *_ties cases draw scores from 3 values, so the
+    threshold search's tie step decides most rows."""
+    r = interp[case]
     assert r["equal"], r
     assert any(c != [8, 8] for c in r["counts"])  # short and dense rows were in the case
 
 
-@pytest.mark.parametrize("case", [  # _sparse_kernel_cases.TOPK_BLOCKS_*: both searches, or score only
-    f"{n}_{search}" for n, searches in [
-        ("stage1", ["score"]), ("stage1_rows_ties", ["score", "key"]), ("stage1_narrow_init3", ["score"]),
-        ("random_rows", ["score", "key"]), ("random_limit3_ties", ["score"]), ("random_limit1", ["score"]),
-        ("segmented_stage1_rows", ["score"]), ("segmented_random_ties", ["score", "key"])]
-    for search in searches])
+@pytest.mark.parametrize("case", [  # _sparse_kernel_cases.TOPK_BLOCKS_*
+    "stage1", "stage1_rows_ties", "stage1_narrow_init3", "random_rows", "random_limit3_ties", "random_limit1",
+    "segmented_stage1_rows", "segmented_random_ties"])
 def test_fused_topk_blocks_equals_torch_path(interp, case):
     """The fused prefill top-k (topk_blocks) gives _topk_blocks' block indices bit for bit: int and
     per-row limits (dense rows mixed in), ties, nb < width and > width, rows with few causal
     blocks, forced future init blocks; on stage-1 keys and on arbitrary keys, where a non-causal
     key can outrank causal ones and the row lists fewer blocks (as the torch function does);
-    one pass and segmented (wide rows); both threshold searches."""
+    one pass and segmented (wide rows)."""
     r = interp[f"blocks_{case}"]
     assert r["equal"], r
     if "random" in case:
@@ -166,13 +152,14 @@ def test_fused_topk_blocks_equals_torch_path(interp, case):
         assert r["short"] == 0, r  # stage-1 keys: every row gets min(limit, causal blocks)
 
 
-@pytest.mark.parametrize("case", ["switch_sparse_chunks", "switch_mixed", "switch_dense_narrow"])
-def test_prefill_selection_fused_topk_switch(interp, case):
-    """select_blocks_prefill with SALASERVE_FUSED_PREFILL_TOPK on and off: the same output (every
-    sequence sparse over several chunks; a dense one mixed in; all dense with nb < width)."""
+@pytest.mark.parametrize("case", ["fused_sparse_chunks", "fused_mixed", "fused_dense_narrow"])
+def test_prefill_selection_fused_topk_equals_torch(interp, case):
+    """select_blocks_prefill with the fused top-k and with the torch function in its place: the same
+    output (every sequence sparse over several chunks; a dense one mixed in; all dense with nb <
+    width)."""
     r = interp[case]
     assert r["equal"] and r["fused"] >= 1 and r["torch"] == r["fused"] and r["width"] == 8, r
-    if case == "switch_sparse_chunks":
+    if case == "fused_sparse_chunks":
         assert r["fused"] >= 2, r  # topk_blocks wrote into slices of the output
 
 
@@ -244,19 +231,6 @@ def test_gpu_sparse_attention_chunk_2048_at_16k():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tile_tokens", [4, 8])
-def test_gpu_sparse_attention_tile_kernel(tile_tokens):
-    """The tile kernel (SALASERVE_SPARSE_ATTN_TILE) against the torch twin at the real shapes, bf16,
-    on the kernel's own selection; same bound as the per-token kernel's test."""
-    C, case = _real_case([(16384, 2048), (9000, 300)], seed=23)
-    r = C.check_attention(case, tile_tokens=tile_tokens)
-    assert r["dtype_ok"] and r["rel"] < 1e-2, r
-    r = C.check_attention(case, shuffle=True, tile_tokens=tile_tokens)
-    assert r["dtype_ok"] and r["rel"] < 1e-2, r
-
-
-@pytest.mark.gpu
-@gpu
 def test_gpu_decode_selection_replays_in_cuda_graph():
     """select_blocks_decode captured once, replayed on new queries / lengths (same shapes), equals
     the eager call: no host sync, no data-dependent shape."""
@@ -281,10 +255,9 @@ def test_gpu_decode_selection_replays_in_cuda_graph():
         assert torch.equal(count, want_count) and torch.equal(table, want_table)
 
 
-@pytest.mark.parametrize("score_search", [True, False])
 @pytest.mark.parametrize("kernel,width,warps", [("one_pass", 512, 4), ("one_pass", 4096, 8), ("segment", 2048, 8),
                                                 ("merge", 8 * 128, 4)])
-def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps, score_search):
+def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps):
     """The fused top-k kernels hold a row (or segment, or the candidates) in registers: compiled
     ahead of time for sm_90 at the widths topk_pages gives them, with its warp counts (no GPU)."""
     from kernel_checks import compile_sm90_without_spills
@@ -303,14 +276,13 @@ def test_topk_pages_kernels_compile_for_sm90_without_spills(kernel, width, warps
         fn, ptrs, consts = S._topk_merge_kernel, dict(cand_key_ptr=i32, cand_blk_ptr=i32, page_table_ptr=i32,
                                                        seq_lens_ptr=i32, out_ptr=i32, count_ptr=i32), \
             dict(BS=64, N_CAND=width, MAX_SEL=128)
-    compile_sm90_without_spills(fn, ptrs, dict(consts, SCORE_SEARCH=score_search), warps, fp_fusion=True)
+    compile_sm90_without_spills(fn, ptrs, consts, warps, fp_fusion=True)
 
 
-@pytest.mark.parametrize("score_search", [True, False])
 @pytest.mark.parametrize("kernel,width,warps,per_row", [
     ("one_pass", 2048, 4, False), ("one_pass", 2048, 4, True), ("one_pass", 4096, 8, True),
     ("segment", 2048, 8, True), ("merge", 32 * 128, 8, True), ("merge", 4 * 128, 4, False)])
-def test_topk_blocks_kernels_compile_for_sm90_without_spills(kernel, width, warps, per_row, score_search):
+def test_topk_blocks_kernels_compile_for_sm90_without_spills(kernel, width, warps, per_row):
     """The fused prefill top-k kernels (topk_blocks) at the widths and warp counts it gives them
     for width 96 (128 output slots): one pass up to 4096 blocks, 2048-block segments, merges of 4
     (512K) to 32 (4M tokens) segments; int (every row sparse) and per-row limits; no spills."""
@@ -319,7 +291,7 @@ def test_topk_blocks_kernels_compile_for_sm90_without_spills(kernel, width, warp
     from salaserve.kernels import sparse as S
 
     i32, i64 = "*i32", "*i64"
-    common = dict(LIMIT_PER_ROW=per_row, SCORE_SEARCH=score_search)
+    common = dict(LIMIT_PER_ROW=per_row)
     if kernel == "one_pass":
         fn, ptrs, consts = S._topk_blocks_kernel, dict(keys_ptr=i32, qb_ptr=i64, limit_ptr=i64, out_ptr=i32), \
             dict(W=width, OUT_W=128)
@@ -336,15 +308,14 @@ def test_topk_blocks_kernels_compile_for_sm90_without_spills(kernel, width, warp
     compile_sm90_without_spills(fn, ptrs, dict(consts, **common), warps, fp_fusion=True)
 
 
-@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("block_t,bb,warps,maxnreg,stages", [(4, 32, 8, None, 3), (8, 16, 8, 128, 2),
                                                               (1, 16, 4, None, 3)])
-def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps, maxnreg, stages):
+def test_stage1_kernels_compile_for_sm90_without_spills(block_t, bb, warps, maxnreg, stages):
     """The stage-1 kernels at the real shapes (16 query heads per KV group, head dim 128, C1 4 per
     64-token block), as prefill (8 tokens, 16 blocks per step, capped at 128 registers:
-    sparse.STAGE1_PREFILL_TILE / STAGE1_PREFILL_LAUNCH, two stages; and the former 4 tokens, 32 blocks) and
-    decode (1 token, 16) launch them, default and SALASERVE_STAGE1_FAST variants: both dots on
-    tensor cores, nothing spilled."""
+    sparse.STAGE1_PREFILL_TILE / STAGE1_PREFILL_LAUNCH, two stages; and 4 tokens, 32 blocks) and
+    decode (1 token, 16) launch them: both dots on tensor cores, nothing spilled, the C1 loads
+    prefetched."""
     from kernel_checks import compile_sm90_without_spills
 
     from salaserve.kernels import sparse as S
@@ -355,35 +326,15 @@ def test_stage1_kernels_compile_for_sm90_without_spills(fast, block_t, bb, warps
                 l_part_ptr="*fp32", keys_ptr=i32)
     keys = compile_sm90_without_spills(
         S._stage1_block_keys_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BB=bb, C1PB=4, PAD=1, K1=32,
-                                                S1=16, BS=64, INIT=1, LOCAL=2, DOT_PREC=None, FAST=fast), warps,
+                                                S1=16, BS=64, INIT=1, LOCAL=2, DOT_PREC=None), warps,
         fp_fusion=True, maxnreg=maxnreg, floats=("qk_scale2",), num_stages=stages)
     assert "wgmma" in keys.asm["ptx"] or "mma.sync" in keys.asm["ptx"]
-    if fast:  # the C1 loads are outside the interior/masked branch, so they are prefetched
-        assert "async_copy_global_to_local" in keys.asm["ttgir"]
-    if not fast:
-        lse = compile_sm90_without_spills(
-            S._stage1_lse_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BLOCK_N=64, K2=128, S2=64,
-                                             C2PP=1, DOT_PREC=None), 4, fp_fusion=True)
-        assert "wgmma" in lse.asm["ptx"] or "mma.sync" in lse.asm["ptx"]
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_sparse_attention_tile_kernel_compiles_for_sm90_without_spills(fp8):
-    """The tile kernel (a data-dependent while loop over the union of the tokens' blocks) at the
-    real shapes: 4 tokens x 16 query heads of a KV group, head dim 128, 64-token blocks."""
-    from kernel_checks import compile_sm90_without_spills
-
-    import triton.language as tl
-
-    from salaserve.kernels import sparse as S
-
-    pool = "*fp8e4nv" if fp8 else "*bf16"
-    ptrs = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",
-                positions_ptr="*i64", tile_seq_ptr="*i32", tile_tok0_ptr="*i32", tile_ntok_ptr="*i32",
-                k_scale_ptr="*fp32", v_scale_ptr="*fp32")
-    consts = dict(GROUP=16, GP=16, D=128, BS=64, BLOCK_T=4, DOT_PREC=None, KV_FP8=fp8, COMPUTE_DT=tl.bfloat16, HKV=2)
-    ptx = compile_sm90_without_spills(S._sparse_prefill_attn_tile_kernel, ptrs, consts, 4, fp_fusion=True).asm["ptx"]
-    assert "mma" in ptx  # both dots on tensor cores
+    # the C1 loads are outside the interior/masked branch, so they are prefetched
+    assert "async_copy_global_to_local" in keys.asm["ttgir"]
+    lse = compile_sm90_without_spills(
+        S._stage1_lse_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BLOCK_N=64, K2=128, S2=64,
+                                         C2PP=1, DOT_PREC=None), 4, fp_fusion=True)
+    assert "wgmma" in lse.asm["ptx"] or "mma.sync" in lse.asm["ptx"]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -406,15 +357,15 @@ def test_sparse_window_kernels_compile_for_sm90_without_spills(fp8, window_token
              tile_ntok_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32"),
         dict(common, BLOCK_T=window_tokens, INIT=1, LOCAL=32), 4 if window_tokens * 16 <= 64 else 8, fp_fusion=True)
     assert "mma" in win.asm["ptx"]
-    # the per-token kernel as launched (pages from a list, SPARSE_ATTN_PAGE_LIST; warps by the pages'
-    # dtype, _PER_TOKEN_WARPS) and without the list (4 warps)
-    for page_list, warps in ((True, S._PER_TOKEN_WARPS[fp8]), (False, 4)):
+    # the per-token kernel as launched (pages from a list; warps by the pages' dtype, _PER_TOKEN_WARPS),
+    # after the window kernel and on its own
+    for after_window in (True, False):
         per_token = compile_sm90_without_spills(
             S._sparse_prefill_attn_kernel,
-            dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_table_ptr="*i32",
-                 tok_seq_ptr="*i64", positions_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-                 m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32", page_idx_ptr="*i32"),
-            dict(common, W=128, AFTER_WINDOW=True, INIT=1, LOCAL=32, PAGE_LIST=page_list), warps, fp_fusion=True)
+            dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32", page_idx_ptr="*i32",
+                 positions_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                 m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32"),
+            dict(common, W=128, AFTER_WINDOW=after_window, INIT=1, LOCAL=32), S._PER_TOKEN_WARPS[fp8], fp_fusion=True)
         assert "mma" in per_token.asm["ptx"]
 
 
@@ -422,7 +373,7 @@ def test_sparse_window_kernels_compile_for_sm90_without_spills(fp8, window_token
 @gpu
 @pytest.mark.parametrize("window_tokens", [4, 8])
 def test_gpu_sparse_attention_window_kernel(window_tokens):
-    """The window kernel + the per-token kernel over the scored blocks (SALASERVE_SPARSE_ATTN_WINDOW)
+    """The window kernel + the per-token kernel over the scored blocks (the default route)
     against the torch twin at the real shapes, bf16, on the kernel's own selection (in order and
     shuffled); the per-token kernel's bound."""
     C, case = _real_case([(16384, 2048), (9000, 300)], seed=23)
@@ -433,83 +384,36 @@ def test_gpu_sparse_attention_window_kernel(window_tokens):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("search,levels", [("score", 0), ("score", 5), ("key", 0)])
+@pytest.mark.parametrize("levels", [0, 5])
 @pytest.mark.parametrize("nb", [272, 2064, 4112, 8192, 8224])
-def test_gpu_fused_topk_pages(nb, search, levels):
+def test_gpu_fused_topk_pages(nb, levels):
     """The fused decode top-k kernel at the real config and the graph widths it serves, against
-    the torch path (what SALASERVE_FUSED_TOPK=1 switches), with both threshold searches; levels
-    5: scores from 5 values (ties at the threshold in every row)."""
+    the torch path; levels 5: scores from 5 values (ties at the threshold in every row)."""
     import _sparse_kernel_cases as C
 
     from salaserve.config import preset_config
 
     sc = preset_config("full").sparse  # block 64, dense_len 8192, topk_eff 96
     lens = [nb * 64, 8192, 8191, 5000, (nb // 2) * 64 + 7, 9000]
-    r = C.check_topk_pages(nb, sc=sc, nb=nb, max_sel=128, seq_lens=lens, device="cuda", search=search,
-                           levels=levels)
+    r = C.check_topk_pages(nb, sc=sc, nb=nb, max_sel=128, seq_lens=lens, device="cuda", levels=levels)
     assert r["equal"], r
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("search,levels", [("score", 0), ("score", 5), ("key", 0)])
+@pytest.mark.parametrize("levels", [0, 5])
 @pytest.mark.parametrize("nb", [2048, 4096, 8224])
-def test_gpu_fused_topk_blocks(nb, search, levels):
-    """The fused prefill top-k (topk_blocks, SALASERVE_FUSED_PREFILL_TOPK=1) against _topk_blocks at
+def test_gpu_fused_topk_blocks(nb, levels):
+    """The fused prefill top-k (topk_blocks) against _topk_blocks at
     a 128K and a 256K prompt's widths (one pass) and past 512K (segments + merge), 8192 rows of a
     selection chunk: every row sparse (width 96), dense rows mixed in (width 128, sparse rows 96),
-    and arbitrary keys (non-causal ones outranking causal ones); both threshold searches; levels 5:
-    scores from 5 values (ties at the threshold in every row)."""
+    and arbitrary keys (non-causal ones outranking causal ones); levels 5: scores from 5 values
+    (ties at the threshold in every row)."""
     import _sparse_kernel_cases as C
 
-    common = dict(rows=8192, nb=nb, levels=levels, search=search, device="cuda")
+    common = dict(rows=8192, nb=nb, levels=levels, device="cuda")
     for kw in (dict(width=96), dict(width=128, limit="rows", sparse_limit=96),
                dict(width=128, limit="rows", sparse_limit=96, keys="random")):
         r = C.check_topk_blocks(nb, **common, **kw)
         assert r["equal"], (kw, r)
         assert (r["short"] > 0) == (kw.get("keys") == "random"), (kw, r)
-
-
-@pytest.mark.parametrize("text,ok", [("8,16", True), ("4,32", True), ("8,x", False), ("6,16", False),
-                                     ("8,1", False), ("8", False)])
-def test_stage1_tile_env_is_checked(monkeypatch, text, ok):
-    """SALASERVE_STAGE1_TILE: two powers of two (blocks >= 2), or a clear error naming the variable."""
-    from salaserve.kernels import sparse as S
-
-    monkeypatch.setenv("SALASERVE_STAGE1_TILE", text)
-    if ok:
-        assert S._tile_env("SALASERVE_STAGE1_TILE", "8,16") == tuple(int(v) for v in text.split(","))
-    else:
-        with pytest.raises(ValueError, match="SALASERVE_STAGE1_TILE"):
-            S._tile_env("SALASERVE_STAGE1_TILE", "8,16")
-
-
-@pytest.mark.parametrize("keep", [0.0, 0.8, 1.0])
-def test_correlated_selection_is_a_valid_selection(keep):
-    """bench_sparse.correlated_selection (the synthetic lists of scripts/sparse_overlap_ab.py):
-    every list ascending and distinct, the init blocks and the whole local window in it, the rest
-    scored blocks before the window, topk_eff entries; neighbours share about `keep` of the
-    scored blocks."""
-    from salaserve.config import preset_config
-    from salaserve.kernels import bench_sparse as B
-
-    sc = preset_config("full").sparse
-    qb = torch.arange(128000, 128000 + 300) // sc.block_size  # 300 tokens over 5 query blocks
-    idx = B.correlated_selection(qb, 2, sc, keep, seed=3)
-    assert idx.shape == (2, 300, sc.topk_eff) and idx.dtype == torch.int32
-    assert (idx[..., 1:] > idx[..., :-1]).all()  # ascending, distinct
-    forced = set(range(sc.init_blocks))
-    n_scored = sc.topk_eff - sc.init_blocks - sc.local_blocks - 1
-    for t in (0, 1, 150, 299):
-        b = int(qb[t])
-        want_forced = forced | set(range(b - sc.local_blocks, b + 1))
-        for g in range(2):
-            row = set(idx[g, t].tolist())
-            assert want_forced <= row and max(row) == b
-            assert all(sc.init_blocks <= x < b - sc.local_blocks for x in row - want_forced)
-            assert len(row - want_forced) == n_scored
-    # neighbours share the forced blocks, ~keep of the scored ones, and by chance ~n_scored / range of
-    # the redrawn ones (loose bound: 600 random draws)
-    span = float(qb.float().mean()) - sc.local_blocks - sc.init_blocks
-    expect = (sc.topk_eff - n_scored + keep * n_scored + (1 - keep) * n_scored * n_scored / span) / sc.topk_eff
-    assert abs(B.neighbour_overlap(idx) - expect) < 0.03

@@ -116,24 +116,20 @@ def test_sparse_prefill_kernel_on_fp8_pages_compiles_for_sm90():
 
     for pool, fp8 in (("*bf16", False), ("*fp8e4nv", True)):
         ptrs = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, o_ptr="*bf16", block_idx_ptr="*i32",
-                    page_table_ptr="*i32", tok_seq_ptr="*i64", positions_ptr="*i32", page_idx_ptr="*i32",
-                    m_part_ptr="*fp32", l_part_ptr="*fp32", acc_part_ptr="*fp32")
+                    page_idx_ptr="*i32", positions_ptr="*i32", m_part_ptr="*fp32", l_part_ptr="*fp32",
+                    acc_part_ptr="*fp32")
         for after_window in (False, True):
-            for f16_dots in ((False, True) if fp8 else (False,)):  # SPARSE_FP8_F16_DOTS: fp16 operands
-                k = compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
-                                                dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
-                                                     COMPUTE_DT=tl.bfloat16, HKV=2, PAGE_LIST=S.SPARSE_ATTN_PAGE_LIST,
-                                                     AFTER_WINDOW=after_window, INIT=1, LOCAL=32, F16_DOTS=f16_dots),
-                                                S._PER_TOKEN_WARPS[fp8])
-                if f16_dots:  # the codes straight to fp16 (one cvt per two), never through bf16
-                    ptx = k.asm["ptx"]
-                    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
+            compile_sm90_without_spills(S._sparse_prefill_attn_kernel, ptrs,
+                                        dict(GROUP=16, GP=16, D=128, BS=64, W=128, DOT_PREC=None, KV_FP8=fp8,
+                                             COMPUTE_DT=tl.bfloat16, HKV=2, AFTER_WINDOW=after_window, INIT=1,
+                                             LOCAL=32),
+                                        S._PER_TOKEN_WARPS[fp8])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["decode", "prefill", "store", "compress", "sparse"])
-def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
+def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind):
     """On the GPU at the model's head geometry (Hkv 2, d 128, 64-token pages), bf16 compute: each
     attention kernel on fp8 pages against the same kernel on bf16 pages holding KVPool.gather's
     values. Those pages carry one bf16 rounding per element (2^-9 relative) that the fp8 path
@@ -194,34 +190,30 @@ def test_gpu_kernels_on_fp8_pages_equal_dequantized_pages(kind, monkeypatch):
         batch = make_batch([(1000, 1), (3000, 1), (40, 1)], bs, pages, dev, seed=2)
         table, count, _ = sparse_lists(batch, hkv, bs, 16, 10, seed=2, device=dev)
         q = torch.randn(3, hq, d, device=dev, generator=g).to(torch.bfloat16)
-        for f16_dots, splits in ((False, 1), (False, 4), (True, 1), (True, 4)):  # DECODE_FP8_F16_DOTS off / on
-            monkeypatch.setattr(A, "DECODE_FP8_F16_DOTS", f16_dots)
+        for splits in (1, 4):  # bf16 compute: fp16 dot operands (attention._f16_dots)
             a = A.paged_decode_attention(q, kv8, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             b = A.paged_decode_attention(q, twin, 0, table, count, batch.seq_lens, d ** -0.5, splits)
             err = (a.float() - b.float()).abs().max().item()
-            print(f"decode f16_dots={f16_dots} splits={splits}: max |fp8 - dequantized| {err:.3g}, "
-                  f"equal {torch.equal(a, b)}")
+            print(f"decode splits={splits}: max |fp8 - dequantized| {err:.3g}, equal {torch.equal(a, b)}")
             assert err <= 2 ** -6 * b.float().abs().max().item()
     elif kind == "sparse":
-        # the block-sparse prefill (window kernel for the forced blocks, then the per-token kernel), with
-        # SPARSE_FP8_F16_DOTS off and on: every token lists block 0, its own block and the one before (the
-        # forced blocks of window (1, 1)) and up to 8 random causal others, ascending
+        # the block-sparse prefill (window kernel for the forced blocks, then the per-token kernel) with the
+        # in-kernel fp8 converts (past the staged copy's size cap): every token lists block 0, its own block
+        # and the one before (the forced blocks of window (1, 1)) and up to 8 random causal others, ascending
         batch = make_batch([(1900, 700), (0, 300)], bs, pages, dev, seed=5)
         idx = prefill_block_lists(batch, hkv, bs, others=8, width=16, seed=5)
         q = torch.randn(idx.shape[1], hq, d, device=dev, generator=g).to(torch.bfloat16)
-        for f16_dots in (False, True):
-            for window in (None, (1, 1)):
-                kw = dict(window=window, window_tokens=8, ascending=True) if window else {}
-                with S.knobs(SPARSE_FP8_F16_DOTS=f16_dots, SPARSE_FP8_STAGED=False):
-                    a = S.sparse_prefill_attention(q, kv8, 0, batch, idx, d ** -0.5, **kw)
-                b = S.sparse_prefill_attention(q, twin, 0, batch, idx, d ** -0.5, **kw)
-                err = (a.float() - b.float()).abs().max().item()
-                print(f"sparse f16_dots={f16_dots} window={window}: max |fp8 - dequantized| {err:.3g}")
-                assert err <= 2 ** -6 * b.float().abs().max().item()
-        for window in (None, (1, 1)):  # SPARSE_FP8_STAGED: the same kernels on the same values, bit-equal
+        for window in (None, (1, 1)):
             kw = dict(window=window, window_tokens=8, ascending=True) if window else {}
-            with S.knobs(SPARSE_FP8_STAGED=True):
+            with S.knobs(SPARSE_FP8_STAGE_MAX_BYTES=0):
                 a = S.sparse_prefill_attention(q, kv8, 0, batch, idx, d ** -0.5, **kw)
+            b = S.sparse_prefill_attention(q, twin, 0, batch, idx, d ** -0.5, **kw)
+            err = (a.float() - b.float()).abs().max().item()
+            print(f"sparse in-kernel window={window}: max |fp8 - dequantized| {err:.3g}")
+            assert err <= 2 ** -6 * b.float().abs().max().item()
+        for window in (None, (1, 1)):  # the staged copy: the same kernels on the same values, bit-equal
+            kw = dict(window=window, window_tokens=8, ascending=True) if window else {}
+            a = S.sparse_prefill_attention(q, kv8, 0, batch, idx, d ** -0.5, **kw)
             b = S.sparse_prefill_attention(q, twin, 0, batch, idx, d ** -0.5, **kw)
             print(f"sparse staged window={window}: equal {torch.equal(a, b)}")
             assert torch.equal(a, b)

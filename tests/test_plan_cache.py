@@ -15,10 +15,9 @@ from salaserve.kernels.quant_gemm import fp8, w4_decode
 def tables(monkeypatch, tmp_path):
     """Empty calibration tables and a plan directory of the test's own."""
     monkeypatch.setenv("SALASERVE_PLAN_CACHE", str(tmp_path / "plans"))
-    fresh = dict(gemv={}, fp8_gemv={}, w8a8={}, w4={}, w4_rounded={})
+    fresh = dict(gemv={}, fp8_gemv={}, w4={}, w4_rounded={})
     monkeypatch.setattr(G, "_TABLE", fresh["gemv"])
     monkeypatch.setattr(fp8, "_FP8_GEMV_TABLE", fresh["fp8_gemv"])
-    monkeypatch.setattr(fp8, "_W8A8_TABLE", fresh["w8a8"])
     monkeypatch.setattr(w4_decode, "_W4_TABLE", fresh["w4"])
     monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", fresh["w4_rounded"])
     return fresh
@@ -30,7 +29,6 @@ def _fill(t, dev="cpu"):
     t["gemv"][(dev, 32, 4096, 16384)] = G.Choice(G.GemvConfig(128, 128, 8, 3, split_k=4, dot=True), 40.0, 38.0)
     t["fp8_gemv"][(1, 32768, 4096, dev)] = G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True)
     t["fp8_gemv"][(8, 32768, 4096, dev)] = None
-    t["w8a8"][(1, 4096, 4096, dev)] = (64, 4, 4, 3)
     t["w4"][(1, 16384, 4096, 128, dev)] = ("fma", (64, 16, 4, 1), 8)
     t["w4_rounded"][(1, 16384, 4096, 128, dev)] = ("dp2a_rounded", (64, 16, 2, 4, 2, False), 8)
 
@@ -47,7 +45,7 @@ def test_picks_round_trip_and_drive_the_dispatch(tables):
     assert path is not None and path.exists()
     for table in tables.values():
         table.clear()
-    assert plan_cache.load("cpu") == 7
+    assert plan_cache.load("cpu") == 6
     assert _snapshot(tables) == want
     # the restored picks are what the kernels' dispatch reads
     assert G.choose_config(1, 4096, 4096, "cpu") == G.GemvConfig(4, 1024, 4)
@@ -68,7 +66,7 @@ def test_picks_in_the_tables_win_and_saves_merge(tables):
         table.clear()
     tables["gemv"][("cpu", 1, 4096, 4096)] = newer  # calibrated in this process: kept
     tables["gemv"][("cpu", 2, 8704, 4096)] = G.Choice(G.GemvConfig(2, 1024, 4), 11.0, 15.0)  # new shape
-    assert plan_cache.load("cpu") == 6
+    assert plan_cache.load("cpu") == 5
     assert tables["gemv"][("cpu", 1, 4096, 4096)] == newer
     plan_cache.save("cpu")
     data = json.loads(plan_cache.plan_path("cpu").read_text())
@@ -80,12 +78,12 @@ def test_picks_in_the_tables_win_and_saves_merge(tables):
 def test_a_changed_switch_or_kernel_source_is_another_plan(tables, monkeypatch):
     _fill(tables)
     first = plan_cache.save("cpu")
-    monkeypatch.setenv("SALASERVE_FP8_STREAM", "0")  # the candidates differ: the picks may be stale
+    monkeypatch.setenv("SALASERVE_W4_WGMMA", "0")  # the candidates differ: the picks may be stale
     assert plan_cache.plan_path("cpu") != first
     for table in tables.values():
         table.clear()
     assert plan_cache.load("cpu") == 0
-    monkeypatch.delenv("SALASERVE_FP8_STREAM")
+    monkeypatch.delenv("SALASERVE_W4_WGMMA")
     assert plan_cache.plan_path("cpu") == first
     fp = plan_cache.fingerprint("cpu")
     assert len(fp["kernels"]) == 16 and fp["switches"].get("SALASERVE_PLAN_CACHE") is None

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     for n in prefills:
         # The first prompt is not counted: later chunks of a long prompt meet kernel
         # specialisations the warm-up did not (integer arguments' divisibility), and compiling
-        # them cost the cold first process ~0.6 s of a 128K prefill (runs 19, 25, 26). Then the
+        # them cost a cold first process ~0.6 s of a 128K prefill. Then the
         # median of --prefill-repeats prompts (one prompt varied by 2-3% between processes).
         first = time_prefill(runner, n)
         runs = [time_prefill(runner, n) for _ in range(max(1, a.prefill_repeats))]

@@ -18,7 +18,7 @@ total. With --prefill N it profiles one whole N-token prompt instead, chunked as
 chunks it (the micro-benchmark's prefill): kernels by total time over all chunks. Without a GPU it
 profiles the CPU ops instead (for tests of the tool). With --ab it compares a module switch's values
 instead, in one process: graphs captured per value, replays timed in interleaved rounds (machine
-starts differ by ~0.05 ms per step, more than most changes: BENCHMARKS run 132). --ab-kv-cache does
+starts differ by ~0.05 ms per step, more than most changes). --ab-kv-cache does
 the same for the KV cache's format: a second pool of the other format, same pages and contents.
 """
 
@@ -256,7 +256,7 @@ def ab_kv_cache_replays(runner: ModelRunner, batch: int, context: int, rounds: i
     shares the compressed keys and the Lightning states. Returns {"<dtype> pages": [device ms per
     round]}, the runner's own format first; the runner keeps its own caches and graphs afterwards.
     The issue's fp8 KV criterion compares the two formats, and separate processes differ by more than
-    the difference (BENCHMARKS, runs 141-143)."""
+    the difference (a fraction of a percent at 128K)."""
     from salaserve.bench.micro import step_device_ms
     from salaserve.cache.pages import FP8, KVPool
     from salaserve.model.sala import Caches
@@ -327,13 +327,13 @@ def main(argv=None) -> int:
                     help="weights quantized on load (default: bf16)")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head on load too")
     ap.add_argument("--no-pdl", action="store_true",
-                    help="launch without PDL, so that kernel times do not overlap (the step is slower); unlike "
-                         "SALASERVE_PDL=0 it keeps the plan cache's fingerprint, so the PDL run's picks are reused")
+                    help="launch without PDL, so that kernel times do not overlap (the step is slower); the plan "
+                         "cache's fingerprint stays, so the PDL run's picks are reused")
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
     ap.add_argument("--ab", default=None, metavar="MODULE:ATTR=V1,V2",
                     help="with --graph: time the replay with a module switch at each value, interleaved in this "
-                         "process (e.g. salaserve.kernels.triton_backend:GATED_DECODE=0,1); switches read when the "
+                         "process (e.g. salaserve.kernels._triton_utils:_PDL=1,0); switches read when the "
                          "forward runs, not at start-up")
     ap.add_argument("--ab-kv-cache", action="store_true",
                     help="with --graph: time the replay on the KV pages of --kv-cache-dtype and on a second pool of "

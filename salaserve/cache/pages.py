@@ -54,9 +54,9 @@ FP8_MAX = 448.0
 # that amax are represented; larger values saturate at +-448 x scale (e4m3 keeps ~3 significant
 # bits at every magnitude, so the headroom costs precision only below scale * 2^-6).
 FP8_HEADROOM = 8.0
-# The block-sparse prefill on fp8 pages may dequantize the batch's pages of one layer into a transient
-# compute-dtype copy (kernels/sparse/attention.py, SPARSE_FP8_STAGED) of at most this many bytes
-# (1 GiB: 1M tokens at the full-size head geometry); the cache budget keeps it free.
+# The block-sparse prefill on fp8 pages dequantizes the batch's pages of one layer into a transient
+# compute-dtype copy (kernels/sparse/attention.py) of at most this many bytes (1 GiB: 1M tokens at the
+# full-size head geometry; longer batches convert in the kernels); the cache budget keeps it free.
 FP8_STAGE_MAX_BYTES = 1 << 30
 
 

@@ -122,9 +122,9 @@ def fp8_codes(v, inv, q_ptr, FP8_MAX_C: tl.constexpr, INTERPRET: tl.constexpr):
     return v.to(q_ptr.dtype.element_ty)
 
 
-# ---- programmatic dependent launch (PDL, sm_90+): on by default; SALASERVE_PDL=0 or set_pdl(False) turns
-# it off. Measured on the H200: batch-1 decode at 4K 5.154 -> 4.970 ms with the GEMVs and row
-# kernels (BENCHMARKS run 13), -> 4.846 ms with the rest of the decode chain (run 15).
+# ---- programmatic dependent launch (PDL, sm_90+): on (set_pdl(False) turns it off, for profiles whose
+# kernel times must not overlap). Measured on the H200: batch-1 decode at 4K 5.154 -> 4.970 ms with the
+# GEMVs and row kernels, -> 4.846 ms with the rest of the decode chain.
 #
 # A kernel launched with PDL may start while the previous kernel in the stream is finishing: its
 # programs signal at their start that the next PDL kernel may launch (griddepcontrol.
@@ -133,7 +133,7 @@ def fp8_codes(v, inv, q_ptr, FP8_MAX_C: tl.constexpr, INTERPRET: tl.constexpr):
 # (fused.py's row kernels, Lightning, attention, selection) wait first. Kernels launched without
 # it (cuBLAS, torch, the w8a16 GEMV, which measured slower with it) keep plain stream order.
 
-_PDL = os.environ.get("SALASERVE_PDL", "1") != "0"
+_PDL = True
 
 
 def set_pdl(enabled: bool) -> None:

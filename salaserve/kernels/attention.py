@@ -35,7 +35,6 @@ a captured decode batch.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -51,14 +50,6 @@ FP8_HEADROOM = tl.constexpr(_PAGES_FP8_HEADROOM)
 # Default tile configurations (the lead retunes them from bench_attention.py on the H200).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 DECODE_CONFIG = dict(num_warps=4, num_stages=3)
-# Decode attention on fp8 pages with bf16 compute: the dots take fp16 operands instead (e4m3 -> fp16 is one
-# cvt per two codes; -> bf16 is that plus a cvt per code and the repacking), q clamped to fp16's range, p in
-# [0, 1] and V's page scale on the fp32 product. At least bf16's precision for |q| < 65504. Measured in the
-# twenty-seventh session (BENCHMARKS run 144): 4.973 -> 4.970 ms at 128K; on by default.
-DECODE_FP8_F16_DOTS = os.environ.get("SALASERVE_FP8_KV_F16_DOTS", "1") == "1"
-# The decode attention's split count, when > 0, instead of choose_num_splits' rule (an experiment switch for
-# `profile_step --ab`: it is read when a step's kernels are launched or captured).
-DECODE_NUM_SPLITS = int(os.environ.get("SALASERVE_DECODE_NUM_SPLITS", "0"))
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -99,10 +90,13 @@ def _dot_q(q, F16_DOTS: tl.constexpr):
     return q
 
 
-def _f16_dots(pa: dict, enabled: bool) -> bool:
-    """Whether an fp8-page kernel takes fp16 dot operands: its switch is on, the pool is fp8 and the
-    model computes in bf16 (an fp16 or fp32 model keeps its own dtype)."""
-    return bool(enabled and pa["fp8"] and pa["compute"] == torch.bfloat16)
+def _f16_dots(pa: dict) -> bool:
+    """Whether the decode attention on fp8 pages takes fp16 dot operands: the pool is fp8 and the model
+    computes in bf16 (an fp16 or fp32 model keeps its own dtype). e4m3 -> fp16 is one cvt per two codes
+    (-> bf16 is that plus a cvt per code and the repacking); q is clamped to fp16's range (_dot_q), p
+    stays in [0, 1] and V's page scale goes on the fp32 product: at least bf16's precision for
+    |q| < 65504."""
+    return bool(pa["fp8"] and pa["compute"] == torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,7 +365,7 @@ def _compress_level_fp8(
 ):
     """_compress_level's loop on an fp8 pool with the token's keys as a [CHUNK, Hkv, d] tile: the
     (page, KV head) scales are one [CHUNK, Hkv] load broadcast over d (the flat [CHUNK, Hkv * d] form
-    gathered a scale per element: 0.008 ms slower per window-closing step, BENCHMARKS run 143). Values
+    gathered a scale per element: 0.008 ms slower per window-closing step at 128K). Values
     as KVPool.gather (fp8 * scale rounded once), summed in fp32 over the window."""
     D: tl.constexpr = HD // HKV
     h = tl.arange(0, BLOCK_HKV)
@@ -635,27 +629,16 @@ def dense_prefill_attention(q: torch.Tensor, kv_pool, layer: int, batch, scale: 
 
 
 @triton.jit
-def _gated(out, g_ptrs, mask, O_DT: tl.constexpr):
-    """The sparse layers' output gate on an attention output: out rounded to O_DT (as stored), times
-    sigmoid(gate) rounded to O_DT, the product rounded to O_DT: fused.sigmoid_mul's values on the stored
-    output (gate in O_DT, as the engine's views into the q/k/v/gate projection are)."""
-    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return round_to(round_to(out, O_DT) * round_to(tl.sigmoid(g), O_DT), O_DT)
-
-
-@triton.jit
 def _decode_split_kernel(
     Q, K_pool, V_pool, block_table, block_count, seq_lens, Out, O_part, LSE_part, K_scale, V_scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_bth, stride_bcb, stride_bch,
     stride_kp, stride_kt, stride_kh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    scale_log2, G_ptr, stride_gb,
+    scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr = False, COMPUTE_DT: tl.constexpr = tl.bfloat16, HKV: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
-    GATED: tl.constexpr = False,  # one split: the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
-    O_DT: tl.constexpr = None,  # GATED: the output dtype
-    F16_DOTS: tl.constexpr = False,  # fp8 pools: fp16 dot operands, V's scale on p @ v (DECODE_FP8_F16_DOTS)
+    F16_DOTS: tl.constexpr = False,  # fp8 pools, bf16 compute: fp16 dot operands, V's scale on p @ v (_f16_dots)
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hkv, NUM_SPLITS). Program (b, g, s) takes its share of the listed pages of
@@ -713,8 +696,6 @@ def _decode_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        if GATED:
-            out = _gated(out, G_ptr + b * stride_gb + head[:, None] * HEAD_DIM + d[None, :], row_ok[:, None], O_DT)
         tl.store(Out + b * stride_ob + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -727,11 +708,9 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     O_part, LSE_part, Out,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, G_ptr, stride_gb,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
-    GATED: tl.constexpr = False,  # the output times sigmoid(gate) (G_ptr [B, Hq * d]; _gated)
-    O_DT: tl.constexpr = None,  # GATED: the output dtype
 ):
     pdl_wait_first(PDL)
     # Grid (B, Hq): merge the splits of one (sequence, head) by their log2-sum-exp weights.
@@ -748,15 +727,12 @@ def _decode_reduce_kernel(
                 mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    if GATED:
-        out = _gated(out, G_ptr + b * stride_gb + h * HEAD_DIM + d, d < HEAD_DIM, O_DT)
     tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: torch.Tensor,
                            block_count: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int = 1, config: dict | None = None,
-                           gate: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int = 1, config: dict | None = None) -> torch.Tensor:
     """One query token per sequence over a list of pages per (sequence, KV head).
 
     q: [B, Hq, d] (d contiguous). block_table: [B, Hkv, max_sel] int32 page ids (any strides, e.g.
@@ -768,9 +744,6 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     satisfies it. The order of the others does not matter.
     num_splits programs share each (sequence, KV head)'s list (flash-decoding); with num_splits > 1
     a second kernel merges them. Grid (B, Hkv, num_splits) + (B, Hq): CUDA-graph capturable.
-    gate: [B, Hq * d] in q.dtype, unit last-dim stride (rows may be strided: a view into the q/k/v/gate
-    projection): the output comes back times sigmoid(gate), fused.sigmoid_mul's values on the stored
-    output, written by the last kernel instead of a sigmoid_mul kernel after it.
     Returns [B, Hq, d] in q.dtype.
     """
     cfg = dict(DECODE_CONFIG, **(config or {}))
@@ -781,11 +754,6 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     assert block_table.shape[:2] == (B, hkv) and block_table.stride(2) == 1
     assert block_count.shape == (B, hkv)
     group = hq // hkv
-    if gate is not None and (gate.shape != (B, hq * d) or gate.dtype != q.dtype or gate.stride(-1) != 1):
-        raise ValueError(f"gate must be [{B}, {hq * d}] {q.dtype} with a unit last-dim stride, got "
-                         f"{tuple(gate.shape)} {gate.dtype} strides {gate.stride()}")
-    gated = dict(GATED=True, O_DT=tl_dtype(q.dtype)) if gate is not None else {}
-    g_args = (gate, gate.stride(0)) if gate is not None else (q, 0)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty((B, hq, d), dtype=q.dtype, device=q.device)
@@ -798,26 +766,24 @@ def paged_decode_attention(q: torch.Tensor, kv_pool, layer: int, block_table: to
     else:  # unused: the split kernel writes `out` directly
         o_part, lse_part = out, out
     pa = _pool_args(kv_pool, layer)
-    f16_dots = _f16_dots(pa, DECODE_FP8_F16_DOTS)
     _decode_split_kernel[(B, hkv, num_splits)](
         q, kp, vp, block_table, block_count, seq_lens, out, o_part, lse_part, pa["k_scale"], pa["v_scale"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), block_table.stride(1), block_count.stride(0), block_count.stride(1),
         kp.stride(0), kp.stride(1), kp.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        scale * LOG2E, *g_args,
+        scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PREC=_dot_precision(pa["compute"]), KV_FP8=pa["fp8"],
-        COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, **(gated if num_splits == 1 else {}),
-        F16_DOTS=f16_dots,
+        COMPUTE_DT=tl_dtype(pa["compute"]), HKV=hkv, F16_DOTS=_f16_dots(pa),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, hq)](
             o_part, lse_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1), *g_args,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, **gated,
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
             num_warps=4 if d >= 128 else 1, **pdl_launch_kwargs(out.device),
         )
     return out
@@ -841,12 +807,10 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_blocks: int, num_sms: 
                       min_blocks_per_split: int = 1, waves: int = 2) -> int:
     """paged_decode_attention's num_splits: up to `waves` programs per SM, each split keeping at least
     `min_blocks_per_split` pages. Static (graph-safe). One page per program and two waves measured
-    faster than one wave of at least two pages (BENCHMARKS runs 153-154: at 131080 tokens, batch 1
-    -0.018 ms on bf16 pages and -0.006 on fp8 pages, batch 8 -0.076; at 4K, batch 1, -0.007). Fewer
-    pages per program shorten each program's serial chain (at batch 8 the old rule gave ~12 pages per
-    split); two programs fit per SM. Batch 32 (4 splits against 2): 8.134 -> 7.879 ms (run 157)."""
-    if DECODE_NUM_SPLITS > 0:
-        return DECODE_NUM_SPLITS
+    faster than one wave of at least two pages (at 131080 tokens, batch 1 -0.018 ms on bf16 pages and
+    -0.006 on fp8 pages, batch 8 -0.076, batch 32 (4 splits against 2) 8.134 -> 7.879 ms; at 4K,
+    batch 1, -0.007). Fewer pages per program shorten each program's serial chain (at batch 8 the old
+    rule gave ~12 pages per split); two programs fit per SM."""
     by_sms = max(1, waves * num_sms // max(1, batch_size * kv_heads))
     by_blocks = max(1, math.ceil(max_blocks / min_blocks_per_split))
     return max(1, min(by_sms, by_blocks))

@@ -8,9 +8,7 @@ Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycl
   w4 new      M <= 16: calibrate_w4's candidates (w4a16_gemv_fma and w4a16_gemv_wgmma, config x split),
               the best kept and timed through quant_linear
   fp8         the faster of w8a16_gemv (autotuned; tensor cores at every M, weights converted to
-              bf16) and w8a8_gemv (x quantized per 128 channels, fp8 tensor cores; calibrated),
-              both printed; at M = 1 also w8a16's FMA path (block_m=1); and (M <= 8) gemv.py's
-              fp8 FMA GEMV with calibrate_fp8_gemv's choice (SALASERVE_FP8_DECODE=gemv), if it won
+              bf16) and (M <= 8) gemv.py's fp8 FMA GEMV with calibrate_fp8_gemv's choice, if it won
   bf16        the calibrated bf16 GEMV (reference point)
 Then the sum over the model's linears per decode step (w4: the faster kernel per shape), vs the floor.
 Prefill (M = --prefill-m): bf16 torch.mm, fp8 w8a8 (row quantize + torch._scaled_mm, and the
@@ -74,22 +72,14 @@ def decode_table(shapes, ms, out):
                     kernel, cfg, split, _ = res[(bucket, N, K)]
                     r["w4_new"] = {f"{kernel} {cfg} split{split}": _time(lambda w: Q.quant_linear(x, w), w4s)}
             r["fp8_w8a16"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
-            r["fp8_w8a8"] = None
-            if K % Q.ACT_BLOCK == 0:
-                Q.calibrate_w8a8([f8s[0]], "cuda", m_values=(M,), verbose=M == 1)  # as at start-up
-                r["fp8_w8a8"] = _time(lambda w: Q.w8a8_gemv(x, w.weight, w.scale), f8s)
             r["fp8_gemv"] = None
             if M <= G.FMA_MAX_M:  # the fp8 FMA GEMV's best config, where it beat w8a16 at calibration
                 Q.calibrate_fp8_gemv([f8s[0]], "cuda", m_values=(M,), verbose=M == 1)
                 cfg = Q.fp8_gemv_choice(M, f8s[0], "cuda")
                 if cfg is not None:
                     r["fp8_gemv"] = _time(lambda w: G.gemv_fp8(x, w.weight, w.scale, cfg), f8s)
-            r["fp8"] = min(t for t in (r["fp8_w8a16"], r["fp8_w8a8"], r["fp8_gemv"]) if t is not None)
-            fma8 = (f" (w8a16 {r['fp8_w8a16']:7.1f}, w8a8 {r['fp8_w8a8'] or float('nan'):7.1f},"
-                    f" gemv {r['fp8_gemv'] or float('nan'):7.1f})")
-            if M == 1:
-                r["fp8_fma"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale, block_m=1), f8s)
-                fma8 += f" (FMA path {r['fp8_fma']:7.1f})"
+            r["fp8"] = min(t for t in (r["fp8_w8a16"], r["fp8_gemv"]) if t is not None)
+            fma8 = f" (w8a16 {r['fp8_w8a16']:7.1f}, gemv {r['fp8_gemv'] or float('nan'):7.1f})"
             G.calibrate([(N, K)], "cuda", m_values=(M,))
             r["bf16"] = _time(lambda w: G.linear(x, w), bfs)
             best4 = min([r["w4_old"]] + list(r.get("w4_new", {}).values()))

@@ -5,8 +5,7 @@
 
 Why: the calibration times every candidate (config x split-K, each a separate Triton
 specialisation), and with an empty kernel cache their compiles, one after another, were most of a
-quantized engine's first start-up (w4a16: 389 s cold one at a time, 188 s in threads; BENCHMARKS
-runs 108-109). Triton's compiler releases the GIL: two threads compiled 8 dp2a variants for sm_90
+quantized engine's first start-up (w4a16: 389 s cold one at a time, 188 s in threads). Triton's compiler releases the GIL: two threads compiled 8 dp2a variants for sm_90
 in 7.5 s against 14.5 s serially on a 2-core machine. `triton.runtime._async_compile.
 AsyncCompileMode` hands each compile to an executor. So precompile runs each candidate's launch
 once with `launch_kernel` in compile-only mode (`kernel.warmup`), the compiles go to a thread pool,

@@ -6,7 +6,7 @@
     sigmoid_mul(x, gate)                                x * torch.sigmoid(gate) (sparse o_gate)
 
 Each is one kernel, fp32 math, with the same intermediate roundings to the tensor dtypes as the
-torch expression it replaces (bf16 or fp32 inputs). Unless SALASERVE_PDL=0 they are launched with
+torch expression it replaces (bf16 or fp32 inputs). They are launched with
 programmatic dependent launch, like the GEMVs around them (_triton_utils: they wait for the
 previous kernels before reading anything). Inputs are 2-D [N, D] (or anything that reshapes
 to it without a copy for the norms) with a unit last-dim stride; rows may be strided (views into

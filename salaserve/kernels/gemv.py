@@ -43,7 +43,7 @@ flight per SM); small N (4096) is split over K to get there. Inner paths, chosen
     Or (`stream` configs, one or two rows of x) all of a program's BLOCK_N rows per K step in one
     plain loop whose loads Triton's software pipeliner turns into cp.async copies 3-5 steps ahead
     in shared memory (`_fp8_stream_sums`): more bytes in flight per warp than registers allow,
-    which won the large shapes (BENCHMARKS run 80).
+    which wins the large shapes at one row.
 fp32 accumulation everywhere (tensor cores accumulate in fp32 too).
 
 Split-K reduction: "last program reduces", inside the same launch. Every split stores its fp32
@@ -75,8 +75,8 @@ With these, a decode layer's linears chain as gemv_rmsnorm(qkv) | attention | ge
 gemv_rmsnorm(gate_up) -> gemv_silu_mul(down, residual): the add_rms_norm and silu_mul kernels
 disappear (3 of the 7 linear-side kernels per layer).
 
-PDL (programmatic dependent launch, sm_90, on by default; SALASERVE_PDL=0 or
-`_triton_utils.set_pdl(False)` turn it off, for fused.py's row kernels too): the kernel is launched
+PDL (programmatic dependent launch, sm_90, on by default; `_triton_utils.set_pdl(False)` turns it
+off, for fused.py's row kernels too): the kernel is launched
 so that it may start while the previous kernel in the stream is still finishing. The FMA path
 loads its first W tile (weights never depend on the previous kernel) and then waits
 (griddepcontrol.wait) before touching x, the residual, the output or the workspace; the DOT path
@@ -107,9 +107,9 @@ from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
-# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128), a power of
-# two; SALASERVE_GEMV_MAX_ROWS=16 keeps cuBLAS for every linear above 16 rows
-DOT_MAX_M = max(GEMV_MAX_M, min(128, 1 << (int(os.environ.get("SALASERVE_GEMV_MAX_ROWS", "128")).bit_length() - 1)))
+# largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128, a power of two);
+# the calibration decides per shape against cuBLAS (the GEMV won at 32 rows, cuBLAS at 128)
+DOT_MAX_M = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)
@@ -347,11 +347,11 @@ def _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, 
     """fp8 weights through a deep cp.async pipeline (a `stream` config): the same per-word math as
     `_fp8_sums` (int32 words of 4 codes, cvt-converted, fp32 FMAs against x's 4 matching values),
     but all BN rows' [BN, BK / 4] word tiles of a K step are one load that Triton's software
-    pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu (run 78) put the
+    pipeliner streams into shared memory STAGES - 1 steps ahead. Why: ncu put the
     register-prefetch loop at ~2 KB in flight per warp and 59% DRAM busy; queued copies in shared
     memory hold no registers, so a CTA keeps (STAGES - 1) * BN * BK bytes in flight. PDL: the
     pipeline's first copies carry x too, so they wait for the previous kernel (an L2 prefetch of
-    the first stages before the wait measured slower, runs 81-82: docs/perf-notes.md)."""
+    the first stages before the wait measured 15-50% slower)."""
     kt = tl.arange(0, BLOCK_K // 4)[None, None, :]
     wp = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     w_rows = wp + offs_n[None, :, None].to(tl.int64) * (stride_wn // 4)
@@ -406,7 +406,7 @@ def _gemv_kernel(
     OUT_DT: tl.constexpr,  # stored dtype (promote(residual, y) with the epilogue)
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr = False,  # interpreter runs only
-    W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA path)
+    W_SCALE: tl.constexpr = False,  # fp8 weights: y[n] = w_scale[n] * sum_k w[n, k] x[k] (FMA paths)
     SILU_OUT: tl.constexpr = False,  # W = [gate | up] (N = 2F rows): write silu_mul(y) [M, F] (write_silu_tile)
     FP8_ASM: tl.constexpr = True,  # fp8 codes -> fp32 by cvt instructions (_e4m3_words_to_f32); False: bit ops
     X_WORDS: tl.constexpr = False,  # fp8 path: bf16 x read as int64 words of 4 values (_x_quads)
@@ -454,24 +454,13 @@ def _gemv_kernel(
             w = tl.load(w_rows + kk, mask=n_mask[:, None] if EVEN_K else n_mask[:, None] & k_mask, other=0.0)
             xt = _x_tile(x_ptr, nw_ptr, offs_m[:, None], kk, m_mask[:, None], k_mask, rstd, stride_xm, K,
                          PROLOGUE, X_DT, XN_DT)
-            if W_SCALE:
-                # fp8 codes are exact in f16 (one cvt per two, no f16 -> bf16 F2F at a quarter of
-                # the issue rate); x * 2^-8 in f16 keeps bf16's 8 bits up to |x| < 2^24 (f16's own
-                # range would cap x at 65504); the 2^8 goes back on with the scales
-                xh = (xt * 0.00390625).to(tl.float16)
-                if DOT_FP32:  # the interpreter: the same f16 operand values, fp32 dot
-                    acc = tl.dot(w.to(tl.float32), tl.trans(xh.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w.to(tl.float16), tl.trans(xh), acc, input_precision="ieee")
-            elif DOT_FP32:
+            if DOT_FP32:
                 # the interpreter's tl.dot misreads bf16 operands; fp32 gives the same exact products
                 acc = tl.dot(w.to(tl.float32), tl.trans(xt), acc, input_precision="ieee")
             else:
                 # x values are exact in W's dtype (bf16 inputs, or bf16-rounded prologue output)
                 acc = tl.dot(w, tl.trans(xt.to(w.dtype)), acc, input_precision="ieee")
         y = tl.trans(acc)  # [BM, BN]
-        if W_SCALE:
-            y = y * (256.0 * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0))[None, :]
     elif W_SCALE and FP8_STREAM:
         y = _fp8_stream_sums(x_ptr, w_ptr, w_scale_ptr, offs_m, m_mask, offs_n, n_mask, k_begin, k_end, stride_xm,
                              stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, X_WORDS, FP8_ASM, STAGES)
@@ -549,11 +538,10 @@ class GemvConfig:
     num_stages: int = 3
     split_k: int = 0
     dot: bool = False
-    mma: bool = False  # fp8 weights only: quant_gemm/fp8_mma.py (mma.sync from registers)
     stream: bool = False  # fp8 weights only: FMAs behind a num_stages-deep cp.async pipeline (_fp8_stream_sums)
 
     def __str__(self):
-        kind = "mma" if self.mma else "dot" if self.dot else "stream" if self.stream else "fma"
+        kind = "dot" if self.dot else "stream" if self.stream else "fma"
         s = f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
         return s + (f" split{self.split_k}" if self.split_k else "")
 
@@ -588,7 +576,7 @@ FP8_FMA_CONFIGS = {
 # an FFMA per weight) plus the loads and x's shifts, 3.6 in all at (16, 512) and 4.3 at (8, 512).
 # Explicit splits: a split shortens every program's pipelined loop, and each program pays the
 # pipeline's fill and drain; at one row split 1 was the fastest at every shape but down, where 2
-# came close (run 80). At 8 rows the FFMAs per weight make it 1.1 TB/s (w8a16: 2-3.6): none there.
+# came close. At 8 rows the FFMAs per weight make it 1.1 TB/s (w8a16: 2-3.6): none there.
 FP8_STREAM_CONFIGS = {
     1: (GemvConfig(8, 512, 4, 4, split_k=1, stream=True),  # 56 registers, 15 KB shared memory
         GemvConfig(16, 512, 4, 6, split_k=1, stream=True),  # 64, 45 KB
@@ -597,17 +585,6 @@ FP8_STREAM_CONFIGS = {
         GemvConfig(8, 512, 4, 4, split_k=2, stream=True)),
     2: (GemvConfig(8, 512, 4, 4, split_k=1, stream=True),),  # 80 (split 2 spills 8 bytes here)
 }
-# fp8 weights on tensor cores (gemv_fp8 with a DOT config; opt-in, SALASERVE_FP8_DOT=1 adds them to
-# quant_gemm's calibration; correct on the H200 but slower than the FMA path at every shape,
-# BENCHMARKS run 44: gate_up 43.4 vs 38.6 us): W's codes converted to f16 in
-# registers after the pipelined load, x * 2^-8 in f16. sm_90 loop SASS at one row: 3.5 / 3.2
-# instructions per weight (the FMA path: ~5.3; with bf16 operands instead of f16 this tile needs an
-# F2F per weight, 4.1-4.8, quarter-rate); 99 / 171 registers.
-FP8_DOT_CONFIGS = (GemvConfig(64, 128, 4, 4, dot=True), GemvConfig(64, 256, 4, 3, dot=True))
-# fp8 weights on mma.sync from registers (quant_gemm/fp8_mma.py), any M <= 8 (the mma's 8 token
-# columns): BLOCK_N = 16 rows x row tiles per warp x warps, BLOCK_K = one 64-channel chunk
-FP8_MMA_CONFIGS = (GemvConfig(64, 64, 4, 1, mma=True), GemvConfig(128, 64, 4, 1, mma=True),
-                   GemvConfig(128, 64, 8, 1, mma=True))
 DOT_CONFIGS = (  # any M <= 16 (padded to 16); W pipelined through shared memory by cp.async
     GemvConfig(64, 128, 4, 4, dot=True),  # 48 registers, 80 KB shared memory
     GemvConfig(64, 256, 4, 3, dot=True),  # 80, 120 KB
@@ -767,16 +744,13 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     if silu_out and cfg.block_n % 2:
         raise ValueError(f"the silu_mul epilogue needs an even BLOCK_N, got {cfg}")
     if not cfg.dot and M > FMA_MAX_M:
-        raise ValueError(f"FMA and mma configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
+        raise ValueError(f"FMA configs take M <= {FMA_MAX_M}, got M = {M} ({cfg})")
+    if w_scale is not None and cfg.dot:
+        raise ValueError(f"fp8 weights take the FMA and stream configs, not {cfg}")
     split = cfg.split_k or _auto_split(N, K, cfg, x.device)
     use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
-    if (cfg.mma or cfg.stream) and w_scale is None:
+    if cfg.stream and w_scale is None:
         raise ValueError(f"{cfg} takes fp8 weights")
-    if cfg.mma:
-        from salaserve.kernels.quant_gemm import fp8_mma
-
-        return fp8_mma.launch(x, w, w_scale, out, cfg, silu_out=silu_out, use_pdl=use_pdl, y_dt=y_dt, out_dt=out_dt,
-                              split=split)
     block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
     tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
@@ -807,8 +781,8 @@ def gemv_fp8(x, w_fp8, w_scale, config: GemvConfig, out=None, *, pdl: bool | Non
     """x [M, K] @ (w_fp8 [N, K] e4m3 * w_scale [N] fp32)^T -> [M, N] in x.dtype (weight-only fp8,
     quant.matmul.fp8_matmul_ref), 1 <= M <= FMA_MAX_M, with an FP8_FMA_CONFIGS config (each thread
     streams 16 fp8 weights per 16-byte vector and row, converts them in registers, fp32 FMAs:
-    `_fp8_sums`), an FP8_DOT_CONFIGS one (tensor cores on f16 operands, x scaled by 2^-8) or an
-    FP8_MMA_CONFIGS one (quant_gemm/fp8_mma.py: mma.sync on the codes straight from registers).
+    `_fp8_sums`) or an FP8_STREAM_CONFIGS one (the same math behind a cp.async pipeline:
+    `_fp8_stream_sums`).
     silu_out: a [gate | up] weight, silu_mul of the product written ([M, N / 2], as gemv_silu_out;
     the config's BLOCK_N even)."""
     return _launch(x, w_fp8, out=out, config=config, pdl=pdl, w_scale=w_scale, silu_out=silu_out)
@@ -1008,14 +982,3 @@ def model_linear_shapes(cfg) -> list[tuple[str, int, int, int]]:
         ("lm_head", cfg.vocab_size, h, 1),
     ]
     return [s for s in shapes if s[3] > 0]
-
-
-def distinct_linear_shapes(cfg, skip=("lm_head",)) -> dict[str, tuple[int, int]]:
-    """{name: (N, K)} of model_linear_shapes, the first name for each distinct shape, without `skip`
-    (by default lm_head, which stays bf16 when the others are quantized): what the GEMV A/B
-    scripts time."""
-    out = {}
-    for name, N, K, _ in model_linear_shapes(cfg):
-        if name not in skip and (N, K) not in out.values():
-            out[name] = (N, K)
-    return out

@@ -17,7 +17,6 @@ rounding by one bf16 ulp now and then.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -155,7 +154,7 @@ def _check_rows(name, x, n, H, d):
 
 
 def _pick_block_v(num_rows: int, heads: int, d: int) -> int:
-    # bench_lightning's sweep on the H200 (BENCHMARKS run 16, 24 layers, us per layer): batch 1
+    # bench_lightning's sweep on the H200 (24 layers, us per layer): batch 1
     # best at 16-column blocks (4.7; 32: 5.0), batch 128 at 32 (170.9; 64 with 8 warps: 229.0).
     # Small programs with few warps keep many state tiles in flight per SM.
     bv = 16 if num_rows * heads < 512 else 32
@@ -163,7 +162,7 @@ def _pick_block_v(num_rows: int, heads: int, d: int) -> int:
 
 
 def _pick_slot_major(num_rows: int, heads: int) -> bool:
-    # bench_lightning's order sweep on the H200 (BENCHMARKS run 25, us per layer): batch 128
+    # bench_lightning's order sweep on the H200 (us per layer): batch 128
     # 170.3 sequence-fastest -> 151.5 slot-major (neighbouring programs stream one slot's
     # contiguous state); batch 1 4.8 vs 4.9, within noise, so small batches keep the first order.
     # (An evict-first hint on the state's loads and stores did not help: 154.4 / 5.0.)
@@ -421,7 +420,7 @@ def gla_prefill(q, k, v, batch, states, layer, log_decay, scale, *, input_dtype=
         # one sequence (a long prompt's chunks): fla's fixed-length call. Its varlen path reads
         # chunk counts back to the host twice per call (fla 0.6: chunk_fwd_h's .item(),
         # chunk_fwd_o's index preparation), and each stream sync leaves the GPU idle while
-        # Python launches the next kernels: 192 syncs in a 32K prefill (BENCHMARKS run 48).
+        # Python launches the next kernels: 192 syncs in a 32K prefill.
         o, ht = chunk_simple_gla(q1, k1, v1, g_gamma=g_gamma, scale=scale, initial_state=h0,
                                  output_final_state=True)
     else:
@@ -444,27 +443,18 @@ def _cumsum(xs):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gla_input_dtype() -> torch.dtype:
-    """SALASERVE_GLA_INPUT: fla's q/k/v precision in prefill. bf16 (default) is what SGLang feeds
-    it: half fla's input bytes, and fla keeps its per-chunk states in bf16 too. fp32 is HF parity.
-    Measured (BENCHMARKS run 56): 128K prefill 4.915 -> 4.828 s in one process; the engine against
-    the reference at 1K / 9K moved 0.0230 / 0.0229 -> 0.0233 / 0.0232 max rel err, top-1 the same
-    (0.984 / 0.906), chunked vs one-shot 0.0202 -> 0.0206 (run 55)."""
-    name = os.environ.get("SALASERVE_GLA_INPUT", "bf16")
-    if name not in ("fp32", "bf16"):
-        raise ValueError(f"SALASERVE_GLA_INPUT must be fp32 or bf16, got {name!r}")
-    return torch.float32 if name == "fp32" else torch.bfloat16
-
-
 class TritonLightningOps:
     """Mixin with TorchBackend's Lightning-layer method names, for TritonBackend.
 
     lightning_qk_norm_rope / gla / lightning_output replace the torch twins one for one; the model
     can instead call lightning_decode (norm + RoPE + GLA in one kernel) when batch.is_decode.
-    `gla_input_dtype` selects fla's input precision for prefill (bf16; fp32 = HF parity).
     """
 
-    gla_input_dtype = _gla_input_dtype()
+    # fla's q/k/v precision in prefill: bf16, what SGLang feeds it (half fla's input bytes; fla then
+    # keeps its per-chunk states in bf16). fp32 (HF parity) measured a 128K prefill 4.915 s against
+    # 4.828, with the engine's error against the reference the same within 1.5% (max rel err
+    # 0.0230 vs 0.0233 at 1K, top-1 equal).
+    gla_input_dtype = torch.bfloat16
 
     def lightning_qk_norm_rope(self, q, k, q_norm, k_norm, positions, eps, theta):
         """q', k' in fla's input dtype straight from the kernel (the torch twin's values; with fp32,

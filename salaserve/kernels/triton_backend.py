@@ -34,21 +34,11 @@ from salaserve.quant.formats import QuantizedLinearWeights
 log = logging.getLogger(__name__)
 
 
-# One-row steps apply the MLP's silu_mul in the gate_up GEMV's epilogue (gemv.gemv_silu_out)
-# instead of a silu_mul kernel before down: 32 fewer kernels per step, 4K step -54 us (run 32).
-# 2-16 rows keep the silu_mul prologue on the down GEMV, which costs no kernel either (the
-# epilogue there, with the RMSNorm prologue on gate_up, measured 5.838 vs 5.779 ms at batch 8,
-# run 33). SALASERVE_SILU_EPILOGUE=0: the separate kernel at one row.
-SILU_EPILOGUE = os.environ.get("SALASERVE_SILU_EPILOGUE", "1") == "1"
-# The same for int4 MLPs: the dp2a gate_up GEMV writes silu_mul of its output (silu_out), and down
-# reads it as bf16 x, instead of the silu_mul kernel writing down's x rounded to int16: the w4a16
-# step at 4K, batch 1, 2.41 -> 2.35 ms (BENCHMARKS runs 130-131). SALASERVE_W4_SILU_OUT=0: the kernel.
-W4_SILU_OUT = os.environ.get("SALASERVE_W4_SILU_OUT", "1") == "1"
-# Decode steps apply the sparse layers' output gate (sigmoid_mul) in the attention's last kernel
-# (attention.paged_decode_attention(gate=)) instead of a sigmoid_mul kernel after it: 8 kernels fewer
-# per step. Bit-equal on the H200, but no faster (w4a16 step at 4K, batch 1: 2.351 -> 2.349 ms, BENCHMARKS
-# run 133), so off; SALASERVE_GATED_DECODE=1 turns it on. Read when the forward runs (profile_step --ab).
-GATED_DECODE = os.environ.get("SALASERVE_GATED_DECODE", "0") == "1"
+# One-row steps apply the MLP's silu_mul in the gate_up GEMV's epilogue (gemv.gemv_silu_out; for fp8
+# weights gemv_fp8(silu_out=True), for int4 ones the dp2a GEMV's silu_out) instead of a silu_mul kernel
+# before down: 32 fewer kernels per step (bf16 4K step -54 us; w4a16 2.41 -> 2.35 ms). 2-16 rows keep
+# the silu_mul prologue on the down GEMV, which costs no kernel either (the epilogue there, with the
+# RMSNorm prologue on gate_up, measured 1% slower at batch 8).
 
 
 def _has_verify(batch) -> bool:
@@ -87,45 +77,41 @@ def _split_verify_step(batch) -> tuple[list[int], list[int]]:
 
 class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     name = "triton"
-    # int4 MLPs with SALASERVE_W4_SILU_OUT=0 (or a gate_up the dp2a epilogue cannot take) whose down linear
-    # may take x rounded by the silu_mul kernel: silu_mul stays before down at one row too (set by
-    # prepare_weights)
+    # int4 MLPs with a gate_up the dp2a epilogue cannot take whose down linear may take x rounded by
+    # the silu_mul kernel: silu_mul stays before down at one row too (set by prepare_weights)
     _silu_before_down = False
 
     # ---- linear layers -----------------------------------------------------------------------
     def prepare_weights(self, params, device, w4a16_prefill: str = "fp8") -> None:
         """At load, before the cache plan measures free memory: on the GPU, every int4 linear the
-        decode kernels on repacked weights take gets their copies (qweight's bytes again each, ~1/8
-        more for the zero/scale words), so that the calibration can offer them: the wgmma kernel's
-        (quant_gemm.w4_wgmma, 4-16 rows; SALASERVE_W4_WGMMA=0 skips it, memory for KV pages
-        instead) and, opt-in with SALASERVE_W4_MMA=1, the mma kernel's (quant_gemm.w4_mma, 1-8 rows).
-        w4a16_prefill "fp8" (on GPUs with fp8 tensor cores, sm_89+): every int4 linear also gets an
-        fp8 copy (twice qweight's bytes) that prefill-sized inputs meet through w8a8
-        (formats.fp8_prefill_copy); "bf16": prefill dequantizes the int4 weights for a bf16 GEMM."""
+        wgmma decode kernel takes gets its repacked copy (quant_gemm.w4_wgmma, 4-16 rows; qweight's
+        bytes again, ~1/8 more for the zero/scale words), so that the calibration can offer it.
+        SALASERVE_W4_WGMMA=0 skips the copies: memory for KV pages instead, and the FMA kernel up
+        to 4 rows and the tl.dot GEMV above. w4a16_prefill "fp8" (on GPUs with fp8 tensor cores,
+        sm_89+): every int4 linear also gets an fp8 copy (twice qweight's bytes) that prefill-sized
+        inputs meet through w8a8 (formats.fp8_prefill_copy); "bf16": prefill dequantizes the int4
+        weights for a bf16 GEMM."""
         if torch.device(device).type != "cuda":
             return
         if w4a16_prefill == "fp8" and torch.cuda.get_device_capability(device) >= (8, 9):
             self._attach_fp8_prefill_copies(params)
         from salaserve.kernels import quant_gemm as Q
-        from salaserve.kernels.quant_gemm import w4_decode
 
         self._silu_before_down = self.keeps_silu_before_down(params["layers"])
 
-        wgmma = os.environ.get("SALASERVE_W4_WGMMA", "1") != "0"
+        if os.environ.get("SALASERVE_W4_WGMMA", "1") == "0":
+            return
         added = 0
         for w in _linear_weights(params):
             if not isinstance(w, QuantizedLinearWeights):
                 continue
-            if w4_decode.W4_MMA and w.mma is None and Q.w4_mma_usable(w):
-                w.mma = Q.repack_w4_for_mma(w)
-                added += w.mma.qweight.nbytes + w.mma.gz.nbytes
-            if wgmma and w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):
+            if w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):
                 w.wgmma = Q.repack_w4_for_wgmma(w)
                 added += w.wgmma.qweight.nbytes + w.wgmma.zs.nbytes
         if added:
             torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
-            log.info("int4 weights: repacked copies for the decode GEMVs, %.2f GiB (SALASERVE_W4_WGMMA=0 "
-                     "skips the wgmma kernel's)", added / 2**30)
+            log.info("int4 weights: repacked copies for the wgmma decode GEMV, %.2f GiB (SALASERVE_W4_WGMMA=0 "
+                     "skips them)", added / 2**30)
 
     @staticmethod
     def _attach_fp8_prefill_copies(params) -> None:
@@ -144,10 +130,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def keeps_silu_before_down(layers) -> bool:
         """Whether one-row steps keep silu_mul before down (a kernel writing down's x rounded to int16)
         rather than in the gate_up GEMV's epilogue: for int4 MLPs whose down takes rounded x, unless
-        W4_SILU_OUT is on and every gate_up can take the dp2a GEMV's silu_out."""
+        every gate_up can take the dp2a GEMV's silu_out."""
         from salaserve.kernels import quant_gemm as Q
 
-        if W4_SILU_OUT and all(isinstance(layer["gate_up"], QuantizedLinearWeights)
+        if all(isinstance(layer["gate_up"], QuantizedLinearWeights)
                                and Q.w4_silu_out_usable(layer["gate_up"]) for layer in layers):
             return False
         return any(isinstance(layer["down"], QuantizedLinearWeights) and Q.w4_rounded_usable(layer["down"])
@@ -158,8 +144,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sizes and verify row counts (M buckets 1..128; above 16 the tensor-core GEMV only), so
         `linear` takes the faster one (seconds, plus Triton compiles cached on disk; before graph
         capture); int4 weights (in `params`, the model's fused weights): the decode
-        FMA kernel's configs and splits among themselves; fp8 weights: the w8a8 decode kernel's, or
-        (SALASERVE_FP8_DECODE=gemv) the fp8 FMA GEMV against w8a16. max_rows: the most rows a
+        kernels' configs and splits among themselves; fp8 weights: the fp8 FMA GEMV's configs
+        against w8a16. max_rows: the most rows a
         decode or verify step can have (buckets above it are not timed). The picks are kept on disk
         (kernels/plan_cache.py, SALASERVE_PLAN_CACHE): a restart on the same GPU and code times only
         shapes it has not seen, and compiles only the picked kernels."""
@@ -183,9 +169,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if w4:
             quant_gemm.calibrate_w4(list(w4.values()), device)
         fp8 = {(w.out_features, w.in_features): w for w in quantized if w.format == "fp8"}
-        if fp8 and quant_gemm.FP8_DECODE == "w8a8":
-            quant_gemm.calibrate_w8a8(list(fp8.values()), device)
-        if fp8 and quant_gemm.FP8_DECODE == "gemv":
+        if fp8:
             # gate_up at one row runs through the silu_mul junction: timed that way
             silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
             quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device, silu_shapes=silu)
@@ -217,7 +201,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return TorchBackend.norm_linear(self, x, norm_w, eps, w)
 
     def silu_after_gate_up(self, rows: int) -> bool:
-        return SILU_EPILOGUE and rows == 1 and not self._silu_before_down
+        return rows == 1 and not self._silu_before_down
 
     @staticmethod
     def _w4_rounded(rows, w):
@@ -240,20 +224,20 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     @staticmethod
     def _fp8_silu_config(x, w):
         """The fp8 GEMV config under which an fp8 [gate | up] weight takes the silu_mul epilogue
-        (gemv_fp8(silu_out=True)), or None: SALASERVE_FP8_DECODE=gemv and its start-up calibration
-        chose the GEMV for this shape and row count, with an even BLOCK_N; bf16 x."""
+        (gemv_fp8(silu_out=True)), or None: the start-up calibration chose the GEMV for this shape
+        and row count, with an even BLOCK_N; bf16 x."""
         if not (isinstance(w, QuantizedLinearWeights) and w.format == "fp8" and x.dim() == 2
                 and x.dtype == torch.bfloat16 and (x.is_cuda or gemv_ops._INTERPRET)):
             return None
         from salaserve.kernels import quant_gemm
 
-        cfg = quant_gemm.fp8_gemv_choice(x.shape[0], w, x.device) if quant_gemm.FP8_DECODE == "gemv" else None
+        cfg = quant_gemm.fp8_gemv_choice(x.shape[0], w, x.device)
         return cfg if cfg is not None and cfg.block_n % 2 == 0 else None
 
     def silu_linear(self, x, w):
         """silu_mul(linear(x, w)) with the activation written by the gate_up GEMV itself where it
         can: gemv_silu_out for plain weights, gemv_fp8(silu_out=True) for fp8 ones, the dp2a GEMV's
-        silu_out for int4 ones (W4_SILU_OUT); else the linear and the silu_mul kernel."""
+        silu_out for int4 ones; else the linear and the silu_mul kernel."""
         if self._silu_epilogue(x, w):
             return gemv_ops.gemv_silu_out(x, w)
         if (cfg := self._fp8_silu_config(x, w)) is not None:
@@ -267,8 +251,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     @staticmethod
     def _w4_silu_choice(x, w):
         """The calibrated dp2a (kernel, config, split) for bf16 x [1-2, K] on the GPU meeting a [gate | up]
-        int4 weight that takes silu_out, with W4_SILU_OUT on; else None."""
-        if not (W4_SILU_OUT and isinstance(w, QuantizedLinearWeights) and x.dim() == 2 and x.is_cuda
+        int4 weight that takes silu_out; else None."""
+        if not (isinstance(w, QuantizedLinearWeights) and x.dim() == 2 and x.is_cuda
                 and x.dtype == torch.bfloat16):
             return None
         from salaserve.kernels import quant_gemm
@@ -282,7 +266,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """int4 [gate | up] weights at 1-2 rows whose calibration picked x rounded by its producer: the
         add + RMSNorm kernel writes it, the dp2a GEMV's silu_out epilogue the activation; else
         TorchBackend's (add + RMSNorm, then silu_linear)."""
-        if (W4_SILU_OUT and h.dim() == 2 and isinstance(w, QuantizedLinearWeights)
+        if (h.dim() == 2 and isinstance(w, QuantizedLinearWeights)
                 and promote(promote(h.dtype, u.dtype), norm_w.dtype) == torch.bfloat16
                 and (choice := self._w4_rounded(h, w)) is not None and choice[0] == "dp2a_rounded"):
             from salaserve.kernels import quant_gemm
@@ -408,14 +392,6 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         # graph batches: a fixed grid (the kernel loops over however many entries were born)
         attn.update_compressed(kv, comp, layer, batch, max_new_entries=1 if batch.decode_mode else None)
 
-    def sparse_attention_gated(self, q, kv, comp, layer, batch, cfg, gate):
-        """Decode steps (GATED_DECODE): the gate in the decode attention's last kernel; else TorchBackend's
-        (the attention, then the sigmoid_mul kernel)."""
-        if (GATED_DECODE and batch.is_decode and not _has_verify(batch) and q.is_cuda and gate.dtype == q.dtype
-                and gate.stride(-1) == 1):
-            return self._decode_attention(q, kv, comp, layer, batch, cfg, gate=gate).reshape(q.shape[0], -1)
-        return TorchBackend.sparse_attention_gated(self, q, kv, comp, layer, batch, cfg, gate)
-
     def sparse_attention(self, q, kv, comp, layer, batch, cfg):
         if _has_verify(batch):
             return self._verify_attention(q, kv, comp, layer, batch, cfg)
@@ -445,14 +421,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
         return sparse_ops.sparse_attention(q, kv, comp, layer, batch, cfg)
 
-    def _decode_attention(self, q, kv, comp, layer, batch, cfg, gate=None):
+    def _decode_attention(self, q, kv, comp, layer, batch, cfg):
         """One token per sequence over a page list: all pages for dense sequences, the InfLLM-v2
-        selection for sparse ones. Graph-safe. gate: the output gate, applied in the last kernel."""
+        selection for sparse ones. Graph-safe."""
         sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
         return self._query_attention(q, kv, comp, layer, batch.page_table, batch.seq_lens, sparse, batch.derived,
-                                     "dense_table", cfg, gate)
+                                     "dense_table", cfg)
 
-    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg, gate=None):
+    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg):
         """Each row of q is a decode query: the last token of a sequence of length lens[row] with
         page_table[row]. `sparse` says whether any row is at or past dense_len (then the InfLLM-v2
         selection runs, which lists every block for the rows below it)."""
@@ -467,7 +443,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             table, count = derived[table_key]
         # the split count depends only on static sizes, so eager and graph runs use the same kernels
         splits = attn.choose_num_splits(q.shape[0], hkv, self.max_decode_blocks(cfg))
-        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits, gate=gate)
+        return attn.paged_decode_attention(q, kv, layer, table, count, lens, scale, splits)
 
     def _verify_attention(self, q, kv, comp, layer, batch, cfg):
         """Verify and plain-decode tokens as decode queries of their own (length position + 1);

@@ -192,11 +192,9 @@ class QuantizedLinearWeights:
     group_size: int = 128
     perm: Optional[torch.Tensor] = None
     g_idx_trivial: bool = True  # cached so that kernels pick their fast path without a device sync
-    # w4a16 on the GPU: the decode kernels' repacked copies (quant_gemm.w4_wgmma.W4WgmmaWeights,
-    # quant_gemm.w4_mma.W4MmaWeights), attached at start-up by TritonBackend.prepare_weights; None
-    # elsewhere
+    # w4a16 on the GPU: the wgmma decode kernel's repacked copy (quant_gemm.w4_wgmma.W4WgmmaWeights),
+    # attached at start-up by TritonBackend.prepare_weights; None elsewhere
     wgmma: Optional[object] = None
-    mma: Optional[object] = None
     # w4a16 on the GPU: an fp8 copy (format "fp8", from the dequantized int4 weights) that prefill-sized
     # inputs meet through w8a8 on fp8 tensor cores (fp8_prefill_copy; EngineArgs.w4a16_prefill); None
     # elsewhere
@@ -270,12 +268,11 @@ class QuantizedLinearWeights:
             f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
             for f in dataclasses.fields(self)
         }
-        moved["wgmma"] = moved["mma"] = moved["prefill"] = None  # kernels' copies for the old device; rebuilt where used
+        moved["wgmma"] = moved["prefill"] = None  # kernels' copies for the old device; rebuilt where used
         return QuantizedLinearWeights(**moved)
 
     def nbytes(self) -> int:
         extra = (self.wgmma.qweight, self.wgmma.zs) if self.wgmma is not None else ()
-        extra += (self.mma.qweight, self.mma.gz) if self.mma is not None else ()
         extra += (self.prefill.weight, self.prefill.scale) if self.prefill is not None else ()
         return sum(
             t.numel() * t.element_size()
@@ -341,8 +338,7 @@ def reorder_act_order(w: QuantizedLinearWeights) -> QuantizedLinearWeights:
         g_idx=g_idx,
         perm=perm.to(torch.int32),
         g_idx_trivial=is_trivial_g_idx(g_idx, w.group_size),
-        wgmma=None,  # kernel copies of the old channel order
-        mma=None,
+        wgmma=None,  # the kernel's copy of the old channel order
     )
 
 

@@ -4,9 +4,8 @@
   w4a16 (GPTQ int4, v2 zeros, group scales, optional act-order g_idx / channel perm):
       - M <= 16 (decode, verify), where `calibrate_w4` timed the shape at start-up: the fastest of
         `w4a16_gemv_dp2a` (M <= 2: x rounded to int16, integer dot products; where it cannot run,
-        `w4a16_gemv_fma` instead), `w4a16_gemv_fma` (3 <= M <= 4), `w4a16_gemv_wgmma` (M >= 4)
-        and, opt-in (SALASERVE_W4_MMA=1), `w4a16_gemv_mma` (M <= 8), the last two on repacked
-        copies of the weights (kernel, config and split-K per shape and M bucket).
+        `w4a16_gemv_fma` instead), `w4a16_gemv_fma` (3 <= M <= 4) and `w4a16_gemv_wgmma` (M >= 4,
+        on a repacked copy of the weights) (kernel, config and split-K per shape and M bucket).
       - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
@@ -16,12 +15,11 @@
         `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
-      - M <= GEMV_MAX_M: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows) with the
-        weights converted to bf16 and x exact; by default (SALASERVE_FP8_DECODE=gemv, M <= 8)
-        gemv.py's FMA GEMV on the fp8 codes where `calibrate_fp8_gemv` measured it faster; or with
-        SALASERVE_FP8_DECODE=w8a8 (and K a
-        multiple of 128) `w8a8_gemv`: x quantized to e4m3 per (token, 128 channels) inside the
-        kernel and an fp8 x fp8 tensor-core dot.
+      - M <= 8, where `calibrate_fp8_gemv` measured it faster than w8a16: gemv.py's FMA GEMV on
+        the fp8 codes (`gemv_fp8`, cvt-converted in registers; with PDL and, at one row, the
+        silu_mul epilogue on gate_up).
+      - M <= GEMV_MAX_M otherwise: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows)
+        with the weights converted to bf16 and x exact.
       - above: w8a8 on cuBLAS (`quantize_rows_fp8`, one kernel for the per-token activation
         scales, then `torch._scaled_mm` with rowwise weight scales).
 
@@ -39,19 +37,14 @@ kernels then gather x through perm and keep one scale row per K tile; the per-ch
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
 Modules: w4_decode.py (the int4 decode calibration and its dispatch), w4_fma.py (the int4 decode
-GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_mma.py (the int4
-decode GEMV on mma.sync behind a cp.async pipeline, opt-in), w4_wgmma.py (the
+GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_wgmma.py (the
 int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
-prefill), fp8.py (fp8 decode kernels and calibrations), rowquant.py (per-token fp8 activations,
+prefill), fp8.py (the w8a16 GEMV and the fp8 decode calibration), rowquant.py (per-token fp8 activations,
 w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
-submodules' names are re-exported here: callers (backend, tests, scripts) import the package.
-Module-level switches read at call time (FP8_DECODE) live here, so that setting them on the
-package takes effect.
+submodules' names are re-exported here: callers (backend, tests) import the package.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -60,18 +53,15 @@ import torch.nn.functional as F
 from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _INTERPRET, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
                                                   SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
                                                   _device_key, _sm_count, _workspace)
-from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _W8A8_GEMV, _W8A8_TABLE, ACT_BLOCK, FP8_DOT, FP8_MMA,
-                                              FP8_STREAM, _fp8_candidates, _fp8_gemv_key, _w8a8_candidates,
-                                              _w8a8_gemv_kernel, _w8a16_gemv_dot_tuned, _w8a16_gemv_fma_tuned, _w8a16_kernel,
-                                              calibrate_fp8_gemv, calibrate_w8a8, fp8_gemv_choice, w8a8_block_ref, w8a8_gemv, w8a16_gemv)
+from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _fp8_candidates, _fp8_gemv_key, _w8a16_gemv_dot_tuned,
+                                              _w8a16_kernel, calibrate_fp8_gemv, fp8_gemv_choice, w8a16_gemv)
 from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quantize_rows_fp8_kernel,
                                                    fp8_quantize_rows_ref, fp8_scaled_mm, fp8_scaled_mm_quantized,
                                                    quantize_rows_fp8, rowquant_constexprs, rowquant_warps)
 from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
                                                  _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, W4_DP2A, W4_MMA, W4_ROUNDED_X,
-                                                    _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
+from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
                                                     w4_rounded_choice, w4_rounded_usable, w4_silu_out_usable,
                                                     w4a16_decode, w4a16_decode_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,
@@ -80,23 +70,11 @@ from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP
                                                   W4_DP2A_ROUNDED_CONFIGS,
                                                   X_TILE, _w4_gemv_dp2a_kernel, round_x_int16, w4_dp2a_layout,
                                                   w4_dp2a_usable, w4a16_gemv_dp2a, w4a16_gemv_dp2a_rounded)
-from salaserve.kernels.quant_gemm.w4_mma import (W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS, W4MmaWeights,
-                                                 _w4_mma_gemv_kernel, repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
                                                    _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
                                                    w4a16_gemv_wgmma, w4a16_wgmma_ref)
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
-
-
-# fp8 weights at decode sizes: "gemv" (default: gemv.py's FMA GEMV on the fp8 codes, per shape
-# where the start-up calibration measures it faster than w8a16, M <= 8; with PDL and the silu_mul
-# epilogue on gate_up), "w8a16" (tensor cores, weights converted to bf16; x exact) or "w8a8" (x
-# quantized per 128 channels, fp8 tensor cores). Measured (BENCHMARKS run 36): batch-1 decode at
-# 4K 3.637 ms with w8a16, 3.351 ms with gemv.
-FP8_DECODE = os.environ.get("SALASERVE_FP8_DECODE", "gemv")
-if FP8_DECODE not in ("w8a8", "w8a16", "gemv"):
-    raise ValueError(f"SALASERVE_FP8_DECODE must be w8a8, w8a16 or gemv, got {FP8_DECODE!r}")
 
 
 # ---------------------------------------------------------------- dispatch
@@ -127,9 +105,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     elif not use_kernels:
         y = linear_ref(x2, w)
     elif w.format == "fp8":
-        if M <= GEMV_MAX_M and FP8_DECODE == "w8a8" and K % ACT_BLOCK == 0:
-            y = w8a8_gemv(x2, w.weight, w.scale)
-        elif FP8_DECODE == "gemv" and (cfg := fp8_gemv_choice(M, w, x2.device)) is not None:
+        if (cfg := fp8_gemv_choice(M, w, x2.device)) is not None:
             from salaserve.kernels import gemv as G
 
             y = G.gemv_fp8(x2, w.weight, w.scale, cfg)

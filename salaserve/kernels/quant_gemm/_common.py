@@ -105,38 +105,6 @@ def _store_silu_output(acc, offs_m, offs_n, M, N, out_ptr, stride_om, ws_ptr, cn
 
 
 @triton.jit
-def _split_k_fragments(c0, c1, c2, c3, row_lo, row_hi, tok0, tok1, m0, m1, n0, n1, ws_ptr, cnt_ptr, tile, M, N,
-                       SPLIT_K: tl.constexpr):
-    """_store_output's split-K reduction for the mma.sync GEMVs' C fragments (fp8_mma.py, w4_mma.py):
-    lane values c0 (row_lo, token tok0), c1 (row_lo, tok1), c2 (row_hi, tok0), c3 (row_hi, tok1)
-    with their store masks m0, m1, n0, n1. Every split writes its partials to the workspace
-    [SPLIT_K, M, N] and bumps the tile's counter; returns (last, sums): last is true in the split
-    that arrived last, whose sums are then all splits' partials added in split order (the counter
-    re-armed for the next launch); elsewhere the sums are the split's own values, not to be stored."""
-    part = ws_ptr + tl.program_id(1) * M * N
-    tl.store(part + tok0 * N + row_lo, c0, mask=m0)
-    tl.store(part + tok1 * N + row_lo, c1, mask=m1)
-    tl.store(part + tok0 * N + row_hi, c2, mask=n0)
-    tl.store(part + tok1 * N + row_hi, c3, mask=n1)
-    tl.debug_barrier()  # every thread's partial is written before the release below
-    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
-    if last:
-        c0 = tl.zeros_like(c0)
-        c1 = tl.zeros_like(c1)
-        c2 = tl.zeros_like(c2)
-        c3 = tl.zeros_like(c3)
-        for s in range(SPLIT_K):
-            part = ws_ptr + s * M * N
-            c0 += tl.load(part + tok0 * N + row_lo, mask=m0, other=0.0, cache_modifier=".cg")
-            c1 += tl.load(part + tok1 * N + row_lo, mask=m1, other=0.0, cache_modifier=".cg")
-            c2 += tl.load(part + tok0 * N + row_hi, mask=n0, other=0.0, cache_modifier=".cg")
-            c3 += tl.load(part + tok1 * N + row_hi, mask=n1, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0)  # re-armed for the next launch
-    return last, c0, c1, c2, c3
-
-
-@triton.jit
 def _split_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """[k_begin, k_end) of this split; split lengths are whole BLOCK_K tiles (groups stay aligned)."""
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K

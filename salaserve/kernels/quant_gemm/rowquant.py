@@ -96,14 +96,14 @@ def rowquant_constexprs(K: int) -> dict:
     block = triton.next_power_of_2(K)
     if block <= ROWQUANT_ONE_PASS_MAX:
         # 8192 values per program: 4096-wide rows 25.8 us per 8K-token chunk at 2 rows, 27.7 at
-        # 4 (floor 23.9; scripts/rowquant_ab.py, BENCHMARKS run 47)
+        # 4 (floor 23.9)
         return dict(ROWS=max(1, min(8192 // block, 16)), BLOCK=block, ONE_PASS=True)
     return dict(ROWS=1, BLOCK=4096, ONE_PASS=False)
 
 
 def rowquant_warps(K: int, silu: bool) -> int:
-    """silu_mul fused in (two loads and an exp per value): 16 warps, 180 vs 194 us at 16384 wide
-    (run 47); plain rows: 8."""
+    """silu_mul fused in (two loads and an exp per value): 16 warps, 180 vs 194 us at 16384 wide;
+    plain rows: 8."""
     return 16 if silu and triton.next_power_of_2(K) >= ROWQUANT_ONE_PASS_MAX else 8
 
 

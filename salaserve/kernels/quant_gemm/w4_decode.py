@@ -1,15 +1,15 @@
 """The int4 decode calibration and dispatch: `calibrate_w4` times, per shape and M bucket, the
 decode GEMVs that can run there and records the fastest (kernel, config, split) in _W4_TABLE;
 `w4_decode_choice` and `w4a16_decode` run that pick for quant_linear. The kernels: the dp2a GEMV
-(w4_dp2a.py, 1-2 rows), the FMA GEMV (w4_fma.py, up to 4 rows where dp2a cannot run), the
-warpgroup-MMA GEMV (w4_wgmma.py, 4-16 rows) and, opt-in, the warp-level MMA GEMV (w4_mma.py, up to
-8 rows), the last two on repacked copies of the weights."""
+(w4_dp2a.py, 1-2 rows), the FMA GEMV (w4_fma.py, up to 4 rows where dp2a cannot run) and the
+warpgroup-MMA GEMV (w4_wgmma.py, 4-16 rows, on a repacked copy of the weights). At 1-2 rows the
+calibration also times the dp2a GEMV on x rounded to int16 by x's producer (the add + RMSNorm and
+silu_mul kernels write it instead of bf16) and keeps it where it beats the pick on bf16 x."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -21,34 +21,14 @@ from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_MAX_M
                                                   round_x_int16, w4_dp2a_usable, w4a16_gemv_dp2a,
                                                   w4a16_gemv_dp2a_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
-from salaserve.kernels.quant_gemm.w4_tma import TMA_ROWS, W4_TMA_CONFIGS, w4_tma_usable, w4a16_gemv_tma
-from salaserve.kernels.quant_gemm.w4_mma import (TILE_WORDS, W4_MMA_CONFIGS, W4_MMA_MAX_M, W4_MMA_SPLITS,
-                                                 repack_w4_for_mma, w4_mma_usable, w4a16_gemv_mma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
                                                    w4_wgmma_usable, w4a16_gemv_wgmma)
 from salaserve.quant.formats import QuantizedLinearWeights
 
-# the mma kernel (w4_mma.py) in the calibration's candidates, opt-in: SALASERVE_W4_MMA=1 (measured
-# slower than the FMA and wgmma kernels at every shape, runs 86-88). TritonBackend attaches its
-# repacked copy only then.
-W4_MMA = os.environ.get("SALASERVE_W4_MMA", "0") == "1"
-# the dp2a kernel (w4_dp2a.py: x rounded to int16, integer dot products) in the candidates;
-# SALASERVE_W4_DP2A=0 leaves it out
-W4_DP2A = os.environ.get("SALASERVE_W4_DP2A", "1") == "1"
-
-# the dp2a kernel on x rounded to int16 by x's producer (the add + RMSNorm and silu_mul kernels
-# write it instead of bf16: w4a16_gemv_dp2a_rounded) where the calibration times it faster than the
-# pick on bf16 x; SALASERVE_W4_ROUNDED_X=0 leaves it out
-W4_ROUNDED_X = os.environ.get("SALASERVE_W4_ROUNDED_X", "1") == "1"
-# the experimental TMA-streamed GEMV (w4_tma.py) among the one-row rounded-x candidates, opt-in with
-# SALASERVE_W4_TMA=1: correct on the H200, faster back to back under PDL, slower in the decode step
-# (runs 121-124, w4_tma.py's docstring)
-W4_TMA = os.environ.get("SALASERVE_W4_TMA", "0") == "1"
-
-# (bucket, N, K, group size, device) -> (kernel "dp2a", "fma", "mma" or "wgmma", config, split), filled by
+# (bucket, N, K, group size, device) -> (kernel "dp2a", "fma" or "wgmma", config, split), filled by
 # calibrate_w4: the pick for bf16 x
 _W4_TABLE: dict[tuple, tuple] = {}
-# the same keys -> (kernel "dp2a_rounded" or "tma", config, split) for w4a16_decode_rounded, where it beat
+# the same keys -> (kernel "dp2a_rounded", config, split) for w4a16_decode_rounded, where it beat
 # _W4_TABLE's pick (1-2 rows)
 _W4_ROUNDED_TABLE: dict[tuple, tuple] = {}
 
@@ -73,21 +53,17 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
 
 def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     """(kernel, config, split) candidates of the decode calibration at M bucket m: the dp2a
-    kernel's configs (M <= 2, no act-order perm; SALASERVE_W4_DP2A=0 leaves them out), else the FMA
-    kernel's (M <= W4_FMA_MAX_M) and, where w carries the repacked copies, the mma
-    kernel's (M <= 8; opt-in, SALASERVE_W4_MMA=1) and the wgmma kernel's (W4_WGMMA_MIN_M <= M <=
-    16, whole tiles), each with its split-K choices."""
+    kernel's configs (M <= 2, no act-order perm), else the FMA kernel's (M <= W4_FMA_MAX_M) and,
+    where w carries its repacked copy, the wgmma kernel's (W4_WGMMA_MIN_M <= M <= 16, whole
+    tiles), each with its split-K choices."""
     N, K = w.out_features, w.in_features
     out = []
-    if W4_DP2A and m <= W4_DP2A_MAX_M and w4_dp2a_usable(w):
+    if m <= W4_DP2A_MAX_M and w4_dp2a_usable(w):
         out += [("dp2a", cfg, split) for cfg in W4_DP2A_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
     elif m <= W4_FMA_MAX_M and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
-        # at 1-2 rows the dp2a kernel was 12-25% faster at every shape (runs 94-97): the FMA
-        # kernel's configs are timed only where it cannot run (compiles saved at start-up)
+        # at 1-2 rows the dp2a kernel was 12-25% faster at every shape: the FMA kernel's configs
+        # are timed only where it cannot run (compiles saved at start-up)
         out += [("fma", cfg, split) for cfg in W4_FMA_CONFIGS[m] for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
-    if W4_MMA and w.mma is not None and m <= W4_MMA_MAX_M and w4_mma_usable(w):
-        tiles = K // (8 * TILE_WORDS)  # its loop steps over 128-channel tiles: at least two per split
-        out += [("mma", cfg, split) for cfg in W4_MMA_CONFIGS for split in W4_MMA_SPLITS if tiles >= 2 * split]
     if w.wgmma is not None and W4_WGMMA_MIN_M <= m <= W4_WGMMA_MAX_M:
         out += [("wgmma", cfg, split) for cfg in W4_WGMMA_CONFIGS if w4_wgmma_usable(w, cfg)
                 for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
@@ -95,8 +71,8 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
 
 
 def w4_rounded_usable(w: QuantizedLinearWeights) -> bool:
-    """Whether the calibration times the rounded-x dp2a kernel for w (switches on, weights it takes)."""
-    return W4_ROUNDED_X and W4_DP2A and w.format == "w4a16" and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
+    """Whether the calibration times the rounded-x dp2a kernel for w (weights it takes)."""
+    return w.format == "w4a16" and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
 
 
 def w4_rounded_choice(rows: int, w: QuantizedLinearWeights, device) -> Optional[tuple]:
@@ -114,8 +90,8 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
     default route)."""
     M = x.shape[0]
     hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_WGMMA_MAX_M else None
-    if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or (hit[0] in ("wgmma", "mma")
-                                                                             and getattr(w, hit[0]) is None)):
+    if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or (hit[0] == "wgmma"
+                                                                             and w.wgmma is None)):
         return None
     return hit
 
@@ -136,8 +112,6 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu
         return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split, silu_out=True)
     if kernel == "wgmma":
         return w4a16_gemv_wgmma(x, w, w.wgmma, config=cfg, split_k=split)
-    if kernel == "mma":
-        return w4a16_gemv_mma(x, w, w.mma, config=cfg, split_k=split)
     if kernel == "dp2a":
         return w4a16_gemv_dp2a(x, w, config=cfg, split_k=split)
     return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
@@ -145,12 +119,12 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu
 
 def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
     """Time every (kernel, config, split) of the decode GEMVs (the dp2a or FMA kernel and, for
-    weights with their repacked copies, the wgmma kernel and the opt-in mma kernel: _w4_candidates) per
-    (M bucket, shape) in CUDA graphs of
+    weights with their repacked copy, the wgmma kernel: _w4_candidates) per (M bucket, shape) in CUDA
+    graphs of
     back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
     for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
-    with an empty one the compiles of every candidate take minutes (the w4a16 engine's start-up:
-    243.6 s, BENCHMARKS run 77). Returns {(m, N, K): (kernel, config, split, us)}."""
+    with an empty one the compiles of every candidate take minutes (precompile runs them in threads;
+    the plan cache keeps the picks across restarts). Returns {(m, N, K): (kernel, config, split, us)}."""
     from salaserve.kernels.timing import l2_busting_count
 
     device = torch.device(device)
@@ -166,12 +140,10 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     for w, todo in work:
         N, K = w.out_features, w.in_features
         n_copies = l2_busting_count(w.qweight.nbytes)
-        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None, mma=None)
+        copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None)
                   for _ in range(n_copies)]
         if w.wgmma is not None:
             copies = [dataclasses.replace(c, wgmma=repack_w4_for_wgmma(c)) for c in copies]
-        if w.mma is not None:
-            copies = [dataclasses.replace(c, mma=repack_w4_for_mma(c)) for c in copies]
         for m in todo:
             candidates = _w4_candidates(m, w, device)
             if not candidates:
@@ -226,27 +198,19 @@ def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tu
 
 def rounded_choices(m: int, w: QuantizedLinearWeights, device, configs=None) -> list[tuple]:
     """(kernel, config, split) for w4a16_decode_rounded at M bucket m: the rounded dp2a kernel's configs
-    (or `configs`) with the calibration's split-K choices, and with SALASERVE_W4_TMA=1 at one row the
-    TMA kernel's."""
+    (or `configs`) with the calibration's split-K choices."""
     N, K = w.out_features, w.in_features
-    out = [("dp2a_rounded", cfg, split) for cfg in (configs or W4_DP2A_ROUNDED_CONFIGS[m])
-           for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
-    if W4_TMA and m == 1 and configs is None:
-        out += [("tma", cfg, split) for cfg in W4_TMA_CONFIGS if w4_tma_usable(w, cfg[0])
-                for split in _w4_splits(N, K, cfg[0], TMA_ROWS, device)]
-    return out
+    return [("dp2a_rounded", cfg, split) for cfg in (configs or W4_DP2A_ROUNDED_CONFIGS[m])
+            for split in _w4_splits(N, K, cfg[0], cfg[1], device)]
 
 
 def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearWeights, choice: tuple,
                          out_dtype: torch.dtype = torch.bfloat16, silu_out: bool = False) -> torch.Tensor:
     """x rounded by its producer (round_x_int16's layout) @ int4 weights through a (kernel, config, split)
-    of rounded_choices: the rounded dp2a kernel's, or the TMA kernel's (w4_tma.py, one row). silu_out as
-    w4a16_decode's (the dp2a kernel only)."""
+    of rounded_choices (the rounded dp2a kernel's). silu_out as w4a16_decode's."""
     kernel, cfg, split = choice
-    if kernel == "tma":
-        if silu_out:
-            raise ValueError("silu_out needs the dp2a kernel, not tma")
-        return w4a16_gemv_tma(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype)
+    if kernel != "dp2a_rounded":
+        raise ValueError(f"x rounded by its producer takes the dp2a_rounded kernel, not {kernel}")
     return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype, silu_out=silu_out)
 
 

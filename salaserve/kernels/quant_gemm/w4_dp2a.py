@@ -3,7 +3,7 @@ rounded to int16, and each packed word of 8 nibbles costs a shift, two lop3 and 
 16-bit x 8-bit two-way dot product into an int32) against the FMA kernel's ~28 instructions
 (w4_fma.py, which ncu shows issue-bound at one row: 0.68 issued per scheduler and cycle). With
 x's conversion the one-row loop runs 2.5-2.6 instructions per nibble on sm_90 (FMA: 3.3-3.7),
-12-25% faster per shape (BENCHMARKS runs 94-97).
+12-25% faster per shape.
 
 Exactness. x is rounded per thread and K tile: the thread's 8 * SLABS channels of the tile share
 one scale, v = round(x * 32767 / max|x|), so each x is off by at most max|x| / 65534 (2^-16 of
@@ -14,7 +14,7 @@ X_PREP configs round x once per CTA instead, into a scratch, one scale per K til
 1.6-1.7 instructions per nibble, but the prologue costs more than it saves at one row; at two
 rows it won 4 of 5 shapes). `w4a16_gemv_dp2a_rounded` runs that loop on x rounded by its producer
 (the add + RMSNorm and silu_mul kernels write round_x_int16's layout through x_int16_tiles): at two
-rows 1.08-1.19x the bf16-x pick at every shape, at one row level with it (run 102).
+rows 1.08-1.19x the bf16-x pick at every shape, at one row level with it.
 
 Layout: the GPTQ layout as stored (qweight [K/8, N]), no repacked copy, the same thread mapping
 as the FMA kernel (w4_fma_layout's [VECS, RS, NV/4, 4] slabs, x read as 16-byte int32 pairs in
@@ -32,7 +32,6 @@ ASM=False (the Triton interpreter) computes the same integers with plain shifts 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -50,10 +49,8 @@ W4_DP2A_MAX_M = 2  # rows of x per launch (each its own int16 x and accumulators
 # SZ_AHEAD: a tile's group scales and zero points are loaded with the tile, PREFETCH tiles ahead, the
 # first ones before the PDL wait, instead of at the step that consumes them (a DRAM round trip after the
 # wait that nothing hid in the short splits of the decode step). Same values, same arithmetic: the
-# results are bit-identical either way. On for one-row launches (the w4a16 step at 4K, batch 1: 2.432 ->
-# 2.397 ms, BENCHMARKS run 129); SALASERVE_W4_SZ_AHEAD=0 turns it off. Not at two rows: the PREFETCH-2
-# rounded config would spill on sm_90.
-W4_SZ_AHEAD = os.environ.get("SALASERVE_W4_SZ_AHEAD", "1") == "1"
+# results are bit-identical either way. One-row launches take it (the w4a16 step at 4K, batch 1: 2.432
+# -> 2.397 ms); two-row ones do not: the PREFETCH-2 rounded config would spill on sm_90.
 X_MAX = tl.constexpr(32767.0)  # x's int16 range: v = round(x * X_MAX / max|x|)
 X_TILE = 128  # channels per x scale of w4a16_gemv_dp2a_rounded's input (BLOCK_R * 8 of its configs)
 _X_TILE = tl.constexpr(X_TILE)  # the same, for the kernels
@@ -450,15 +447,15 @@ def _w4_gemv_dp2a_kernel(
 
 # (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA) per M bucket: a thread
 # holds SLABS packed rows x VECS column vectors (w4_dp2a_layout), one quantization group per K tile.
-# Kept from the sweeps of runs 94-97 (every config per shape in docs/bench/run97-w4-dp2a-sweep): at one
-# row SLABS 4 with x converted in the loop won every shape (X_PREP lost by 4-15%); at two rows X_PREP
-# won 4 of 5 shapes.
+# Kept from a sweep of every config per shape: at one row SLABS 4 with x converted in the loop won every
+# shape (X_PREP lost by 4-15%; two column vectors per thread, 128+ registers, ran 1.8x slower); at two
+# rows X_PREP won 4 of 5 shapes.
 W4_DP2A_CONFIGS = {
     1: ((64, 16, 2, 4, 2, False), (32, 16, 1, 4, 2, False), (128, 16, 4, 4, 1, False), (64, 16, 2, 4, 1, False)),
     2: ((128, 16, 4, 4, 1, True), (64, 16, 2, 4, 1, False), (128, 16, 4, 4, 1, False)),
 }
 # w4a16_gemv_dp2a_rounded's configs (x rounded by its producer; the X_PREP field unused); BLOCK_R * 8 = X_TILE.
-# Kept from run 102 (scripts/w4_rounded_ab.py, 12 configs): at two rows the rounded loop is 1.08-1.19x the
+# Kept from a sweep of 12 configs: at two rows the rounded loop is 1.08-1.19x the
 # bf16-x pick at every shape; at one row 0.98-1.04x (the one-row kernel is not issue-bound), so one config
 # is left there (qkvg's 1.04x).
 W4_DP2A_ROUNDED_CONFIGS = {
@@ -501,7 +498,7 @@ def w4a16_gemv_dp2a(x: torch.Tensor, w: QuantizedLinearWeights, *, config: Optio
                     silu_out: bool = False) -> torch.Tensor:
     """Decode-sized bf16 x [M <= W4_DP2A_MAX_M, K] @ int4 weights (GPTQ layout, trivial g_idx) -> [M, N]
     bf16. config: (BLOCK_N, BLOCK_R, num_warps, SLABS, tiles prefetched, x prepared once per CTA),
-    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default W4_SZ_AHEAD; same results).
+    default the bucket's first. sz_ahead: the SZ_AHEAD loop (default: at one row; same results).
     silu_out: w is a [gate | up] weight (N = 2F) and the result is silu_mul of the output, [M, F]:
     fused.silu_mul's values on the bf16 output, written by the GEMV's epilogue (no silu_mul kernel)."""
     K = w.in_features
@@ -574,7 +571,7 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: O
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
         ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
-        SZ_AHEAD=(W4_SZ_AHEAD and block_m == 1) if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
+        SZ_AHEAD=block_m == 1 if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
         Y_DT=tl_dtype(out_dtype) if silu_out else None, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out
 

@@ -40,9 +40,9 @@ from salaserve.kernels.quant_gemm._common import _check_x, _default_split_k, _st
 # loads, joined. bf16 x: one 16-byte load per packed row, whose int32 pairs x[k], x[k+1] are the
 # lo and hi of one shift (two bit operations per pair). EVEN (N, K whole tiles): no masks, the
 # prefetch past a split's end re-reads its last tile. The loop is unrolled twice so that the
-# prefetched tile's registers alternate instead of being copied. sm_90 loop SASS at M = 1
-# (scripts/w4_sass_count.py): (64, 16, 4) 4.97 -> 3.70 instructions per nibble, (128, 16, 4)
-# 4.77 -> 3.28. GPTQ layout as stored (qweight [K/8, N]), one group per K tile (BLOCK_R * 8
+# prefetched tile's registers alternate instead of being copied. sm_90 loop SASS at M = 1:
+# (64, 16, 4) 3.70 instructions per nibble (4.97 before the shifts and x pairs above), (128, 16, 4)
+# 3.28. GPTQ layout as stored (qweight [K/8, N]), one group per K tile (BLOCK_R * 8
 # divides the group size), x read through perm for act-order.
 
 
@@ -283,7 +283,7 @@ def _w4_gemv_fma_kernel(
 W4_MAGIC_LO, W4_MAGIC_HI = 0x41800000, 0x3F800000
 W4_FMA_MAX_M = 4  # above, the per-row accumulators crowd the registers: the tl.dot kernel
 # (BLOCK_N, BLOCK_R, num_warps, tiles prefetched) per M bucket; each checked by an sm_90 compile
-# (no spills). Run 14 (M = 1): 64-column tiles won at every shape but lm_head. 2 warps on 64
+# (no spills). At M = 1 64-column tiles won at every shape but lm_head. 2 warps on 64
 # columns: 2 rows x 8 columns per thread (3.28 loop instructions per nibble, 4 warps 3.70).
 W4_FMA_CONFIGS = {
     1: ((64, 16, 4, 1), (64, 16, 4, 2), (64, 16, 2, 1), (64, 16, 2, 2), (64, 8, 4, 2), (128, 16, 4, 1),

@@ -8,7 +8,7 @@ operand is multi-buffered. So the group scale is folded into the weights as they
 (the dot accumulates straight into the loop-carried sum), and x^T is read in natural channel
 order, which Triton's cp.async pipeline can stage. (The first tensor-core version scaled each
 tile's partial after its dots and gathered x^T by hand: every wgmma was waited for, and it ran at
-~1 TB/s whatever M was; runs 63-64.)
+~1 TB/s whatever M was.)
 
 Unpacking, per register (two bf16 weights): a lop3 puts two nibbles into the mantissas of a
 bf16x2 (128 + q each), a bf16x2 subtraction of (128 + z) leaves q - z (exact), a bf16x2 multiply
@@ -42,8 +42,8 @@ from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, _to_int32,
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
 W4_WGMMA_MIN_M = 4  # from here the calibration times it against the FMA kernel (w4_fma.py), which was
-# 1.25-1.5x faster at one row for every shape (runs 67, 73); two rows were not timed. At four rows
-# it won four of five shapes (run 68).
+# 1.25-1.5x faster at one row for every shape; two rows were not timed. At four rows it won four
+# of five shapes.
 W4_WGMMA_BLOCK_R = 16  # words per K tile (128 channels): the repacked layout's block
 
 
@@ -190,7 +190,7 @@ def _w4_gemv_wgmma_kernel(
 
 # (BLOCK_N, BLOCK_R, num_warps, num_stages): sm_90 compiles with the A operand straight from the
 # unpacking (no layout conversion); (64, 16, 4, *) and (128, 16, 8, *) convert it through shared memory.
-# Run 67 (the GPTQ row order, 4-byte copies) timed seven: (128, 16, 4, 3) was the fastest at 8-16
+# Of seven configs timed (on the GPTQ row order, 4-byte copies), (128, 16, 4, 3) was the fastest at 8-16
 # rows for every shape, 4 stages within 2-7%, 256 columns and 64-channel tiles only won at one row
 # (where the FMA kernel is faster still).
 W4_WGMMA_CONFIGS = ((128, 16, 4, 3), (128, 16, 4, 4))

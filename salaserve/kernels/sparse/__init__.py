@@ -11,10 +11,11 @@ One module per stage:
   selection.py  the two composed: select_blocks_decode, select_blocks_prefill
   attention.py  block-sparse attention over the selected blocks: sparse_prefill_attention, and
                 sparse_attention (TorchBackend.sparse_attention's contract: selection + attention)
-  _common.py    environment knobs, tiles of consecutive tokens, small helpers
+  _common.py    tiles of consecutive tokens, small helpers
 
-The modules' SALASERVE_* knobs are module globals read at call time. `set_knob` changes one for
-every module that reads it (tests and A/B scripts); assigning to this package does not.
+The modules' tuning constants are module globals read at call time. `set_knob` changes one (or a
+function that another module calls) for every module that reads it (tests); assigning to this
+package does not.
 """
 
 from __future__ import annotations
@@ -23,32 +24,27 @@ import sys
 from contextlib import contextmanager
 
 from salaserve.kernels.sparse import _common, attention, selection, stage1, topk
-from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _env_ints, _launch_env, _pow2,
-                                              _prefill_tiles, _step_tiles, _tile_env, launch_options,
+from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _pow2, _prefill_tiles, _step_tiles,
                                               tile_tensors)
-from salaserve.kernels.sparse.attention import (_PER_TOKEN_WARPS, SPARSE_ATTN_LAUNCH, SPARSE_ATTN_PAGE_LIST,
-                                                SPARSE_ATTN_TILE, SPARSE_ATTN_WINDOW, SPARSE_FP8_F16_DOTS,
-                                                SPARSE_WINDOW_LAUNCH,
-                                                _ascending_lists, _sparse_prefill_attn_kernel,
-                                                _sparse_prefill_attn_tile_kernel, _sparse_window_attn_kernel,
-                                                sparse_attention, sparse_prefill_attention)
-from salaserve.kernels.sparse.selection import (_INTERPRET, _SELECT_BUFFER_BYTES, FUSED_DECODE_TOPK,
-                                                FUSED_PREFILL_TOPK, FUSED_TOPK_MAX_BLOCKS, STAGE1_PREFILL_LAUNCH,
-                                                STAGE1_PREFILL_TILE, decode_select_meta, prefill_width,
-                                                select_blocks_decode, select_blocks_prefill)
-from salaserve.kernels.sparse.stage1 import (_LSE_BLOCK_N, _MAX_BLOCKS, _STAGE1_FAST, _TARGET_PROGRAMS,
-                                             _stage1_block_keys_kernel, _stage1_keys, _stage1_lse_kernel,
-                                             _stage1_lse_partials, pack_keys, unpack_keys)
-from salaserve.kernels.sparse.topk import (_TOPK_MAX_CANDIDATES, TOPK_ONE_PASS_BLOCKS, TOPK_SEARCH, TOPK_SEGMENT,
-                                           _topk_blocks, _topk_blocks_kernel, _topk_blocks_merge_kernel,
-                                           _topk_blocks_segment_kernel, _topk_merge_kernel, _topk_pages_kernel,
-                                           _topk_segment_kernel, topk_blocks, topk_pages, topk_pages_torch)
+from salaserve.kernels.sparse.attention import (_PER_TOKEN_WARPS, SPARSE_FP8_STAGE_MAX_BYTES, SPARSE_WINDOW_LAUNCH,
+                                                SPARSE_WINDOW_TOKENS, _ascending_lists, _sparse_prefill_attn_kernel,
+                                                _sparse_window_attn_kernel, sparse_attention, sparse_prefill_attention)
+from salaserve.kernels.sparse.selection import (_INTERPRET, _SELECT_BUFFER_BYTES, FUSED_TOPK_MAX_BLOCKS,
+                                                STAGE1_PREFILL_LAUNCH, STAGE1_PREFILL_TILE, decode_select_meta,
+                                                prefill_width, select_blocks_decode, select_blocks_prefill)
+from salaserve.kernels.sparse.stage1 import (_LSE_BLOCK_N, _MAX_BLOCKS, _TARGET_PROGRAMS, _stage1_block_keys_kernel,
+                                             _stage1_keys, _stage1_lse_kernel, _stage1_lse_partials, pack_keys,
+                                             unpack_keys)
+from salaserve.kernels.sparse.topk import (_TOPK_MAX_CANDIDATES, TOPK_ONE_PASS_BLOCKS, TOPK_SEGMENT, _topk_blocks,
+                                           _topk_blocks_kernel, _topk_blocks_merge_kernel, _topk_blocks_segment_kernel,
+                                           _topk_merge_kernel, _topk_pages_kernel, _topk_segment_kernel, topk_blocks,
+                                           topk_pages, topk_pages_torch)
 
 _MODULES = (_common, stage1, topk, selection, attention)
 
 
 def set_knob(name: str, value):
-    """Set module global `name` (a knob such as SPARSE_ATTN_WINDOW, or a function that another
+    """Set module global `name` (a constant such as _TARGET_PROGRAMS, or a function that another
     module calls, such as topk_blocks) in every module of the package that binds it, this one
     included. Returns the previous value; raises AttributeError for a name no module has."""
     holders = [m for m in _MODULES if name in vars(m)]

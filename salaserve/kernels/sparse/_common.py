@@ -1,10 +1,9 @@
-"""Pieces shared by the sparse-layer kernels: environment knobs, the stage-1/attention tiles of
-consecutive tokens (host side and the Triton helpers that read them), small host helpers."""
+"""Pieces shared by the sparse-layer kernels: the stage-1/attention tiles of consecutive tokens
+(host side and the Triton helpers that read them), small host helpers."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -13,41 +12,6 @@ import triton.language as tl
 from salaserve.engine.batch import ForwardBatch
 
 LOG2E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
-
-
-def _env_ints(name: str, default: str, form: str) -> list[int]:
-    """The comma-separated integers of environment variable `name` (`default` when unset), as
-    many as `form` ("a,b,...") names, or a ValueError naming the variable."""
-    text = os.environ.get(name, default)
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) != len(form.split(",")):
-        raise ValueError(f"{name} must be '{form}', got {text!r}")
-    return values
-
-
-def launch_options(warps: int, stages: int, maxnreg: int) -> dict:
-    """Triton launch options; 0 leaves one at the launch's default."""
-    return {k: v for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", maxnreg)) if v}
-
-
-def _launch_env(name: str, default: str) -> dict:
-    """Launch options "num_warps,num_stages,maxnreg" from the environment (0: the default), for
-    A/B runs of the prefill kernels (scripts/sparse_launch_ab.py). maxnreg caps the registers per
-    thread so that more programs fit on an SM; these kernels wait on gathered loads, and with one
-    or two programs per SM there is little to overlap the waits with."""
-    return launch_options(*_env_ints(name, default, "num_warps,num_stages,maxnreg"))
-
-
-def _tile_env(name: str, default: str) -> tuple[int, int]:
-    """(tokens per tile, blocks per step) from the environment: two powers of two (tl.arange
-    sizes), at least 2 blocks (a step's first block only donates its tail)."""
-    block_t, bb = _env_ints(name, default, "tokens,blocks")
-    if block_t < 1 or bb < 2 or block_t & (block_t - 1) or bb & (bb - 1):
-        raise ValueError(f"{name}: tokens and blocks must be powers of two (blocks >= 2), got '{block_t},{bb}'")
-    return block_t, bb
 
 
 def _pow2(n: int) -> int:

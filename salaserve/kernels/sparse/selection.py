@@ -10,38 +10,26 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.config import SparseConfig
 from salaserve.engine.batch import ForwardBatch
-from salaserve.kernels.sparse._common import _step_tiles, _tile_env, _launch_env
+from salaserve.kernels.sparse._common import _step_tiles
 from salaserve.kernels.sparse.stage1 import _LSE_BLOCK_N, _stage1_keys
 from salaserve.kernels.sparse.topk import _topk_blocks, topk_blocks, topk_pages, topk_pages_torch
 
 _SELECT_BUFFER_BYTES = 256 << 20  # bound on the int32 key buffer of one prefill selection chunk
 
-# Prefill launch of the stage-1 keys kernel (8 warps at the prefill tile unless set). Measured on
-# the last 8K chunk of a 128K prompt (run 53, scripts/sparse_launch_ab.py): 4 tokens x 32 blocks
-# 5.59 ms (172 registers: one program per SM), capped at 120 registers 3.90; 8 tokens x 16
-# blocks 4.83, capped at 128 registers (no spill) **3.45 ms**, the same keys bit for bit.
-STAGE1_PREFILL_TILE = _tile_env("SALASERVE_STAGE1_TILE", "8,16")
-# Run 57 (same script, after the stage-1 C1 loads were moved out of its branch so that they are
-# prefetched): at 8x16, 128 registers: 3 stages 3488 us (8 bytes of stack), **2 stages 3369**
-# (no stack), 1 stage 3621.
-STAGE1_PREFILL_LAUNCH = _launch_env("SALASERVE_STAGE1_LAUNCH", "0,2,128")
+# Prefill tile of the stage-1 keys kernel (tokens per tile, blocks per step; the keys do not depend
+# on it) and its launch: 8 tokens x 16 blocks capped at 128 registers (no spill) at 2 stages, 3.37 ms
+# for the last 8K chunk of a 128K prompt, where 4 x 32 blocks took 5.59 ms (172 registers: one
+# program per SM), capped at 120 registers 3.90.
+STAGE1_PREFILL_TILE = (8, 16)
+STAGE1_PREFILL_LAUNCH = dict(num_stages=2, maxnreg=128)
 
-
-# One Triton kernel instead of torch.topk + sort + ~8 small ops per sparse layer and decode step
-# (0.43 ms of a 5.6 ms eager batch-1 step at 128K, profiled). On by default since measured on the
-# H200: equal pages in the GPU tests, 128K graph step 5.890 -> 5.846 ms (docs/perf-notes.md: less
-# than the eager profile promised; the graph-replay profile then showed the kernel's row sort at
-# 74 us per call, replaced by a bitwise threshold search: 11 us). SALASERVE_FUSED_TOPK=0 selects
-# the torch path. Rows up to FUSED_TOPK_MAX_BLOCKS blocks wide (wider ones keep the torch path).
-FUSED_DECODE_TOPK = os.environ.get("SALASERVE_FUSED_TOPK", "1") == "1"
+# The decode top-k: one Triton kernel (topk.topk_pages) instead of torch.topk + sort + ~8 small ops
+# per sparse layer and step (0.43 ms of a 5.6 ms eager batch-1 step at 128K), for rows up to
+# FUSED_TOPK_MAX_BLOCKS blocks wide; wider ones keep the torch path (topk_pages_torch).
 FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
-# The prefill counterpart (`topk_blocks`): one Triton kernel instead of _topk_blocks' torch ops
-# (topk, where, sort, where, pad) at the end of each prefill selection chunk, which took ~100 ms of
-# a 128K prompt's prefill over 128 calls (radix sort, mbtopk, gather; run 52's profile). The same
-# blocks bit for bit (interpreter cases, any keys; GPU tests at 2048-8224 blocks). Measured on the
-# last 8K chunk of a 128K prompt (run 53): 964 -> 263 us per call, the same blocks.
-# SALASERVE_FUSED_PREFILL_TOPK=0 selects the torch path.
-FUSED_PREFILL_TOPK = os.environ.get("SALASERVE_FUSED_PREFILL_TOPK", "1") == "1"
+# The prefill top-k (topk.topk_blocks) is one Triton kernel too, instead of _topk_blocks' torch ops
+# (topk, where, sort, where, pad; ~100 ms of a 128K prefill over 128 calls): 964 -> 263 us per 8K
+# chunk at 128K, the same blocks bit for bit. _topk_blocks stays as its reference and for CPU tensors.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU tensors run Triton kernels (tests)
 
 
@@ -85,7 +73,7 @@ def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, p
     # At batch 1 this is the partition the sizing chose anyway up to 16K pages.
     keys = _stage1_keys(q, comp, layer, page_table, seq_lens, positions, tiles, B, 0, nb_out,
                         scale, block_t, bb, lse_per_split=_LSE_BLOCK_N)
-    if FUSED_DECODE_TOPK and nb_out <= FUSED_TOPK_MAX_BLOCKS:
+    if nb_out <= FUSED_TOPK_MAX_BLOCKS:
         return topk_pages(keys, page_table, seq_lens, sc, max_sel)
     return topk_pages_torch(keys, page_table, seq_lens, sc, max_sel)
 
@@ -140,7 +128,7 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
                             (tile_seq[i:j], tile_tok0[i:j], tile_ntok[i:j]), hi - lo, lo, nb_out,
                             scale, block_t, bb, launch=STAGE1_PREFILL_LAUNCH)
         lim = limit if isinstance(limit, int) else limit[lo:hi]
-        if FUSED_PREFILL_TOPK and (keys.is_cuda or _INTERPRET):
+        if keys.is_cuda or _INTERPRET:
             topk_blocks(keys, width, lim, qb[lo:hi], out=out[:, lo:hi])
         else:
             out[:, lo:hi] = _topk_blocks(keys, width, lim, qb[lo:hi])

@@ -16,8 +16,6 @@ the keys from here.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -30,11 +28,6 @@ from salaserve.kernels.sparse._common import LOG2E, _dot_precision, _load_q_rows
 _TARGET_PROGRAMS = 528  # ~4 programs per SM on an H200 (132 SMs): enough to fill it at batch 1
 _LSE_BLOCK_N = 64  # C2 entries per tl.dot in the lse pass (also the unit of its splits)
 _MAX_BLOCKS = 1 << 16  # the packed key keeps the block index in 16 bits
-# Stage-1 keys: the previous block's tail by a scan instead of a [BLOCK_T, BB, BB] masked max,
-# and unmasked interior steps. sm_90 SASS per scoring step: 1261 instructions -> 1103 (masked
-# steps) and ~600 (interior steps); measured (run 19): the selection kernels of an 8K chunk at
-# 128K 7.54 -> 5.51 ms, the 128K prefill 5.99 -> 5.41 s. SALASERVE_STAGE1_FAST=0: the first kernel.
-_STAGE1_FAST = os.environ.get("SALASERVE_STAGE1_FAST", "1") == "1"
 
 
 @triton.jit
@@ -132,7 +125,7 @@ def _c1_step_scores(q, c1_ptr, page_row, eb, e_slot, j_ok, g, stride_c1p, stride
 
 @triton.jit
 def _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr,
-                         C1PB: tl.constexpr, PAD: tl.constexpr, MASKED: tl.constexpr, SCAN_SHIFT: tl.constexpr):
+                         C1PB: tl.constexpr, PAD: tl.constexpr, MASKED: tl.constexpr):
     """Pooled stage-1 block scores [BLOCK_T, BB] of one step (slot k: block b0 - 1 + k) from its
     scores a2 (`_c1_step_scores`): exp2 against lse2, summed over the group's heads, rounded to
     bf16, max-pooled over each block's entries and the previous block's last PAD. MASKED: entries
@@ -150,15 +143,11 @@ def _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T: tl.constexpr, GP: tl.con
     own = tl.max(s3, axis=2)
     u = tl.arange(0, C1PB)
     tail = tl.max(tl.where(u[None, None, :] >= C1PB - PAD, s3, float("-inf")), axis=2)
-    # tail of the previous block, tail[:, k - 1]: a shift along the block axis (plain ops only;
-    # tl.gather lowering is fragile). Slot 0 gets -inf (it only donates its tail).
-    if SCAN_SHIFT:
-        prev, _, _ = tl.associative_scan((tl.full([BLOCK_T, BB], float("-inf"), tl.float32), tail,
-                                          tl.full([BLOCK_T, BB], 1, tl.int32)), 1, _shift_combine)
-    else:  # a masked max over [BLOCK_T, BB, BB]
-        k = tl.arange(0, BB)
-        shift = (k[:, None] - 1) == k[None, :]  # [BB, BB]: slot k takes from slot k - 1
-        prev = tl.max(tl.where(shift[None, :, :], tail[:, None, :], float("-inf")), axis=2)
+    # tail of the previous block, tail[:, k - 1]: a shift along the block axis by a scan (plain ops
+    # only; tl.gather lowering is fragile; a masked max over [BLOCK_T, BB, BB] cost ~160 more
+    # instructions per step on sm_90). Slot 0 gets -inf (it only donates its tail).
+    prev, _, _ = tl.associative_scan((tl.full([BLOCK_T, BB], float("-inf"), tl.float32), tail,
+                                      tl.full([BLOCK_T, BB], 1, tl.int32)), 1, _shift_combine)
     return tl.maximum(own, prev)
 
 
@@ -175,7 +164,6 @@ def _stage1_block_keys_kernel(
     BB: tl.constexpr, C1PB: tl.constexpr, PAD: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
     BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
-    FAST: tl.constexpr = False,  # _STAGE1_FAST: scan shift, and interior steps without masks
 ):
     """Packed block keys [Hkv, tokens, nb_out] for the blocks [pid_split * blocks_per_split, ...)
     of a tile of tokens, KV head g.
@@ -186,10 +174,11 @@ def _stage1_block_keys_kernel(
     of the step only donates those entries. Steps are independent (no carry), which lets decode
     split one sequence's blocks over many programs.
 
-    With FAST, most steps of a long prompt are interior: every entry of the step visible to every
-    row, and all the step's output blocks past the init blocks and before every token's local
-    window. Those take an unmasked path (no visibility, padding or forcing masks), which computes
-    the same keys with fewer instructions.
+    Most steps of a long prompt are interior: every entry of the step visible to every row, and all
+    the step's output blocks past the init blocks and before every token's local window. Those take
+    an unmasked path (no visibility, padding or forcing masks), which computes the same keys with
+    about half the instructions (sm_90 SASS per scoring step: ~600 against 1103; the selection
+    kernels of an 8K chunk at 128K 7.54 -> 5.51 ms with the scan shift).
     """
     pdl_wait_first(PDL)
     pid_tile, g, pid_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -242,19 +231,19 @@ def _stage1_block_keys_kernel(
         eb = b0 - 1 + e_blk  # block (= page) holding each entry
         j = eb * C1PB + e_slot  # C1 entry index; negative before block 0
         j_end = (b0 - 1 + BB) * C1PB  # past the step's last entry
-        interior = (FAST & (b0 >= 1) & (b0 >= INIT) & (j_end <= n1) & (j_end <= vis_min)
+        interior = ((b0 >= 1) & (b0 >= INIT) & (j_end <= n1) & (j_end <= vis_min)
                     & (b0 + BB - 2 < local_min) & (b0 + BB - 1 <= b_hi))
         j_ok = (eb >= 0) & (j < n1)  # all true on interior steps
         a2 = _c1_step_scores(q, c1_ptr, page_row, eb, e_slot, j_ok, g, stride_c1p, stride_c1s, stride_c1h,
                              qk_scale2, D, DOT_PREC)
         if interior:
-            pooled = _pooled_block_scores(a2, lse2, j_ok, j_ok, BLOCK_T, GP, BB, C1PB, PAD, False, True)  # masks unread
+            pooled = _pooled_block_scores(a2, lse2, j_ok, j_ok, BLOCK_T, GP, BB, C1PB, PAD, False)  # masks unread
             blk = b0 - 1 + k
             ptrs = keys_ptr + g * stride_kg + (row0 + t)[:, None] * stride_kt + blk[None, :]
             tl.store(ptrs, _pack_key(pooled, blk[None, :]), mask=(k >= 1)[None, :] & tok_ok[:, None])
         else:
             keep = row_ok[:, None] & (j[None, :] < vis1[:, None])
-            pooled = _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T, GP, BB, C1PB, PAD, True, FAST)
+            pooled = _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T, GP, BB, C1PB, PAD, True)
             _store_keys(keys_ptr, pooled, b0, b_hi, qb, dense, tok_ok, t, row0, g, stride_kg, stride_kt, BB, INIT,
                         LOCAL)
     rest = b_lo + tl.cdiv(score_hi - b_lo, BB - 1) * (BB - 1)  # where the first loop stopped
@@ -355,7 +344,7 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
         qk_scale2, n_split2, nb_out, per1, tok_base, sc.dense_len,
         GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BB=bb, C1PB=c1pb, PAD=sc.pool_padding,
         K1=sc.kernel_size, S1=sc.kernel_stride, BS=sc.block_size, INIT=sc.init_blocks,
-        LOCAL=sc.local_blocks, DOT_PREC=prec, FAST=_STAGE1_FAST,
+        LOCAL=sc.local_blocks, DOT_PREC=prec,
         **{"num_warps": 8 if block_t * gp * bb * c1pb > 4096 else 4, **(launch or {})},
         **pdl_launch_kwargs(q.device))
     return keys

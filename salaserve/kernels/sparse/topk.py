@@ -7,8 +7,6 @@ define the result the kernels match bit for bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -18,13 +16,6 @@ from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_wait_first
 
 TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
 TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
-# How the top-k kernels find the lim-th largest key. "key": bit by bit over all 32 bits of the
-# packed key (32 counting passes, each a block-wide reduction). "score": bit by bit over the 16
-# score bits only, then the ties at the threshold score by a prefix count in block order (the
-# lower block wins, as the key's low half says): 16 passes + 2 reductions, the same selection.
-TOPK_SEARCH = os.environ.get("SALASERVE_TOPK_SEARCH", "score")
-if TOPK_SEARCH not in ("key", "score"):
-    raise ValueError(f"SALASERVE_TOPK_SEARCH must be 'key' or 'score', got {TOPK_SEARCH!r}")
 
 
 def _topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: torch.Tensor) -> torch.Tensor:
@@ -61,22 +52,19 @@ def _kth_largest(u, lim, BITS: tl.constexpr = 32):
 
 
 @triton.jit
-def _top_keys(u, lim, SCORE_SEARCH: tl.constexpr):
+def _top_keys(u, lim):
     """Mask of the lim largest of the unique uint32 keys u (lim >= 1, at most the nonzero count;
-    0 entries never count), u laid out in ascending block order.
-    SCORE_SEARCH: the threshold's score half (16 passes); of the keys whose score equals it, the
-    first `lim - (keys above)` in block order, which are the largest keys (low half 65535 - block).
-    Else: the exact 32-bit threshold (32 passes)."""
-    if SCORE_SEARCH:
-        t = _kth_largest(u, lim, 16) >> 16
-        hi = u >> 16
-        above = hi > t
-        tied = hi == t
-        need = lim - tl.sum(above.to(tl.int32), axis=0)  # >= 1: fewer than lim keys score above t
-        sel = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
-    else:
-        sel = u >= _kth_largest(u, lim)
-    return sel
+    0 entries never count), u laid out in ascending block order: the threshold's score half by 16
+    counting passes, then, of the keys whose score equals it, the first `lim - (keys above)` in
+    block order, which are the largest keys (low half 65535 - block). The same selection as the
+    exact 32-bit threshold (32 passes): 11.0 against 11.6 us per call at 128K, 13.7-15.3 against
+    19.3-19.9 at 512K."""
+    t = _kth_largest(u, lim, 16) >> 16
+    hi = u >> 16
+    above = hi > t
+    tied = hi == t
+    need = lim - tl.sum(above.to(tl.int32), axis=0)  # >= 1: fewer than lim keys score above t
+    return above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
 
 
 @triton.jit
@@ -131,7 +119,7 @@ def _topk_pages_kernel(
     keys_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_kg, stride_kt, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    BS: tl.constexpr, W: tl.constexpr, MAX_SEL: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Program (row r, KV head g): the packed keys of row r's blocks -> the page ids of its top
@@ -144,7 +132,7 @@ def _topk_pages_kernel(
     qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)  # lim >= 1: block 0 is causal
     j = tl.arange(0, W)
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
-    sel = _top_keys(u, lim, SCORE_SEARCH)  # exactly lim entries: the keys are unique
+    sel = _top_keys(u, lim)  # exactly lim entries: the keys are unique
     _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
                  page_table_ptr + r.to(tl.int64) * stride_pt, j, sel, max_sel, MAX_SEL)
 
@@ -154,7 +142,7 @@ def _topk_segment_kernel(
     keys_ptr, seq_lens_ptr, cand_key_ptr, cand_blk_ptr,
     stride_kg, stride_kt, stride_cr, stride_cg,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    BS: tl.constexpr, SEG: tl.constexpr, MAX_SEL: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, first step. Program (row r, KV head g, segment s): the top `lim` keys of the
@@ -167,12 +155,12 @@ def _topk_segment_kernel(
     seg = tl.program_id(2)
     qb, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
     _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, qb, lim, stride_kg, stride_kt,
-                        stride_cr, stride_cg, SEG, MAX_SEL, SCORE_SEARCH)
+                        stride_cr, stride_cg, SEG, MAX_SEL)
 
 
 @triton.jit
 def _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, qb, lim, stride_kg, stride_kt,
-                        stride_cr, stride_cg, SEG: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr):
+                        stride_cr, stride_cg, SEG: tl.constexpr, MAX_SEL: tl.constexpr):
     """Segment `seg` of row r, KV head g: the top lim (>= 1) of its keys at blocks <= qb (all of
     them when it has fewer), in ascending block order, with their block indices, at candidates
     [seg * MAX_SEL, ...); the rest of the segment's key slots 0."""
@@ -180,7 +168,7 @@ def _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, qb,
     u = _causal_keys(keys_ptr, r, g, j, nb, qb, stride_kg, stride_kt)
     # lim_s = 0 only where the segment has no causal block (lim >= 1): then u > 0 selects nothing
     lim_s = tl.minimum(lim, tl.sum((u > 0).to(tl.int32), axis=0))
-    sel = _top_keys(u, tl.maximum(lim_s, 1), SCORE_SEARCH) & (u > 0)
+    sel = _top_keys(u, tl.maximum(lim_s, 1)) & (u > 0)
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     row = r.to(tl.int64) * stride_cr + g * stride_cg + seg * MAX_SEL
     tl.store(cand_key_ptr + row + pos, u.to(tl.int32, bitcast=True), mask=sel)
@@ -194,7 +182,7 @@ def _topk_merge_kernel(
     cand_key_ptr, cand_blk_ptr, page_table_ptr, seq_lens_ptr, out_ptr, count_ptr,
     stride_cr, stride_cg, stride_pt, stride_ob, stride_oh, stride_cb,
     nb, dense_len, topk_eff, max_sel,
-    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    BS: tl.constexpr, N_CAND: tl.constexpr, MAX_SEL: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Wide rows, second step. Program (row r, KV head g): the row's top lim among the segments'
@@ -203,20 +191,19 @@ def _topk_merge_kernel(
     r = tl.program_id(0)
     g = tl.program_id(1)
     _, lim = _row_limit(seq_lens_ptr, r, nb, dense_len, topk_eff, max_sel, BS)
-    blk, sel = _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, lim, stride_cr, stride_cg, N_CAND, SCORE_SEARCH)
+    blk, sel = _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, lim, stride_cr, stride_cg, N_CAND)
     _write_pages(out_ptr + r.to(tl.int64) * stride_ob + g * stride_oh, count_ptr + r * stride_cb + g,
                  page_table_ptr + r.to(tl.int64) * stride_pt, blk, sel, max_sel, MAX_SEL)
 
 
 @triton.jit
-def _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, lim, stride_cr, stride_cg, N_CAND: tl.constexpr,
-                      SCORE_SEARCH: tl.constexpr):
+def _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, lim, stride_cr, stride_cg, N_CAND: tl.constexpr):
     """(block indices, selection mask) of the top lim (>= 1) of row r's candidates, KV head g (the
     segments' candidates one after the other, each ascending: block order)."""
     i = tl.arange(0, N_CAND)
     row = r.to(tl.int64) * stride_cr + g * stride_cg
     u = tl.load(cand_key_ptr + row + i).to(tl.uint32, bitcast=True)
-    sel = _top_keys(u, lim, SCORE_SEARCH)
+    sel = _top_keys(u, lim)
     blk = tl.load(cand_blk_ptr + row + i, mask=sel, other=0)
     return blk, sel
 
@@ -237,7 +224,7 @@ def _topk_blocks_kernel(
     keys_ptr, qb_ptr, limit_ptr, out_ptr,
     stride_kg, stride_kt, stride_og, stride_ot,
     nb, k, width,
-    W: tl.constexpr, OUT_W: tl.constexpr, LIMIT_PER_ROW: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    W: tl.constexpr, OUT_W: tl.constexpr, LIMIT_PER_ROW: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """Program (row r, KV head g) of `topk_blocks`: the top lim keys of row r over ALL its nb
@@ -252,7 +239,7 @@ def _topk_blocks_kernel(
     u = _causal_keys(keys_ptr, r, g, j, nb, nb - 1, stride_kg, stride_kt)
     # (lim <= nb nonzero keys; lim <= 0 selects nothing: no causal block then. A full-shape mask:
     # the interpreter widens a scalar int1 in `&`, which its store refuses.)
-    sel = _top_keys(u, tl.maximum(lim, 1), SCORE_SEARCH) & (j <= tl.where(lim > 0, qb, -1))
+    sel = _top_keys(u, tl.maximum(lim, 1)) & (j <= tl.where(lim > 0, qb, -1))
     _write_blocks(out_ptr + g * stride_og + r.to(tl.int64) * stride_ot, j, sel, width, OUT_W)
 
 
@@ -261,7 +248,7 @@ def _topk_blocks_segment_kernel(
     keys_ptr, limit_ptr, cand_key_ptr, cand_blk_ptr,
     stride_kg, stride_kt, stride_cr, stride_cg,
     nb, k,
-    SEG: tl.constexpr, MAX_SEL: tl.constexpr, LIMIT_PER_ROW: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    SEG: tl.constexpr, MAX_SEL: tl.constexpr, LIMIT_PER_ROW: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """`topk_blocks` for wide rows, first step: _topk_segment_kernel's candidates over every block
@@ -272,7 +259,7 @@ def _topk_blocks_segment_kernel(
     seg = tl.program_id(2)
     lim = tl.maximum(_row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW), 1)  # lim <= 0: the merge drops all
     _segment_candidates(keys_ptr, cand_key_ptr, cand_blk_ptr, r, g, seg, nb, nb - 1, lim, stride_kg, stride_kt,
-                        stride_cr, stride_cg, SEG, MAX_SEL, SCORE_SEARCH)
+                        stride_cr, stride_cg, SEG, MAX_SEL)
 
 
 @triton.jit
@@ -280,7 +267,7 @@ def _topk_blocks_merge_kernel(
     cand_key_ptr, cand_blk_ptr, qb_ptr, limit_ptr, out_ptr,
     stride_cr, stride_cg, stride_og, stride_ot,
     k, width,
-    N_CAND: tl.constexpr, OUT_W: tl.constexpr, LIMIT_PER_ROW: tl.constexpr, SCORE_SEARCH: tl.constexpr = True,
+    N_CAND: tl.constexpr, OUT_W: tl.constexpr, LIMIT_PER_ROW: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (_triton_utils)
 ):
     """`topk_blocks` for wide rows, second step: the row's top lim among the candidates, the
@@ -291,22 +278,18 @@ def _topk_blocks_merge_kernel(
     qb = tl.load(qb_ptr + r)
     lim = _row_block_limit(limit_ptr, r, k, LIMIT_PER_ROW)
     blk, sel = _merge_candidates(cand_key_ptr, cand_blk_ptr, r, g, tl.maximum(lim, 1), stride_cr, stride_cg,
-                                 N_CAND, SCORE_SEARCH)
+                                 N_CAND)
     sel = sel & (blk <= tl.where(lim > 0, qb, -1))
     _write_blocks(out_ptr + g * stride_og + r.to(tl.int64) * stride_ot, blk, sel, width, OUT_W)
 
 
 def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sc: SparseConfig,
-               max_sel: int, search: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               max_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """select_blocks_decode's tail: keys [Hkv, B, nb] int32 (packed), page_table [B, >= nb] int32,
     seq_lens [B] -> (page ids [B, Hkv, max_sel] int32, counts [B, Hkv] int32). Rows up to
     TOPK_ONE_PASS_BLOCKS wide in one kernel (one program per row and KV head); wider rows in
     TOPK_SEGMENT-block segments, each program keeping its segment's best, then a merge: a single
-    program per row took 48 us at 512K (16384-wide rows) where the GPU has 132 SMs.
-    search: "key" or "score" (TOPK_SEARCH when None): how the threshold is found; same result."""
-    if search is not None and search not in ("key", "score"):  # (TOPK_SEARCH is checked at import)
-        raise ValueError(f"search must be 'key' or 'score', got {search!r}")
-    score = (search or TOPK_SEARCH) == "score"
+    program per row took 48 us at 512K (16384-wide rows) where the GPU has 132 SMs."""
     hkv, B, nb = keys.shape
     out = torch.empty(B, hkv, max_sel, dtype=torch.int32, device=keys.device)
     count = torch.empty(B, hkv, dtype=torch.int32, device=keys.device)
@@ -318,7 +301,7 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
         _topk_pages_kernel[(B, hkv)](
             keys, page_table, seq_lens, out, count,
             keys.stride(0), keys.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2, SCORE_SEARCH=score,
+            *limits, BS=sc.block_size, W=triton.next_power_of_2(nb), MAX_SEL=max_sel_p2,
             num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
         )
         return out, count
@@ -328,13 +311,13 @@ def topk_pages(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     _topk_segment_kernel[(B, hkv, n_seg)](
         keys, seq_lens, cand_key, cand_blk,
         keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1),
-        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2, SCORE_SEARCH=score,
+        *limits, BS=sc.block_size, SEG=TOPK_SEGMENT, MAX_SEL=max_sel_p2,
         num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
     )
     _topk_merge_kernel[(B, hkv)](
         cand_key, cand_blk, page_table, seq_lens, out, count,
         cand_key.stride(0), cand_key.stride(1), page_table.stride(0), out.stride(0), out.stride(1), count.stride(0),
-        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2, SCORE_SEARCH=score,
+        *limits, BS=sc.block_size, N_CAND=n_seg * max_sel_p2, MAX_SEL=max_sel_p2,
         num_warps=4, **pdl_launch_kwargs(cand_key.device),
     )
     return out, count
@@ -344,7 +327,7 @@ _TOPK_MAX_CANDIDATES = 4096  # the widest merge of topk_blocks (segments x candi
 
 
 def topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: torch.Tensor,
-                search: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """select_blocks_prefill's tail, `_topk_blocks` in Triton: keys [Hkv, R, nb] int32 (packed,
     unique per row), limit an int or [R] ints, qb [R] the last causal block of each row -> block
     indices [Hkv, R, width] int32 (written into `out` when given, e.g. a slice of a larger output).
@@ -360,11 +343,7 @@ def topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: t
 
     Rows up to TOPK_ONE_PASS_BLOCKS wide: one program per (row, KV head); wider rows in
     TOPK_SEGMENT-block segments and a merge, as topk_pages (the torch function where the merge
-    would hold more than _TOPK_MAX_CANDIDATES candidates: never at width <= 128 and nb <= 65536).
-    search: "key" or "score" (TOPK_SEARCH when None), as topk_pages; same result."""
-    if search is not None and search not in ("key", "score"):  # (TOPK_SEARCH is checked at import)
-        raise ValueError(f"search must be 'key' or 'score', got {search!r}")
-    score = (search or TOPK_SEARCH) == "score"
+    would hold more than _TOPK_MAX_CANDIDATES candidates: never at width <= 128 and nb <= 65536)."""
     hkv, R, nb = keys.shape
     if out is None:
         out = torch.empty(hkv, R, width, dtype=torch.int32, device=keys.device)
@@ -384,7 +363,7 @@ def topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: t
         _topk_blocks_kernel[(R, hkv)](
             keys, qb, limit_arg, out,
             keys.stride(0), keys.stride(1), out.stride(0), out.stride(1), nb, k, width,
-            W=triton.next_power_of_2(nb), OUT_W=out_w, LIMIT_PER_ROW=per_row, SCORE_SEARCH=score,
+            W=triton.next_power_of_2(nb), OUT_W=out_w, LIMIT_PER_ROW=per_row,
             num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
         )
         return out
@@ -398,13 +377,13 @@ def topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: t
     _topk_blocks_segment_kernel[(R, hkv, n_seg)](
         keys, limit_arg, cand_key, cand_blk,
         keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1), nb, k,
-        SEG=TOPK_SEGMENT, MAX_SEL=n_keep, LIMIT_PER_ROW=per_row, SCORE_SEARCH=score,
+        SEG=TOPK_SEGMENT, MAX_SEL=n_keep, LIMIT_PER_ROW=per_row,
         num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
     )
     _topk_blocks_merge_kernel[(R, hkv)](
         cand_key, cand_blk, qb, limit_arg, out,
         cand_key.stride(0), cand_key.stride(1), out.stride(0), out.stride(1), k, width,
-        N_CAND=n_seg * n_keep, OUT_W=out_w, LIMIT_PER_ROW=per_row, SCORE_SEARCH=score,
+        N_CAND=n_seg * n_keep, OUT_W=out_w, LIMIT_PER_ROW=per_row,
         num_warps=8 if n_seg * n_keep > 2048 else 4, **pdl_launch_kwargs(keys.device),
     )
     return out
