@@ -52,7 +52,7 @@ async def generate(request: Request):
                 params.validate()
             except ValueError as e:
                 raise ApiError(400, f"top_logprobs_num: {e}") from None
-        state.check_lengths(len(ids), params)
+        ids = state.fit_to_context(ids, params)
         siblings = state.siblings(params)
         multi = multi or len(siblings) > 1
         for p in siblings:
