@@ -166,8 +166,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    from salaserve.model.hf_tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.model, trust_remote_code=True)
     t0 = time.perf_counter()
     m = write_workload(args.out, args.name, tok, args.seed)
     for tier, info in m["tiers"].items():

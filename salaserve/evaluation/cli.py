@@ -55,11 +55,10 @@ def _synthetic_parser() -> ArgumentParser:
 
 def make_synthetic_main(argv: list[str]) -> int:
     args = _synthetic_parser().parse_args(argv)
-    from transformers import AutoTokenizer
-
     from salaserve.evaluation.synthetic import make_synthetic
+    from salaserve.model.hf_tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tok = load_tokenizer(args.model, trust_remote_code=True)
     rows = make_synthetic(tok, [int(x) for x in args.lengths.split(",")], args.per_task,
                           args.seed, tuple(args.tasks.split(",")), tuple(args.langs.split(",")))
     with open(args.out, "w", encoding="utf-8") as f:

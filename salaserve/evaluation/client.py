@@ -42,9 +42,11 @@ class Prediction:
 
 def load_stop_words(model_dir: str) -> list[str]:
     """Stop strings as eval_model.py builds them from the local model directory."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    from salaserve.model.hf_tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir, trust_remote_code=True)  # as eval_model.py
     words: list[str] = []
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id

@@ -75,7 +75,8 @@ class ServerState:
         seq = (await group.wait())[0]
         if seq.error:
             raise RuntimeError(f"warm-up generation failed: {seq.error}")
-        log.info("warm-up done in %.2f s: %r", time.perf_counter() - t0, seq.text)
+        log.info("warm-up done: %d-token prompt, %d tokens generated in %.2f s", len(ids), seq.completion_tokens,
+                 time.perf_counter() - t0)
 
     def fatal(self, message: str) -> None:
         self.ready = False

@@ -12,10 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+    from salaserve.model.hf_tokenizer import load_tokenizer as load
 
-    # An explicit False keeps transformers from prompting on stdin for remote code.
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=bool(trust_remote_code))
+    return load(model_dir, trust_remote_code)
 
 
 class Tokenization:
