@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--chunked-prefill-size", type=int, default=8192, help="prompt tokens prefilled per step")
     a("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
-    a("--trust-remote-code", action="store_true", help="let transformers run Python code shipped with the model (tokenizer, config)")
+    a("--trust-remote-code", action="store_true",
+      help="let transformers run Python code shipped with the model (tokenizer, config)")
     a("--disable-radix-cache", action="store_true", help="no prefix cache (same as --prefix-cache-slots 0)")
     a("--enable-cache-report", action="store_true",
       help="report the prompt tokens taken from the prefix cache in OpenAI usage.prompt_tokens_details")
