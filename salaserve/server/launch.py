@@ -1,7 +1,7 @@
 """`salaserve serve`: parse SGLang-style flags, start uvicorn; the app starts the engine process.
 
-The port is bound before anything else starts, so a port in use is one clear error and no engine
-process is spawned. /health answers 503 until the engine has loaded the model and (unless
+The port is checked before anything else starts, so a port in use is one clear error and no
+engine process is spawned. /health answers 503 until the engine has loaded the model and (unless
 --skip-server-warmup) run a warm-up generation, then 200. If the engine fails to start or dies,
 the server exits with status 1 rather than answering errors forever; on shutdown the engine
 process is stopped.
@@ -50,10 +50,16 @@ def context_length_error(context_length: int | None, model_dir: str, allow_longe
     return f"{message} To allow it, set the environment variable {ALLOW_LONGER_CONTEXT_ENV}=1 (as in SGLang)."
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound and listening (uvicorn serves on it). Raises OSError."""
+def check_port(host: str, port: int) -> int:
+    """`port`, or for port 0 one the system picks, after checking that it can be bound (as
+    SGLang checks before it starts). Raises OSError. uvicorn binds it again once the app has
+    started: handing it this socket instead made uvicorn reset connections whose request body
+    it had refused (413) before the client read the response."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=4096)
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        return sock.getsockname()[1]
 
 
 def run(argv: list[str]) -> int:
@@ -78,13 +84,12 @@ def run(argv: list[str]) -> int:
         print(f"salaserve serve: error: {error}", file=sys.stderr)
         return 2
     try:
-        sock = listening_socket(server_args.host, server_args.port)
+        server_args.port = check_port(server_args.host, server_args.port)
     except OSError as e:
         reason = os.strerror(e.errno).lower() if e.errno else str(e)
         print(f"salaserve serve: error: cannot listen on {server_args.host}:{server_args.port}: {reason}",
               file=sys.stderr)
         return 1
-    server_args.port = sock.getsockname()[1]  # the port chosen for --port 0
 
     import uvicorn
 
@@ -103,10 +108,7 @@ def run(argv: list[str]) -> int:
                             access_log=level <= logging.DEBUG, timeout_graceful_shutdown=5,
                             timeout_keep_alive=30, backlog=4096)
     server = uvicorn.Server(config)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
+    server.run()
     if fatal:
         print(f"salaserve serve: stopped: {fatal[0]}", file=sys.stderr)
         return 1
