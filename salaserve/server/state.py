@@ -127,17 +127,17 @@ class ServerState:
         prompt_len = len(ids)
         if params.max_new_tokens is None:
             params.max_new_tokens = ctx - prompt_len
-        elif prompt_len + params.max_new_tokens >= ctx and truncate:
+        elif prompt_len + params.max_new_tokens >= ctx:
+            if not truncate:
+                raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {ctx} "
+                                    f"tokens. You requested a total of {prompt_len + params.max_new_tokens} tokens: "
+                                    f"{prompt_len} tokens from the input messages and {params.max_new_tokens} "
+                                    f"tokens for the completion. Please reduce the number of tokens in the input "
+                                    f"messages or the completion to fit within the limit.")
             log.warning("Requested token count (%d input + %d new) exceeds the model's context length (%d tokens). "
                         "Truncating max_new_tokens.", prompt_len, params.max_new_tokens, ctx)
             params.max_new_tokens = ctx - 1 - prompt_len
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-        elif prompt_len + params.max_new_tokens >= ctx:
-            raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {ctx} "
-                                f"tokens. You requested a total of {prompt_len + params.max_new_tokens} tokens: "
-                                f"{prompt_len} tokens from the input messages and {params.max_new_tokens} tokens "
-                                f"for the completion. Please reduce the number of tokens in the input messages "
-                                f"or the completion to fit within the limit.")
         return ids
 
     @staticmethod
