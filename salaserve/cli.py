@@ -1,21 +1,24 @@
-"""`salaserve` command line: serve | generate | make-checkpoint | prepare-model | bench | eval."""
+"""`salaserve` command line: one subcommand per task; `salaserve --help` lists them."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
+from salaserve.argparsing import ArgumentParser, Command, run_subcommand
+
 
 def _cmd_make_checkpoint(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="salaserve make-checkpoint",
-                                description="Write an HF-format MiniCPM-SALA checkpoint with random weights.")
-    p.add_argument("--preset", choices=["tiny", "small", "full"], default="tiny")
+    p = ArgumentParser(prog="salaserve make-checkpoint",
+                       description="Write an HF-format MiniCPM-SALA checkpoint with random weights.")
+    p.add_argument("--preset", choices=["tiny", "small", "full"], default="tiny",
+                   help="tiny: tests; small: the built-in model's shape; full: the real 9.5B model's shape")
     p.add_argument("--out", required=True, help="output model directory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--no-weights", action="store_true",
                    help="config and tokenizer only (load with --load-format dummy)")
-    p.add_argument("--max-shard-bytes", type=int, default=None)
+    p.add_argument("--max-shard-bytes", type=int, default=None, help="split the weights into shards of at most "
+                                                                    "this size (default: one file)")
     a = p.parse_args(argv)
     from salaserve.model.checkpoint import write_checkpoint
 
@@ -26,17 +29,21 @@ def _cmd_make_checkpoint(argv: list[str]) -> int:
 
 
 def _cmd_generate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="salaserve generate", description="Generate text greedily with the engine.")
+    p = ArgumentParser(prog="salaserve generate",
+                       description="Generate one completion of a prompt with the engine, in this process "
+                                   "(greedy unless --temperature is given).")
     p.add_argument("--model", default=None, help="model directory (default: the built-in model)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompt", required=True, help="the text to complete")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights from config.json")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--quantization", choices=["fp8", "w4a16", "gptq"], default=None,
                    help="default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load")
     shape = p.add_mutually_exclusive_group()
@@ -90,32 +97,46 @@ def _cmd_eval(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _cmd_soar_package(argv: list[str]) -> int:
+    from salaserve.soar.package import main as package_main
+
+    return package_main(argv)
+
+
+def _cmd_sglang_shim(argv: list[str]) -> int:
+    from salaserve.soar.shim import main as shim_main
+
+    return shim_main(argv)
+
+
 COMMANDS = {
-    "serve": _cmd_serve,
-    "make-checkpoint": _cmd_make_checkpoint,
-    "generate": _cmd_generate,
-    "prepare-model": _cmd_prepare_model,
-    "bench": _cmd_bench,
-    "eval": _cmd_eval,
+    "serve": Command(_cmd_serve, "serve a model over HTTP (SGLang and OpenAI APIs, sglang.launch_server's flags)"),
+    "generate": Command(_cmd_generate, "complete one prompt in this process and print the text"),
+    "make-checkpoint": Command(_cmd_make_checkpoint, "write a MiniCPM-SALA model directory with random weights"),
+    "prepare-model": Command(_cmd_prepare_model, "quantize a bf16 checkpoint (fp8, w4a16 RTN or GPTQ), "
+                                                 "as SOAR's prepare_model.sh"),
+    "bench": Command(_cmd_bench, "speed benchmarks: the SOAR S1/S8/Smax tiers, reports, comparisons"),
+    "eval": Command(_cmd_eval, "SOAR-style correctness evaluation against a running server"),
+    "soar-package": Command(_cmd_soar_package, "write a SOAR submission folder that installs and serves salaserve"),
+    "sglang-shim": Command(_cmd_sglang_shim, "make `python -m sglang.launch_server` start salaserve in this "
+                                             "environment"),
 }
 
+DESCRIPTION = """A fast inference engine and HTTP server for MiniCPM-SALA. With no --model-path,
+`salaserve serve` serves the built-in default model:
 
-def run_subcommand(prog: str, commands: dict, argv: list[str], usage: str) -> int:
-    """Dispatch `prog CMD ...` to commands[CMD]; help with no or -h/--help, exit 2 on unknown."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
-        return 0 if argv else 2
-    cmd = commands.get(argv[0])
-    if cmd is None:
-        print(f"{prog}: unknown command {argv[0]!r}; choose from {', '.join(commands)}", file=sys.stderr)
-        return 2
-    return cmd(argv[1:])
+  salaserve serve --port 30000"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["--version"], ["-V"]):
+        from salaserve import __version__
+
+        print(f"salaserve {__version__}")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_subcommand("salaserve", COMMANDS, argv, "usage: salaserve {" + ",".join(COMMANDS) + "} ...")
+    return run_subcommand("salaserve", COMMANDS, argv, DESCRIPTION)
 
 
 if __name__ == "__main__":

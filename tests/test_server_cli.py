@@ -36,13 +36,13 @@ def test_flags_map_to_engine_and_server_args():
         "--model-path", "m", "--served-model-name", "sala", "--host", "0.0.0.0", "--context-length", "4096",
         "--mem-fraction-static", "0.8", "--api-key", "k", "--quantization", "fp8", "--kv-cache-dtype", "auto",
         "--load-format", "dummy", "--log-level", "warning", "--device", "cpu", "--dtype", "float32",
-        "--backend", "torch", "--max-total-tokens", "2048", "--some-future-flag", "x"])
+        "--backend", "torch", "--max-total-tokens", "2048"])
     assert server.model_name == "sala" and server.host == "0.0.0.0" and server.api_key == "k"
     assert server.to_dict()["api_key"] == "***"
     assert (engine.context_length, engine.mem_fraction_static, engine.quantization, engine.load_format) == \
         (4096, 0.8, "fp8", "dummy")
     assert (engine.device, engine.dtype, engine.backend, engine.max_total_tokens) == ("cpu", "float32", "torch", 2048)
-    assert notices == ["note: ignoring arguments salaserve does not know: --some-future-flag x"]
+    assert notices == []  # unknown flags are errors (tests/test_server_flags.py)
     assert engine.prefix_cache_slots == 4 and engine.prefix_cache_min_tokens == 256  # the defaults
     engine, _, _ = parse_args(["--prefix-cache-slots", "2", "--prefix-cache-min-tokens", "64"])
     assert engine.prefix_cache_slots == 2 and engine.prefix_cache_min_tokens == 64

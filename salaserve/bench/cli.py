@@ -1,17 +1,4 @@
-"""`salaserve bench`: speed benchmarks against a server, reports, comparisons.
-
-    salaserve bench run --workload soar|soar-quick|toy|micro [--tiers S1,S8,Smax]
-                        (--url URL | --model DIR [--server-args "..."])
-                        [--workload-dir DIR] [--counts S1=2,S8=8,Smax=16] [--seed N]
-                        [--out DIR] [--client ours|sglang] [--tokenizer DIR] [--no-progress]
-    salaserve bench e2e [--config NAME=FLAGS ...] [--out benchmarks/e2e/latest.json]
-    salaserve bench make-workload --workload NAME --model DIR --out DIR [--seed N]
-    salaserve bench compare A.json B.json [--coefficient C | --eval EVAL.json]
-    salaserve bench plot-micro micro.json [--out DIR]
-    salaserve bench report result.json [--out DIR]      (re-render report.md and the PNGs)
-
-`main(argv)` takes the arguments after `bench`.
-"""
+"""`salaserve bench`: speed benchmarks against a server, reports, comparisons."""
 
 from __future__ import annotations
 
@@ -21,7 +8,13 @@ import json
 import sys
 from pathlib import Path
 
+from salaserve.argparsing import ArgumentParser, Command, run_subcommand
 from salaserve.bench.workload import TIERS, WORKLOADS
+
+DESCRIPTION = """Speed benchmarks run as the SOAR platform runs them, for example:
+
+  salaserve bench run --workload soar-quick --model /models/MiniCPM-SALA --out bench-results/quick
+  salaserve bench compare bench-results/a/result.json bench-results/b/result.json"""
 
 
 def _tiers(s: str) -> tuple[str, ...]:
@@ -44,11 +37,11 @@ def _counts(s: str) -> dict[str, int]:
 
 
 def _run_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="salaserve bench run",
-                                 description="Run S1/S8/Smax speed tiers as sglang.bench_serving does")
+    ap = ArgumentParser(prog="salaserve bench run",
+                        description="Run the S1/S8/Smax speed tiers as sglang.bench_serving does")
     ap.add_argument("--workload", choices=WORKLOADS, help="generate this workload (needs the model's tokenizer)")
     ap.add_argument("--workload-dir", help="read {tier}.jsonl (or speed_bench_c1/c8/cunlimited.jsonl) from here")
-    ap.add_argument("--tiers", type=_tiers, default=TIERS, help="comma-separated, default S1,S8,Smax")
+    ap.add_argument("--tiers", type=_tiers, default=",".join(TIERS), help="comma-separated")
     ap.add_argument("--counts", type=_counts, help="requests per tier when generating, e.g. S1=2,S8=8,Smax=16")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (the request order is always seed 1)")
     target = ap.add_mutually_exclusive_group(required=True)
@@ -62,7 +55,7 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for a started server")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars or client output")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="no latency PNGs (no matplotlib needed)")
     return ap
 
 
@@ -101,8 +94,8 @@ def run_main(argv: list[str]) -> int:
 
 
 def compare_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="salaserve bench compare",
-                                 description="Speedups and the SOAR score of B with A as the reference")
+    ap = ArgumentParser(prog="salaserve bench compare",
+                        description="Speedups and the SOAR score of B with A as the reference")
     ap.add_argument("a", help="reference result JSON (from bench run)")
     ap.add_argument("b", help="result JSON to score")
     c = ap.add_mutually_exclusive_group()
@@ -118,8 +111,8 @@ def compare_main(argv: list[str]) -> int:
 
 
 def plot_micro_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="salaserve bench plot-micro",
-                                 description="Plot a `python -m salaserve.bench.micro --json` result")
+    ap = ArgumentParser(prog="salaserve bench plot-micro",
+                        description="Plot a `python -m salaserve.bench.micro --json` result")
     ap.add_argument("micro_json")
     ap.add_argument("--out", help="directory for the PNGs (default: beside the JSON)")
     a = ap.parse_args(argv)
@@ -132,7 +125,7 @@ def plot_micro_main(argv: list[str]) -> int:
 
 
 def report_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="salaserve bench report", description="Re-render report.md and PNGs")
+    ap = ArgumentParser(prog="salaserve bench report", description="Re-render report.md and PNGs")
     ap.add_argument("result_json")
     ap.add_argument("--out", help="directory (default: beside the JSON)")
     a = ap.parse_args(argv)
@@ -146,7 +139,7 @@ def report_main(argv: list[str]) -> int:
 
 
 def e2e_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="salaserve bench e2e",
         description="soar-quick end to end on the full-size model (dummy weights) for several server "
                     "configurations in one run, each tier beside its floor (needs a GPU)")
@@ -183,14 +176,19 @@ def make_workload_main(argv: list[str]) -> int:
     return workload_main(argv)
 
 
-COMMANDS = {"run": run_main, "e2e": e2e_main, "make-workload": make_workload_main, "compare": compare_main,
-            "plot-micro": plot_micro_main, "report": report_main}
+COMMANDS = {
+    "run": Command(run_main, "run the S1/S8/Smax tiers against a server (started for the run, or --url)"),
+    "e2e": Command(e2e_main, "soar-quick end to end on the full-size dummy model per configuration, with floors (GPU)"),
+    "make-workload": Command(make_workload_main, "write a workload's request files (SOAR toolkit format)"),
+    "compare": Command(compare_main, "speedups and the SOAR score of one result against another"),
+    "plot-micro": Command(plot_micro_main, "plot a `python -m salaserve.bench.micro --json` result"),
+    "report": Command(report_main, "re-render report.md and the latency plots of a result"),
+}
 
 
 def main(argv: list[str]) -> int:
-    from salaserve.cli import run_subcommand
-
-    return run_subcommand("salaserve bench", COMMANDS, argv, __doc__)
+    """`argv`: the arguments after `salaserve bench`."""
+    return run_subcommand("salaserve bench", COMMANDS, argv, DESCRIPTION)
 
 
 if __name__ == "__main__":

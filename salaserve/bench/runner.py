@@ -95,10 +95,10 @@ def run_bench(cfg: RunConfig, argv: list[str]) -> dict:
         server = ServeProcess(cfg.model, cfg.server_args, cfg.out / "server.log", cfg.start_timeout_s).start()
     url = (cfg.url or server.url).rstrip("/")
     try:
-        from transformers import AutoTokenizer
+        from salaserve.model.hf_tokenizer import load_tokenizer
 
         model_id = _get_json(url + "/v1/models")["data"][0]["id"]
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or model_id, trust_remote_code=cfg.trust_remote_code)
+        tok = load_tokenizer(cfg.tokenizer or model_id, trust_remote_code=cfg.trust_remote_code)
         wdir = Path(cfg.workload_dir) if cfg.workload_dir else cfg.out / "workload"
         if not cfg.workload_dir:
             write_workload(wdir, cfg.workload, tok, cfg.seed, cfg.counts)

@@ -17,7 +17,6 @@ Workloads (tiers S1 / S8 / Smax, as run with concurrency 1 / 8 / unlimited):
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import math
@@ -159,15 +158,18 @@ def write_workload(out_dir: str | Path, name: str, tokenizer, seed: int = 0,
 
 def main(argv: list[str]) -> int:
     """`salaserve bench make-workload --workload NAME --model DIR --out DIR [--seed S]`."""
-    ap = argparse.ArgumentParser(prog="salaserve bench make-workload", description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", dest="name", required=True, choices=WORKLOADS)
+    from salaserve.argparsing import ArgumentParser
+
+    ap = ArgumentParser(prog="salaserve bench make-workload", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", dest="name", required=True, choices=WORKLOADS, help="which workload")
     ap.add_argument("--model", required=True, help="model directory (its tokenizer sizes the texts)")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    from salaserve.model.hf_tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     t0 = time.perf_counter()
     m = write_workload(args.out, args.name, tok, args.seed)
     for tier, info in m["tiers"].items():

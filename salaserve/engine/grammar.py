@@ -56,11 +56,10 @@ class GrammarCompiler:
 
     def compiler(self):
         if self._compiler is None:
-            from transformers import AutoTokenizer
+            from salaserve.model.hf_tokenizer import load_tokenizer
 
             xgr = self._xgr()
-            # (an explicit False: transformers would otherwise ask on stdin about remote code)
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, trust_remote_code=False)
+            tokenizer = load_tokenizer(self.tokenizer_dir)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info)

@@ -11,9 +11,9 @@ from salaserve.engine.sampling_params import SamplingParams
 
 
 def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+    from salaserve.model.hf_tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load(model_dir)
 
 
 class LLM:

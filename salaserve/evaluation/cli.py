@@ -1,22 +1,15 @@
-"""`salaserve eval`: run SOAR-style correctness evaluation against a server, or make synthetic data.
-
-    salaserve eval --data FILE.jsonl [--url URL] [--model NAME] [--concurrency 8]
-                   [--max-tokens N] [--out results.json]
-    salaserve eval make-synthetic --out FILE.jsonl --model DIR --lengths 2000,8000
-                   --per-task N --seed S
-
-`main(argv)` takes the arguments after `eval`.
-"""
+"""`salaserve eval`: run SOAR-style correctness evaluation against a server (`salaserve eval
+--data ...`), or write synthetic rows in the same format (`salaserve eval make-synthetic ...`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
 import time
 from pathlib import Path
 
+from salaserve.argparsing import ArgumentParser
 from salaserve.evaluation.client import (DEFAULT_MAX_TOKENS, fetch_model_id, run_eval,
                                          stop_words_for)
 from salaserve.evaluation.scoring import score_rows
@@ -29,15 +22,18 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _eval_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="salaserve eval",
-                                 description="SOAR-style correctness evaluation over /v1/chat/completions")
+def _eval_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="salaserve eval",
+                        description="SOAR-style correctness evaluation over /v1/chat/completions, as the "
+                                    "toolkit's eval_model.py runs it.",
+                        epilog="salaserve eval make-synthetic --help: write synthetic niah/qa/cwe/fwe rows "
+                               "in the same format.")
     ap.add_argument("--data", required=True, help="jsonl rows with task, question, gold")
-    ap.add_argument("--url", default=DEFAULT_URL)
+    ap.add_argument("--url", default=DEFAULT_URL, help="the server")
     ap.add_argument("--model", help="model name to send (default: first id of GET /v1/models)")
     ap.add_argument("--model-path", help="local model dir for stop words (default: --model if a dir)")
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="max_tokens of each request")
     ap.add_argument("--limit", type=int, help="only the first N rows")
     ap.add_argument("--tasks", help="comma-separated tasks to keep, e.g. mcq,niah")
     ap.add_argument("--out", help="write summary and per-row predictions to this JSON file")
@@ -45,15 +41,15 @@ def _eval_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _synthetic_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="salaserve eval make-synthetic",
-                                 description="write seeded niah/qa/cwe/fwe rows (perf_public_set format)")
-    ap.add_argument("--out", required=True)
+def _synthetic_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="salaserve eval make-synthetic",
+                        description="Write seeded niah/qa/cwe/fwe rows (perf_public_set format).")
+    ap.add_argument("--out", required=True, help="output jsonl file")
     ap.add_argument("--model", required=True, help="model dir whose tokenizer measures lengths")
     ap.add_argument("--lengths", required=True, help="comma-separated target lengths in tokens")
     ap.add_argument("--per-task", type=int, required=True, help="rows per task and length")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tasks", default="niah,qa,cwe,fwe")
+    ap.add_argument("--tasks", default="niah,qa,cwe,fwe", help="comma-separated")
     ap.add_argument("--langs", default="en,zh", help="languages, alternating within each task")
     ap.add_argument("--trust-remote-code", action="store_true", help="let the model directory's own Python code load its tokenizer (off: built-in tokenizer classes only)")
     return ap
@@ -61,11 +57,10 @@ def _synthetic_parser() -> argparse.ArgumentParser:
 
 def make_synthetic_main(argv: list[str]) -> int:
     args = _synthetic_parser().parse_args(argv)
-    from transformers import AutoTokenizer
-
     from salaserve.evaluation.synthetic import make_synthetic
+    from salaserve.model.hf_tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    tok = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     rows = make_synthetic(tok, [int(x) for x in args.lengths.split(",")], args.per_task,
                           args.seed, tuple(args.tasks.split(",")), tuple(args.langs.split(",")))
     with open(args.out, "w", encoding="utf-8") as f:
@@ -122,6 +117,7 @@ def eval_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """`argv`: the arguments after `salaserve eval`."""
     if argv and argv[0] == "make-synthetic":
         return make_synthetic_main(argv[1:])
     return eval_main(argv)

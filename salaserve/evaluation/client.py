@@ -43,9 +43,11 @@ class Prediction:
 def load_stop_words(model_dir: str, trust_remote_code: bool = False) -> list[str]:
     """Stop strings as eval_model.py builds them from the local model directory (its own
     tokenizer code runs only with trust_remote_code)."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    from salaserve.model.hf_tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     words: list[str] = []
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id

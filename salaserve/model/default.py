@@ -25,3 +25,7 @@ def default_model_dir() -> str:
         except OSError:  # another process won the race
             pass
     return cache
+
+
+if __name__ == "__main__":  # `python -m salaserve.model.default`: where the built-in model is
+    print(default_model_dir())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from salaserve.argparsing import ArgumentParser
 from salaserve.config import ModelConfig
 from salaserve.model.loader import validate_names_and_shapes
 from salaserve.model.weights import expected_shapes
@@ -238,12 +239,12 @@ def prepare_model(input_dir: str, output_dir: str, opts: PrepareOptions | None =
 
 def build_parser() -> argparse.ArgumentParser:
     d = PrepareOptions()
-    p = argparse.ArgumentParser(prog="salaserve prepare-model",
-                                description="Quantize a bf16 MiniCPM-SALA checkpoint into a model directory "
-                                            "the engine serves (SOAR prepare_model.sh interface).")
+    p = ArgumentParser(prog="salaserve prepare-model",
+                       description="Quantize a bf16 MiniCPM-SALA checkpoint into a model directory "
+                                   "the engine serves (SOAR prepare_model.sh interface).")
     p.add_argument("--input", required=True, help="bf16 model directory (HF layout)")
     p.add_argument("--output", required=True, help="output model directory")
-    p.add_argument("--quant", choices=METHODS, default=d.quant, help=f"default {d.quant}")
+    p.add_argument("--quant", choices=METHODS, default=d.quant, help="weight format")
     p.add_argument("--calib", default=None, help="calibration JSONL ({'text'} or SOAR {'question', ...} rows); "
                                                   "default: the standard-library corpus")
     p.add_argument("--calib-tokens", type=int, default=d.calib_tokens, help="calibration tokens in all")
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--damp", type=float, default=d.damp, help="GPTQ dampening (fraction of mean diag H)")
     p.add_argument("--checkpoint-format", choices=[GPTQ_V1, GPTQ_V2], default=d.checkpoint_format,
                    help="qzeros convention on disk (gptq = v1, what GPTQModel writes by default)")
-    p.add_argument("--max-shard-bytes", type=int, default=d.max_shard_bytes)
+    p.add_argument("--max-shard-bytes", type=int, default=d.max_shard_bytes, help="largest weight shard")
     return p
 
 

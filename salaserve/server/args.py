@@ -1,9 +1,10 @@
 """`salaserve serve` flags: those of `python -m sglang.launch_server` that the SOAR toolkit and
 users pass, plus our own (--device, --dtype, --backend).
 
-The platform launches with a fixed SGLang command line, so every flag it uses must parse. Flags
-that mean nothing here are accepted with a one-line notice; unknown flags too (SGLang has
-hundreds), so a launch line written for SGLang never fails on a flag we do not know.
+The platform launches with a fixed SGLang command line, so every flag it uses must parse. SGLang
+flags that mean nothing here are accepted with a one-line notice (the list and the reasons are in
+sglang_flags.py); any other unknown flag is an error with a did-you-mean, as SGLang rejects it,
+so a mistyped flag never leaves the server running on a default.
 """
 
 from __future__ import annotations
@@ -12,13 +13,9 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from salaserve.argparsing import ArgumentParser
 from salaserve.config import EngineArgs
-
-# flag dest -> why it is ignored (printed once at start-up when the flag is given)
-IGNORED_FLAGS = {
-    "attention_backend": "salaserve picks its own attention kernels (see --backend)",
-    "dense_as_sparse": "salaserve decides dense vs sparse attention per sequence from the model's dense_len",
-}
+from salaserve.server.sglang_flags import add_ignored_flags, ignored_flag_notices
 
 
 @dataclass
@@ -36,6 +33,7 @@ class ServerArgs:
     stream_interval: int = 1  # tokens between streamed events (SGLang's --stream-interval)
     max_request_bytes: int = 64 * 2**20  # request bodies beyond this get 413
     enable_cache_report: bool = False  # OpenAI usage.prompt_tokens_details.cached_tokens (SGLang's flag)
+    allow_auto_truncate: bool = False  # over-long requests are cut to fit the context, not refused (SGLang's flag)
     log_level: str = "info"
     # hardening (salaserve/server/auth.py, http_limits.py; README "Limits and access")
     admin_api_key: str | None = None  # abort_all, and aborting other clients' requests
@@ -56,48 +54,56 @@ class ServerArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="salaserve serve",
-                                description="Serve MiniCPM-SALA over HTTP (SGLang-native and OpenAI APIs).")
+    p = ArgumentParser(prog="salaserve serve",
+                       description="Serve MiniCPM-SALA over HTTP (SGLang-native and OpenAI APIs). Takes the "
+                                   "flags of `python -m sglang.launch_server`; unknown flags are errors.")
     a = p.add_argument
     a("--model-path", "--model", dest="model_path", default=None,
       help="model directory (default: the built-in default model)")
     a("--served-model-name", default=None, help="model id in /v1/models (default: the model path)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=30000)
-    a("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=30000, help="port to listen on")
+    a("--context-length", type=int, default=None,
+      help="longest prompt + completion in tokens (default: the model's max_position_embeddings; more is refused "
+           "unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, as in SGLang)")
+    a("--allow-auto-truncate", action="store_true",
+      help="as SGLang: a prompt that does not fit the context keeps its first tokens, and a max_new_tokens "
+           "that does not fit is lowered, instead of a 400")
     a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
       help="tensor parallelism; salaserve serves one GPU, so only 1 is accepted")
-    a("--max-running-requests", type=int, default=32)
+    a("--max-running-requests", type=int, default=32, help="requests decoded at once; more wait in a queue")
     a("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
-    a("--mem-fraction-static", type=float, default=0.88)
-    a("--chunked-prefill-size", type=int, default=8192)
+    a("--mem-fraction-static", type=float, default=0.88, help="share of GPU memory for weights and caches")
+    a("--chunked-prefill-size", type=int, default=8192, help="prompt tokens prefilled per step")
     a("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /ping")
-    a("--trust-remote-code", action="store_true")
+    a("--trust-remote-code", action="store_true",
+      help="let transformers run Python code shipped with the model (tokenizer, config)")
     a("--disable-radix-cache", action="store_true", help="no prefix cache (same as --prefix-cache-slots 0)")
     a("--enable-cache-report", action="store_true",
       help="report the prompt tokens taken from the prefix cache in OpenAI usage.prompt_tokens_details")
-    a("--attention-backend", default=None)
-    a("--skip-server-warmup", action="store_true")
-    a("--dense-as-sparse", action="store_true")
-    a("--quantization", default=None)
+    a("--skip-server-warmup", action="store_true", help="report ready without a warm-up generation")
+    a("--quantization", default=None,
+      help="fp8 | w4a16 | gptq (default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load)")
     a("--quantize-lm-head", action="store_true",
       help="with --quantization fp8/w4a16 on a bf16 checkpoint: quantize lm_head on load too (default: bf16)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
       help="fp8_e4m3: the sparse layers' K/V pages in fp8 with a scale per page and KV head: about twice the "
            "pages in the same memory; at 128K 0.2-0.6%% slower at batch 1, faster at batches 8 and 32")
     a("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    a("--random-seed", type=int, default=0)
-    a("--stream-interval", type=int, default=1)
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+      help="debug adds uvicorn's access log")
+    a("--random-seed", type=int, default=0, help="seed of the dummy weights and of unseeded sampling")
+    a("--stream-interval", type=int, default=1, help="tokens between streamed events")
     a("--speculative-algorithm", default=None, choices=["NGRAM", "EAGLE", "EAGLE3"],
       help="speculative decoding (NGRAM: prompt-lookup drafts, exact verify)")
     a("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens per verify step")
     a("--speculative-max-batch", type=int, default=8, help="speculate only while at most this many requests decode")
-    a("--disable-cuda-graph", action="store_true")
+    a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     a("--disable-overlap-schedule", action="store_true",
       help="read each step's tokens back before scheduling the next (no CPU/GPU overlap)")
-    a("--cuda-graph-max-bs", type=int, default=None)
+    a("--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch "
+                                                            "(default: --max-running-requests)")
     # our own
     a("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -120,14 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
       help="most sequences one request may start (prompts x n)")
     a("--request-read-timeout", type=float, default=ServerArgs.request_read_timeout,
       help="seconds a client has to send a request's head, and then its body (408 after)")
+    add_ignored_flags(p)
     return p
 
 
 def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
-    """Returns the engine's and the server's arguments plus one notice per ignored flag.
-    Raises SystemExit (argparse) for a flag value that cannot be served, e.g. --tp-size 2."""
+    """Returns the engine's and the server's arguments plus one notice per ignored SGLang flag.
+    Raises SystemExit (argparse, status 2) for an unknown flag or a flag value that cannot be
+    served, e.g. --tp-size 2."""
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    ns = parser.parse_args(argv)
     if ns.tp_size != 1:
         parser.error(f"--tp-size {ns.tp_size}: salaserve serves one GPU; only --tp-size 1 is supported")
     if ns.stream_interval < 1:
@@ -139,10 +147,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
     for flag in ("max_batch_prompts", "max_request_sequences", "request_read_timeout"):
         if getattr(ns, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(ns, flag)}")
-    notices = [f"note: --{name.replace('_', '-')} is accepted for SGLang compatibility and ignored: {why}"
-               for name, why in IGNORED_FLAGS.items() if getattr(ns, name) not in (None, False)]
-    if unknown:
-        notices.append(f"note: ignoring arguments salaserve does not know: {' '.join(unknown)}")
+    notices = ignored_flag_notices(ns)
     engine = EngineArgs(
         model=ns.model_path, backend=ns.backend, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
         seed=ns.random_seed, max_running_requests=ns.max_running_requests,
@@ -167,7 +172,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         api_key=ns.api_key, enable_metrics=ns.enable_metrics, skip_server_warmup=ns.skip_server_warmup,
         trust_remote_code=ns.trust_remote_code, stream_interval=ns.stream_interval,
         max_request_bytes=int(ns.max_request_mb * 2**20), log_level=ns.log_level,
-        enable_cache_report=ns.enable_cache_report,
+        enable_cache_report=ns.enable_cache_report, allow_auto_truncate=ns.allow_auto_truncate,
         admin_api_key=ns.admin_api_key, metrics_no_auth=ns.metrics_no_auth, max_batch_prompts=ns.max_batch_prompts,
         max_request_sequences=ns.max_request_sequences, request_read_timeout=ns.request_read_timeout,
     )

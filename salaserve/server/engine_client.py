@@ -121,8 +121,11 @@ class EngineClient:
             self._outgoing.put((w.SHUTDOWN,))
             self._outgoing.put(None)  # stops the sender thread after the shutdown message
             self.process.join(timeout)
+            if self.process.is_alive():
+                log.warning("engine process did not stop in %.0f s; terminating it", timeout)
+        elif self.process.is_alive():  # still loading the model: it reads no messages yet
+            log.info("stopping the engine process before it finished starting")
         if self.process.is_alive():
-            log.warning("engine process did not stop in %.0f s; terminating it", timeout)
             self.process.terminate()
             self.process.join(5)
             if self.process.is_alive():

@@ -52,7 +52,7 @@ async def generate(request: Request):
     multi = req.is_batch
     for item, params in zip(req.items, item_params):
         ids = item.input_ids if item.input_ids is not None else next(encoded)
-        state.check_lengths(len(ids), params)
+        ids = state.fit_to_context(ids, params)
         siblings = state.siblings(params)
         multi = multi or len(siblings) > 1
         for p in siblings:

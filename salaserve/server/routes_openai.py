@@ -94,12 +94,14 @@ def response_format_schema(fmt) -> str | None:
                    "response_format")
 
 
-def checked_max_tokens(value: int | None, name: str, context_length: int) -> int | None:
+def checked_max_tokens(value: int | None, name: str, context_length: int, auto_truncate: bool = False) -> int | None:
+    """A positive count within the context; with --allow-auto-truncate a larger one passes, to be
+    lowered once the prompt's length is known (as SGLang does)."""
     if value is None:
         return None
     if value <= 0:
         raise ApiError(400, f"{name} must be positive, got {value}", name)
-    if value > context_length:
+    if value > context_length and not auto_truncate:
         raise ApiError(400, f"{name} ({value}) is larger than the model's context length ({context_length})", name)
     return value
 
@@ -115,7 +117,7 @@ def with_logprobs(state: ServerState, params, top: int, name: str):
 
 def add_samples(state: ServerState, group: RequestGroup, ids: list[int], base, rid: str | None = None) -> list:
     params = dataclasses.replace(base)
-    state.check_lengths(len(ids), params)
+    ids = state.fit_to_context(ids, params)
     siblings = state.siblings(params)
     return [group.add(ids, p, 0, rid=rid if len(siblings) == 1 else None) for p in siblings]
 
@@ -160,7 +162,8 @@ async def completions(request: Request):
         raise ApiError(400, "suffix is not supported", "suffix")
     prompts = completion_prompts(req.prompt)
     base = state.sampling_params(sampling_dict(req, checked_max_tokens(req.max_tokens, "max_tokens",
-                                                                       state.context_length)))
+                                                                       state.context_length,
+                                                                       state.args.allow_auto_truncate)))
     state.check_request_size(len(prompts), len(prompts) * base.n, "prompt")
     texts = [p for p in prompts if isinstance(p, str)]
     for text in texts:
@@ -275,11 +278,11 @@ async def chat_completions(request: Request):
     req: ChatCompletionRequest = parse_model(ChatCompletionRequest, await read_json(request, openai=True))
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    ctx = state.context_length
+    ctx, auto_truncate = state.context_length, state.args.allow_auto_truncate
     if req.max_completion_tokens is not None:
-        max_new = checked_max_tokens(req.max_completion_tokens, "max_completion_tokens", ctx)
+        max_new = checked_max_tokens(req.max_completion_tokens, "max_completion_tokens", ctx, auto_truncate)
     else:
-        max_new = checked_max_tokens(req.max_tokens, "max_tokens", ctx)
+        max_new = checked_max_tokens(req.max_tokens, "max_tokens", ctx, auto_truncate)
     base = state.sampling_params(sampling_dict(req, max_new))
     if req.logprobs:
         base = with_logprobs(state, base, req.top_logprobs or 0, "top_logprobs")

@@ -76,7 +76,8 @@ class ServerState:
         seq = (await group.wait())[0]
         if seq.error:
             raise RuntimeError(f"warm-up generation failed: {seq.error}")
-        log.info("warm-up done in %.2f s: %r", time.perf_counter() - t0, seq.text)
+        log.info("warm-up done: %d-token prompt, %d tokens generated in %.2f s", len(ids), seq.completion_tokens,
+                 time.perf_counter() - t0)
 
     def fatal(self, message: str) -> None:
         self.ready = False
@@ -130,21 +131,36 @@ class ServerState:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+    def fit_to_context(self, ids: list[int], params: SamplingParams) -> list[int]:
         """SGLang's rule: the prompt, and the prompt plus max_new_tokens, stay under the context
-        length. Resolves max_new_tokens=None to everything the context leaves."""
+        length, else 400. With --allow-auto-truncate, SGLang's truncation instead: an over-long
+        prompt keeps its first tokens (the longest prompt the context takes) and a max_new_tokens
+        that does not fit is lowered to what the context leaves, with a warning. Returns the prompt
+        to run; resolves max_new_tokens=None to everything the context leaves."""
         ctx = self.context_length
-        if prompt_len >= ctx:
-            raise ApiError(400, f"The input ({prompt_len} tokens) is longer than the model's context length "
-                                f"({ctx} tokens).")
+        truncate = self.args.allow_auto_truncate
+        if len(ids) >= ctx:
+            if not truncate:
+                raise ApiError(400, f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                    f"({ctx} tokens).")
+            log.warning("The input (%d tokens) is longer than the model's context length (%d tokens). "
+                        "Truncating the input.", len(ids), ctx)
+            ids = ids[:ctx - 1]
+        prompt_len = len(ids)
         if params.max_new_tokens is None:
             params.max_new_tokens = ctx - prompt_len
         elif prompt_len + params.max_new_tokens >= ctx:
-            raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {ctx} "
-                                f"tokens. You requested a total of {prompt_len + params.max_new_tokens} tokens: "
-                                f"{prompt_len} tokens from the input messages and {params.max_new_tokens} tokens "
-                                f"for the completion. Please reduce the number of tokens in the input messages "
-                                f"or the completion to fit within the limit.")
+            if not truncate:
+                raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {ctx} "
+                                    f"tokens. You requested a total of {prompt_len + params.max_new_tokens} tokens: "
+                                    f"{prompt_len} tokens from the input messages and {params.max_new_tokens} "
+                                    f"tokens for the completion. Please reduce the number of tokens in the input "
+                                    f"messages or the completion to fit within the limit.")
+            log.warning("Requested token count (%d input + %d new) exceeds the model's context length (%d tokens). "
+                        "Truncating max_new_tokens.", prompt_len, params.max_new_tokens, ctx)
+            params.max_new_tokens = ctx - 1 - prompt_len
+            params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+        return ids
 
     @staticmethod
     def siblings(params: SamplingParams) -> list[SamplingParams]:

@@ -34,10 +34,9 @@ KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Un
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+    from salaserve.model.hf_tokenizer import load_tokenizer as load
 
-    # An explicit False keeps transformers from prompting on stdin for remote code.
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=bool(trust_remote_code))
+    return load(model_dir, trust_remote_code)
 
 
 def _keeps_characters(component: dict | None, keeping: set[str]) -> bool:
