@@ -46,7 +46,7 @@ def test_no_arguments_prints_the_command_list_and_fails():
 def test_bench_help_lists_its_subcommands_not_a_docstring(capsys):
     assert cli.main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
-    assert list(command_lines(out)) == ["run", "make-workload", "compare", "plot-micro", "report"]
+    assert list(command_lines(out)) == ["run", "e2e", "make-workload", "compare", "plot-micro", "report"]
     assert "main(argv)" not in out and "`bench`" not in out
 
 
