@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -23,7 +22,7 @@ import venv
 
 import httpx
 import pytest
-from server_utils import REPO_ROOT, ServerProcess, free_port, wait_healthy
+from server_utils import REPO_ROOT, ServerProcess, free_port, stop_process, wait_healthy
 
 from salaserve.soar import package
 from salaserve.soar.shim import PTH_NAME, PTH_TEXT
@@ -214,10 +213,4 @@ def test_platform_flow_in_a_fresh_environment(submission, tmp_path):
         assert sorted(result["output_lens"]) == sorted(len(tok.encode(a)) for _, a in rows)  # exact lengths
         assert all(not e for e in result["errors"])
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
