@@ -64,9 +64,11 @@ class ThroughputMeter:
 
 
 class EngineClient:
-    def __init__(self, engine_args: EngineArgs, on_death: Callable[[str], None] | None = None):
+    def __init__(self, engine_args: EngineArgs, on_death: Callable[[str], None] | None = None, cpu_engines: int = 1):
+        """cpu_engines: engine processes sharing this machine's cores (--dp-size on the CPU)."""
         self.engine_args = engine_args
         self.on_death = on_death
+        self.cpu_engines = cpu_engines
         self.info: dict = {}  # static facts sent by the engine once it is up
         self.stats: dict = {}  # the latest counters (one snapshot per engine step)
         self.throughput = ThroughputMeter()
@@ -88,7 +90,7 @@ class EngineClient:
         to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
         from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
         # Not daemonic: the engine may start helper processes of its own (compilers).
-        self.process = ctx.Process(target=w.main, args=(self.engine_args, to_engine_r, from_engine_w),
+        self.process = ctx.Process(target=w.main, args=(self.engine_args, to_engine_r, from_engine_w, self.cpu_engines),
                                    name="salaserve-engine")
         self.process.start()
         # Keep only our ends, so each side sees EOF when the other goes away.
@@ -105,6 +107,16 @@ class EngineClient:
         threading.Thread(target=self._send_loop, name="engine-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, name="engine-receive", daemon=True).start()
         return self.info
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to the engine and not finished: its running + queued, known without
+        waiting for its next step's counters."""
+        return len(self._routes)
 
     def _receive_first(self) -> tuple:
         try:

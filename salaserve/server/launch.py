@@ -2,7 +2,9 @@
 
 /health answers 503 until the engine has loaded the model and (unless --skip-server-warmup) run
 a warm-up generation, then 200. If the engine fails to start or dies, the server exits with
-status 1 rather than answering errors forever; on shutdown the engine process is stopped.
+status 1 rather than answering errors forever; on shutdown the engine process is stopped. With
+--dp-size N there are N engines (server/replicas.py): all must start, and the server exits once
+none is left serving.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def run(argv: list[str]) -> int:
               "(no config.json)", file=sys.stderr)
         return 2
     engine_args.model = server_args.model_path
+    from salaserve.server.replicas import replica_devices
+
+    try:
+        devices = replica_devices(engine_args.device, server_args.dp_size)
+    except ValueError as e:
+        print(f"salaserve serve: error: {e}", file=sys.stderr)
+        return 2
 
     import uvicorn
 
@@ -47,7 +56,7 @@ def run(argv: list[str]) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(server_args, engine_args, on_fatal=on_fatal)
+    app = create_app(server_args, engine_args, on_fatal=on_fatal, devices=devices)
     # proxy_headers off: X-Forwarded-For must not let a client pose as another address (request
     # owners, auth.py); requests through a local proxy then all share the proxy's address
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
