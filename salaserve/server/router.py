@@ -69,7 +69,7 @@ class PrefixAffinityRouter:
 
     def _longest_match(self, chains: list[int]) -> int | None:
         # (a prefix cache that keeps only prompts longer than the window: the whole window is the best evidence)
-        min_blocks = min(-(-self.min_match_tokens // self.block_tokens), self.max_blocks)
+        min_blocks = max(1, min(-(-self.min_match_tokens // self.block_tokens), self.max_blocks))
         for k in range(len(chains) - 1, min_blocks - 2, -1):
             replica = self._owner.get(chains[k])
             if replica is not None:
