@@ -85,6 +85,16 @@ def test_replica_devices():
         rp.replica_devices("cuda:1", 2, cuda_count=4)
 
 
+def test_replica_engine_args():
+    args = EngineArgs(device="auto", step_trace="/tmp/trace.jsonl", seed=3)
+    one, = rp.replica_engine_args(args, ["auto"])
+    assert one == args
+    a, b = rp.replica_engine_args(args, ["cuda:0", "cuda:1"])
+    assert (a.device, b.device) == ("cuda:0", "cuda:1") and a.seed == b.seed == 3
+    assert (a.step_trace, b.step_trace) == ("/tmp/trace.jsonl.replica0", "/tmp/trace.jsonl.replica1")
+    assert rp.replica_engine_args(EngineArgs(), ["cpu", "cpu"])[1].step_trace is None
+
+
 def test_counters_add_up_and_accept_length_is_recomputed():
     a = {"num_running_reqs": 2, "pages_used": 10, "engine_spec_verify_steps": 4, "engine_spec_accepted_tokens": 6,
          "avg_spec_accept_length": 2.5, "note": "x"}

@@ -59,6 +59,17 @@ def replica_devices(device: str, dp_size: int, cuda_count: int | None = None) ->
     return [f"cuda:{i}" for i in range(dp_size)]
 
 
+def replica_engine_args(engine_args: EngineArgs, devices: list[str]) -> list[EngineArgs]:
+    """Each replica's engine arguments: its device and, with several replicas, a step trace file of
+    its own. The seed stays the same: it also draws --load-format dummy weights, which all replicas
+    must share."""
+    if len(devices) == 1:
+        return [dataclasses.replace(engine_args, device=devices[0])]
+    return [dataclasses.replace(engine_args, device=device,
+                                step_trace=engine_args.step_trace and f"{engine_args.step_trace}.replica{i}")
+            for i, device in enumerate(devices)]
+
+
 def sum_stats(snapshots: list[dict]) -> dict:
     """Counters added up over replicas; the speculative accept length recomputed from the sums."""
     out: dict = {}
@@ -104,8 +115,9 @@ class EngineReplicas:
         for r in self.replicas:
             r.client = self._new_client(r)
         first = replica_args[0]
+        affinity = first.prefix_cache_slots > 0 and len(replica_args) > 1  # (no prompt hashing for one replica)
         self.router = PrefixAffinityRouter(
-            len(replica_args), min_match_tokens=first.prefix_cache_min_tokens if first.prefix_cache_slots else 0,
+            len(replica_args), min_match_tokens=first.prefix_cache_min_tokens if affinity else 0,
             # "much busier": a quarter of a replica's running slots more in flight than the least loaded
             slack=max(2, first.max_running_requests // 4))
         self._restarts: set[asyncio.Task] = set()

@@ -18,7 +18,7 @@ from salaserve.server.generation import RequestGroup
 from salaserve.server.input_checks import check_prompt_text
 from salaserve.server.metrics import ServerMetrics
 from salaserve.server.protocol import ApiError
-from salaserve.server.replicas import RESTART_ATTEMPTS, EngineReplicas
+from salaserve.server.replicas import RESTART_ATTEMPTS, EngineReplicas, replica_engine_args
 from salaserve.server.tokenization import Tokenization, load_tokenizer
 
 log = logging.getLogger("salaserve.server")
@@ -42,7 +42,7 @@ class ServerState:
 
     def __post_init__(self):
         devices = self.devices or [self.engine_args.device]
-        self.client = EngineReplicas([dataclasses.replace(self.engine_args, device=d) for d in devices],
+        self.client = EngineReplicas(replica_engine_args(self.engine_args, devices),
                                      on_fatal=self.fatal, warm_up=self.warm_up,
                                      restart_attempts=RESTART_ATTEMPTS if len(devices) > 1 else 0)
         self.metrics = ServerMetrics(self.args.model_name, self.client)
