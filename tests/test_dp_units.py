@@ -109,15 +109,19 @@ class FakeClient:
     """An EngineClient whose engine 'starts' as told and 'dies' on request."""
 
     start_fails = False
+    start_hangs = False
     pids = iter(range(1000, 2000))
 
     def __init__(self, engine_args, cpu_engines=1):
         self.engine_args, self.on_death = engine_args, None
         self.info, self.stats, self.dead, self.pid, self.in_flight = {}, {}, None, None, 0
+        self.closed = False
 
     async def start(self):
         if FakeClient.start_fails:
             raise EngineUnavailable("the engine failed to start: no GPU memory")
+        if FakeClient.start_hangs:
+            await asyncio.Event().wait()
         self.pid = next(self.pids)
         self.info = {"device": self.engine_args.device, "num_pages": 10}
         return self.info
@@ -127,7 +131,7 @@ class FakeClient:
         self.on_death(self.dead)
 
     def close(self):
-        pass
+        self.closed = True
 
     def is_active(self, rid):
         return False
@@ -184,3 +188,24 @@ def test_one_replica_is_not_restarted(monkeypatch):
 
     asyncio.run(scenario())
     assert fatal == ["the engine process exited unexpectedly (code -9)"]
+
+
+def test_shutdown_stops_a_restart_in_progress(monkeypatch):
+    """No engine may start after the server stopped the others."""
+    monkeypatch.setattr(rp, "EngineClient", FakeClient)
+
+    async def scenario():
+        pool = rp.EngineReplicas([EngineArgs(device="cpu"), EngineArgs(device="cpu")], restart_attempts=3)
+        await pool.start()
+        pool.replicas[0].client.die()
+        FakeClient.start_hangs = True
+        await asyncio.sleep(0)  # the restart is now waiting for its engine
+        starting = pool.replicas[0].client
+        await pool.aclose()
+        assert not pool._restarts and starting.closed and pool.replicas[1].client.closed
+        assert pool.replicas[0].client is starting and pool.replicas[0].restarts == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        FakeClient.start_hangs = False

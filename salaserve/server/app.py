@@ -90,7 +90,7 @@ def create_app(server_args: ServerArgs, engine_args: EngineArgs, on_fatal=None,
             yield
         finally:
             boot.cancel()
-            await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
+            await state.shutdown()
 
     app = FastAPI(title="salaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state

@@ -80,6 +80,7 @@ class EngineClient:
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._close_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -119,28 +120,32 @@ class EngineClient:
         return len(self._routes)
 
     def _receive_first(self) -> tuple:
+        process = self.process  # (close() may drop it meanwhile)
         try:
             return self._recv_conn.recv()
         except (EOFError, OSError):
-            self.process.join(timeout=10)
-            return (w.FAILED, f"the engine process exited (code {self.process.exitcode}) before it was ready")
+            process.join(timeout=10)
+            return (w.FAILED, f"the engine process exited (code {process.exitcode}) before it was ready")
 
     def close(self, timeout: float = 10.0) -> None:
-        if self.process is None:
-            return
-        self.closing = True
-        if self.info:  # up and listening: ask it to stop
-            self._outgoing.put((w.SHUTDOWN,))
-            self._outgoing.put(None)  # stops the sender thread after the shutdown message
-            self.process.join(timeout)
-        if self.process.is_alive():
-            log.warning("engine process did not stop in %.0f s; terminating it", timeout)
-            self.process.terminate()
-            self.process.join(5)
+        """Stop the engine process; safe to call again, from any thread (a replica being
+        restarted may be closed by its restart and by the server's shutdown at once)."""
+        with self._close_lock:
+            if self.process is None:
+                return
+            self.closing = True
+            if self.info:  # up and listening: ask it to stop
+                self._outgoing.put((w.SHUTDOWN,))
+                self._outgoing.put(None)  # stops the sender thread after the shutdown message
+                self.process.join(timeout)
             if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
-        self.process = None
+                log.warning("engine process did not stop in %.0f s; terminating it", timeout)
+                self.process.terminate()
+                self.process.join(5)
+                if self.process.is_alive():
+                    self.process.kill()
+                    self.process.join()
+            self.process = None
 
     # ---- threads ---------------------------------------------------------------------------------
     def _send_loop(self) -> None:

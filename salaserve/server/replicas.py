@@ -143,11 +143,18 @@ class EngineReplicas:
         return self.info
 
     def close(self) -> None:
+        """Stop every engine (blocking). With restarts possible, use aclose."""
+        self.closing = True
+        for r in self.replicas:
+            r.client.close()
+
+    async def aclose(self) -> None:
+        """Stop restarts first, so that no engine starts after the others stopped, then every engine."""
         self.closing = True
         for task in self._restarts:
             task.cancel()
-        for r in self.replicas:
-            r.client.close()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def _on_death(self, replica: Replica, client: EngineClient, message: str) -> None:
         """A replica's engine process died (its requests already ended with an error)."""
@@ -166,6 +173,8 @@ class EngineReplicas:
     async def _restart(self, replica: Replica) -> None:
         replica.client.close()  # its process has exited: this only ends its sender thread
         for attempt in range(1, self.restart_attempts + 1):
+            if self.closing:
+                return
             log.warning("dp replica %d died (%s); restarting its engine on %s (attempt %d of %d)", replica.index,
                         replica.last_error, replica.engine_args.device, attempt, self.restart_attempts)
             replica.restarts += 1

@@ -93,9 +93,9 @@ class ServerState:
         if self.on_fatal is not None:
             self.on_fatal(message)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self.ready = False
-        self.client.close()
+        await self.client.aclose()
         if self.tokenization is not None:
             self.tokenization.close()
 
