@@ -52,12 +52,26 @@ def test_flags_map_to_engine_and_server_args():
 
 
 @pytest.mark.parametrize("argv", [["--tp-size", "2"], ["--max-running-requests", "0"], ["--backend", "cuda"],
-                                  ["--port", "http"], ["--quantize-lm-head"]])
+                                  ["--port", "http"], ["--quantize-lm-head"], ["--dp-size", "0"]])
 def test_unservable_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_dp_size_parses_and_more_replicas_than_gpus_is_a_clear_error(tiny_model_dir, capsys):
+    assert parse_args([])[1].dp_size == 1
+    assert parse_args(["--dp-size", "2"])[1].dp_size == parse_args(["--data-parallel-size", "2"])[1].dp_size == 2
+    from salaserve.server.launch import run
+
+    import torch
+
+    # more replicas than visible GPUs; a named GPU is one device, not N
+    for device in ("cuda", "cuda:0") if torch.cuda.device_count() < 2 else ("cuda:0",):
+        assert run(["--model-path", tiny_model_dir, "--dp-size", "2", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert "salaserve serve: error: " in err and "--dp-size 2" in err
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):

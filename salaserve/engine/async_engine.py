@@ -6,7 +6,7 @@
         print(delta.text, end="")
     engine.close()
 
-The same machinery as the HTTP server (server/engine_client.py, server/generation.py): the
+The same machinery as the HTTP server (server/replicas.py, server/generation.py): the
 engine loop runs in a separate process and never waits on this one; tokenization and
 detokenization happen here. Leaving the loop early (break, cancellation) aborts the request and
 frees its pages and state slot.
@@ -23,13 +23,13 @@ from salaserve.model.default import default_model_dir
 
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
-        from salaserve.server.engine_client import EngineClient
+        from salaserve.server.replicas import EngineReplicas
 
         self.args = args or EngineArgs(**kwargs)
         if self.args.model is None:
             self.args.model = default_model_dir()
         self.tokenizer = load_tokenizer(self.args.model)
-        self.client = EngineClient(self.args)
+        self.client = EngineReplicas([self.args])  # one engine process
 
     async def start(self) -> dict:
         """Spawn the engine process and wait until the model is loaded."""

@@ -78,8 +78,10 @@ class BodyLimitMiddleware:
         await error_response(path, 413, msg, headers={"Connection": "close"})(scope, receive, send)
 
 
-def create_app(server_args: ServerArgs, engine_args: EngineArgs, on_fatal=None) -> FastAPI:
-    state = ServerState(server_args, engine_args, on_fatal=on_fatal)
+def create_app(server_args: ServerArgs, engine_args: EngineArgs, on_fatal=None,
+               devices: list[str] | None = None) -> FastAPI:
+    """devices: one per engine replica (replicas.replica_devices); None: one engine on engine_args.device."""
+    state = ServerState(server_args, engine_args, on_fatal=on_fatal, devices=devices)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,7 +90,7 @@ def create_app(server_args: ServerArgs, engine_args: EngineArgs, on_fatal=None) 
             yield
         finally:
             boot.cancel()
-            await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
+            await state.shutdown()
 
     app = FastAPI(title="salaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state

@@ -41,6 +41,7 @@ class ServerArgs:
     max_batch_prompts: int = 256  # prompts in one request
     max_request_sequences: int = 1024  # sequences one request starts: prompts x n
     request_read_timeout: float = 60.0  # seconds to send a request head, and then its body
+    dp_size: int = 1  # engine replicas behind this front end (server/replicas.py)
 
     @property
     def model_name(self) -> str:
@@ -70,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="as SGLang: a prompt that does not fit the context keeps its first tokens, and a max_new_tokens "
            "that does not fit is lowered, instead of a 400")
     a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
-      help="tensor parallelism; salaserve serves one GPU, so only 1 is accepted")
+      help="tensor parallelism; salaserve serves one GPU per engine, so only 1 is accepted")
+    a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
+      help="engine replicas, one process each (replica i on cuda:i, or all on the CPU), behind this one HTTP "
+           "server; each request goes to the least loaded replica, or to the one that recently got the same "
+           "long prompt prefix unless that one is much busier")
     a("--max-running-requests", type=int, default=32, help="requests decoded at once; more wait in a queue")
     a("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     a("--mem-fraction-static", type=float, default=0.88, help="share of GPU memory for weights and caches")
@@ -138,6 +143,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
     ns = parser.parse_args(argv)
     if ns.tp_size != 1:
         parser.error(f"--tp-size {ns.tp_size}: salaserve serves one GPU; only --tp-size 1 is supported")
+    if ns.dp_size < 1:
+        parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
     if ns.stream_interval < 1:
         parser.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
     if ns.speculative_algorithm in ("EAGLE", "EAGLE3"):
@@ -175,5 +182,6 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         enable_cache_report=ns.enable_cache_report, allow_auto_truncate=ns.allow_auto_truncate,
         admin_api_key=ns.admin_api_key, metrics_no_auth=ns.metrics_no_auth, max_batch_prompts=ns.max_batch_prompts,
         max_request_sequences=ns.max_request_sequences, request_read_timeout=ns.request_read_timeout,
+        dp_size=ns.dp_size,
     )
     return engine, server, notices

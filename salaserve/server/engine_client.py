@@ -64,9 +64,11 @@ class ThroughputMeter:
 
 
 class EngineClient:
-    def __init__(self, engine_args: EngineArgs, on_death: Callable[[str], None] | None = None):
+    def __init__(self, engine_args: EngineArgs, on_death: Callable[[str], None] | None = None, cpu_engines: int = 1):
+        """cpu_engines: engine processes sharing this machine's cores (--dp-size on the CPU)."""
         self.engine_args = engine_args
         self.on_death = on_death
+        self.cpu_engines = cpu_engines
         self.info: dict = {}  # static facts sent by the engine once it is up
         self.stats: dict = {}  # the latest counters (one snapshot per engine step)
         self.throughput = ThroughputMeter()
@@ -78,6 +80,7 @@ class EngineClient:
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._close_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -88,7 +91,7 @@ class EngineClient:
         to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
         from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
         # Not daemonic: the engine may start helper processes of its own (compilers).
-        self.process = ctx.Process(target=w.main, args=(self.engine_args, to_engine_r, from_engine_w),
+        self.process = ctx.Process(target=w.main, args=(self.engine_args, to_engine_r, from_engine_w, self.cpu_engines),
                                    name="salaserve-engine")
         self.process.start()
         # Keep only our ends, so each side sees EOF when the other goes away.
@@ -106,32 +109,46 @@ class EngineClient:
         threading.Thread(target=self._receive_loop, name="engine-receive", daemon=True).start()
         return self.info
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to the engine and not finished: its running + queued, known without
+        waiting for its next step's counters."""
+        return len(self._routes)
+
     def _receive_first(self) -> tuple:
+        process = self.process  # (close() may drop it meanwhile)
         try:
             return self._recv_conn.recv()
         except (EOFError, OSError):
-            self.process.join(timeout=10)
-            return (w.FAILED, f"the engine process exited (code {self.process.exitcode}) before it was ready")
+            process.join(timeout=10)
+            return (w.FAILED, f"the engine process exited (code {process.exitcode}) before it was ready")
 
     def close(self, timeout: float = 10.0) -> None:
-        if self.process is None:
-            return
-        self.closing = True
-        if self.info:  # up and listening: ask it to stop
-            self._outgoing.put((w.SHUTDOWN,))
-            self._outgoing.put(None)  # stops the sender thread after the shutdown message
-            self.process.join(timeout)
+        """Stop the engine process; safe to call again, from any thread (a replica being
+        restarted may be closed by its restart and by the server's shutdown at once)."""
+        with self._close_lock:
+            if self.process is None:
+                return
+            self.closing = True
+            if self.info:  # up and listening: ask it to stop
+                self._outgoing.put((w.SHUTDOWN,))
+                self._outgoing.put(None)  # stops the sender thread after the shutdown message
+                self.process.join(timeout)
+                if self.process.is_alive():
+                    log.warning("engine process did not stop in %.0f s; terminating it", timeout)
+            elif self.process.is_alive():  # still loading the model: it reads no messages yet
+                log.info("stopping the engine process before it finished starting")
             if self.process.is_alive():
-                log.warning("engine process did not stop in %.0f s; terminating it", timeout)
-        elif self.process.is_alive():  # still loading the model: it reads no messages yet
-            log.info("stopping the engine process before it finished starting")
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
-        self.process = None
+                self.process.terminate()
+                self.process.join(5)
+                if self.process.is_alive():
+                    self.process.kill()
+                    self.process.join()
+            self.process = None
 
     # ---- threads ---------------------------------------------------------------------------------
     def _send_loop(self) -> None:

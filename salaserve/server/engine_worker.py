@@ -172,18 +172,18 @@ class EngineWorker:
         return out
 
 
-def limit_cpu_threads(engine_args) -> None:
-    """On CPU, leave half the cores to the HTTP process and its clients: intra-op threads that
-    outnumber the free cores spin-wait, and a tiny-model step got 13x slower on 2 busy cores.
-    An explicit OMP_NUM_THREADS wins."""
+def limit_cpu_threads(engine_args, cpu_engines: int = 1) -> None:
+    """On CPU, leave half the cores to the HTTP process and its clients, shared out among the
+    `cpu_engines` engine processes: intra-op threads that outnumber the free cores spin-wait,
+    and a tiny-model step got 13x slower on 2 busy cores. An explicit OMP_NUM_THREADS wins."""
     import torch
 
     on_cpu = engine_args.device == "cpu" or (engine_args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2 // cpu_engines))
 
 
-def main(engine_args, inbox, outbox) -> None:
+def main(engine_args, inbox, outbox, cpu_engines: int = 1) -> None:
     """Entry point of the engine process (multiprocessing 'spawn')."""
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -192,7 +192,7 @@ def main(engine_args, inbox, outbox) -> None:
     try:
         from salaserve.engine.engine import Engine
 
-        limit_cpu_threads(engine_args)
+        limit_cpu_threads(engine_args, cpu_engines)
         engine = Engine(engine_args)
         info = engine_info(engine)
         info["initial_counters"] = engine.resource_counters()

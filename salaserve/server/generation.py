@@ -1,8 +1,9 @@
 """Engine requests as an HTTP handler drives them.
 
 One HTTP request may fan out into several engine requests (a batch of prompts, `n` samples):
-a `RequestGroup` holds them, with one inbox that the engine client fills, so a handler waits on a
-single queue and coalesces whatever arrived while it was busy. Each `Sequence` turns token ids
+a `RequestGroup` holds them, sends them all to one engine replica, and has one inbox that the
+engine client fills, so a handler waits on a single queue and coalesces whatever arrived while
+it was busy. Each `Sequence` turns token ids
 into text (`RequestStream`: detokenization, stop strings) and keeps timings for the metrics.
 
 Whatever way a handler ends (done, client gone, error), `RequestGroup.cancel` makes the engine
@@ -175,14 +176,17 @@ class RequestGroup:
     def done(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    async def start(self) -> None:
-        """Hand every sequence to the engine. On a rejection (ValueError, naming the field) or
-        any failure, the ones already queued are cancelled and the error is raised. A sequence's
-        index is its share rank: the engine lets other requests' first sequences in before this
-        request's later ones (Request.share_rank)."""
+    async def start(self, replica: int | None = None) -> None:
+        """Hand every sequence to the engine: all to one replica (server/replicas.py), `replica`
+        or the one the router picks for the first prompt. On a rejection (ValueError, naming the
+        field) or any failure, the ones already queued are cancelled and the error is raised. A
+        sequence's index is its share rank: the engine lets other requests' first sequences in
+        before this request's later ones (Request.share_rank)."""
+        if replica is None:
+            replica = self.client.route(self.seqs[0].prompt_ids)
         results = await asyncio.gather(
             *(self.client.add(s.rid, s.prompt_ids, s.params, s.priority, self.inbox, s.index, share_rank=s.index,
-                              owner=self.owner) for s in self.seqs),
+                              owner=self.owner, replica=replica) for s in self.seqs),
             return_exceptions=True)
         for seq, result in zip(self.seqs, results):
             seq.in_engine = not isinstance(result, BaseException)

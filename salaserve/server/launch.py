@@ -4,7 +4,8 @@ The port is checked before anything else starts, so a port in use is one clear e
 engine process is spawned. /health answers 503 until the engine has loaded the model and (unless
 --skip-server-warmup) run a warm-up generation, then 200. If the engine fails to start or dies,
 the server exits with status 1 rather than answering errors forever; on shutdown the engine
-process is stopped.
+process is stopped. With --dp-size N there are N engines (server/replicas.py): all must start,
+and the server exits once none is left serving.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def run(argv: list[str]) -> int:
                                      env_flag(ALLOW_LONGER_CONTEXT_ENV)):
         print(f"salaserve serve: error: {error}", file=sys.stderr)
         return 2
+    from salaserve.server.replicas import replica_devices
+
+    try:
+        devices = replica_devices(engine_args.device, server_args.dp_size)
+    except ValueError as e:
+        print(f"salaserve serve: error: {e}", file=sys.stderr)
+        return 2
     try:
         server_args.port = check_port(server_args.host, server_args.port)
     except OSError as e:
@@ -104,7 +112,7 @@ def run(argv: list[str]) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(server_args, engine_args, on_fatal=on_fatal)
+    app = create_app(server_args, engine_args, on_fatal=on_fatal, devices=devices)
     # proxy_headers off: X-Forwarded-For must not let a client pose as another address (request
     # owners, auth.py); requests through a local proxy then all share the proxy's address
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,

@@ -23,18 +23,19 @@ class EngineGauges(Collector):
         self.client = client
 
     def collect(self):
-        stats, info = self.client.stats, self.client.info
+        # counters and capacity added up over the engine replicas (--dp-size)
+        stats, info, capacity = self.client.stats, self.client.info, self.client.capacity()
         pages_used = stats.get("pages_used", 0)
-        num_pages = info.get("num_pages") or 1
+        num_pages = capacity["num_pages"] or 1
         values = {
             "num_running_reqs": ("Running requests.", stats.get("num_running_reqs", 0)),
             "num_queue_reqs": ("Requests waiting to be scheduled.", stats.get("num_queue_reqs", 0)),
             "num_used_tokens": ("KV cache tokens in use.", pages_used * info.get("page_size", 1)),
             "token_usage": ("Share of the KV cache in use.", pages_used / num_pages),
-            "gen_throughput": ("Generated tokens per second (recent).", self.client.throughput.value()),
+            "gen_throughput": ("Generated tokens per second (recent).", self.client.gen_throughput()),
             "cache_hit_rate": ("Share of prompt tokens taken from the prefix cache.",
                                stats.get("engine_cached_prompt_tokens", 0) / max(stats.get("engine_prompt_tokens", 0), 1)),
-            "max_total_num_tokens": ("KV cache capacity in tokens.", info.get("max_total_num_tokens", 0)),
+            "max_total_num_tokens": ("KV cache capacity in tokens.", capacity["max_total_num_tokens"]),
             "num_used_state_slots": ("Lightning state slots in use.", stats.get("slots_used", 0)),
         }
         if "avg_spec_accept_length" in stats:

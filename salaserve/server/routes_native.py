@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from salaserve import __version__
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.server.auth import is_admin, request_owner
+from salaserve.server.engine_client import EngineUnavailable
 from salaserve.server.generate_request import parse_generate_request
 from salaserve.server.generation import RequestGroup, run_unless_disconnected
 from salaserve.server.protocol import ApiError, read_json
@@ -135,7 +136,11 @@ def _drop_aliases(state: ServerState, aliases: dict) -> None:
 async def flush_cache(request: Request):
     state = server_state(request)
     state.require_ready()
-    if await state.client.flush_cache():
+    try:
+        flushed = await state.client.flush_cache()  # every replica's
+    except EngineUnavailable as e:
+        raise ApiError(503, str(e)) from None
+    if flushed:
         return PlainTextResponse("Cache flushed.\n" + FLUSH_NOTE)
     return PlainTextResponse("Cache not flushed. " + FLUSH_NOTE, status_code=400)
 
@@ -215,7 +220,8 @@ async def get_model_info(request: Request):
 @router.get("/server_info")
 async def get_server_info(request: Request):
     """Fast and never fails: SGLang's benchmark calls it inside its timed window and reads
-    `internal_states[0]` (avg_spec_accept_length with speculation)."""
+    `internal_states[0]` (avg_spec_accept_length with speculation). With --dp-size N,
+    internal_states[0] adds up every serving replica's counters and `dp_replicas` has each one's."""
     state = server_state(request)
     try:
         body = json.dumps(server_info(state), default=str)
@@ -227,14 +233,14 @@ async def get_server_info(request: Request):
 
 
 def server_info(state: ServerState) -> dict:
-    info, stats, args = state.client.info, dict(state.client.stats), state.args
-    throughput = state.client.throughput.value()
+    pool, args = state.client, state.args
+    info, stats, capacity = pool.info, dict(pool.stats), pool.capacity()
     internal = {
-        "last_gen_throughput": throughput,
+        "last_gen_throughput": pool.gen_throughput(),
         "memory_usage": {
-            "weight": info.get("weight_bytes", 0) / GIB,
-            "kvcache": (info.get("kv_cache_bytes", 0) + info.get("state_bytes", 0)) / GIB,
-            "token_capacity": info.get("max_total_num_tokens", 0),
+            "weight": capacity["weight_bytes"] / GIB,
+            "kvcache": (capacity["kv_cache_bytes"] + capacity["state_bytes"]) / GIB,
+            "token_capacity": capacity["max_total_num_tokens"],
             "graph": 0,
         },
         "effective_max_running_requests_per_dp": info.get("max_running_requests", state.engine_args.max_running_requests),
@@ -252,5 +258,7 @@ def server_info(state: ServerState) -> dict:
         "backend": info.get("backend"),
         "initial_counters": info.get("initial_counters"),
         "internal_states": [internal],
+        "dp_replicas": pool.report(),
+        "dp_affinity_hits": pool.router.affinity_hits,
         "version": __version__,
     }

@@ -1,4 +1,4 @@
-"""What every route shares: arguments, the engine client, the tokenizer, metrics, readiness, and
+"""What every route shares: arguments, the engine replicas, the tokenizer, metrics, readiness, and
 the checks that turn a prompt plus sampling options into engine requests."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Callable
 from salaserve.config import EngineArgs
 from salaserve.engine.sampling_params import SamplingParams
 from salaserve.server.args import ServerArgs
-from salaserve.server.engine_client import EngineClient, EngineUnavailable
+from salaserve.server.engine_client import EngineUnavailable
 from salaserve.server.generation import RequestGroup
 from salaserve.server.input_checks import check_prompt_text
 from salaserve.server.metrics import ServerMetrics
 from salaserve.server.protocol import ApiError
+from salaserve.server.replicas import RESTART_ATTEMPTS, EngineReplicas, replica_engine_args
 from salaserve.server.tokenization import Tokenization, load_tokenizer
 
 log = logging.getLogger("salaserve.server")
@@ -31,7 +32,8 @@ class ServerState:
     args: ServerArgs
     engine_args: EngineArgs
     on_fatal: Callable[[str], None] | None = None
-    client: EngineClient = None
+    devices: list[str] | None = None  # one per engine replica (replicas.replica_devices); None: engine_args.device
+    client: EngineReplicas = None
     tokenization: Tokenization | None = None
     metrics: ServerMetrics | None = None
     ready: bool = False
@@ -39,12 +41,15 @@ class ServerState:
     rid_aliases: dict[str, list[str]] = field(default_factory=dict)  # user rid -> engine rids (n > 1)
 
     def __post_init__(self):
-        self.client = EngineClient(self.engine_args, on_death=self.fatal)
+        devices = self.devices or [self.engine_args.device]
+        self.client = EngineReplicas(replica_engine_args(self.engine_args, devices),
+                                     on_fatal=self.fatal, warm_up=self.warm_up,
+                                     restart_attempts=RESTART_ATTEMPTS if len(devices) > 1 else 0)
         self.metrics = ServerMetrics(self.args.model_name, self.client)
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def boot(self) -> None:
-        """Load the tokenizer and start the engine side by side, warm up, then report ready."""
+        """Load the tokenizer and start the engines side by side, warm each up, then report ready."""
         try:
             loop = asyncio.get_running_loop()
             tok = loop.run_in_executor(None, load_tokenizer, self.args.model_path, self.args.trust_remote_code)
@@ -54,11 +59,12 @@ class ServerState:
                 tok.add_done_callback(lambda f: f.cancelled() or f.exception())
                 raise
             self.tokenization = Tokenization(await tok)
+            devices = ", ".join(r.info["device"] for r in self.client.replicas)
             log.info("engine ready: %s on %s (%s, backend %s); context %d tokens, KV cache %d tokens, "
-                     "%d state slots", info["model_dir"], info["device"], info["dtype"], info["backend"],
-                     info["context_length"], info["max_total_num_tokens"], info["num_state_slots"])
-            if not self.args.skip_server_warmup:
-                await self.warm_up()
+                     "%d state slots%s", info["model_dir"], devices, info["dtype"], info["backend"],
+                     info["context_length"], info["max_total_num_tokens"], info["num_state_slots"],
+                     " per replica" if len(self.client.replicas) > 1 else "")
+            await asyncio.gather(*(self.warm_up(r.index) for r in self.client.replicas))
             self.ready = True
             log.info("The server is fired up and ready to roll! http://%s:%d", self.args.host, self.args.port)
         except asyncio.CancelledError:
@@ -67,26 +73,30 @@ class ServerState:
             log.error("start-up failed: %s", e)
             self.fatal(str(e))
 
-    async def warm_up(self) -> None:
+    async def warm_up(self, replica: int) -> None:
+        """One short generation on `replica` (unless --skip-server-warmup), before it takes requests."""
+        if self.args.skip_server_warmup:
+            return
         t0 = time.perf_counter()
         ids = await self.tokenization.encode(WARMUP_PROMPT)
         group = RequestGroup(self.client, self.tokenization.tokenizer)  # not counted in the metrics
         group.add(ids, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
-        await group.start()
+        await group.start(replica=replica)
         seq = (await group.wait())[0]
         if seq.error:
             raise RuntimeError(f"warm-up generation failed: {seq.error}")
-        log.info("warm-up done: %d-token prompt, %d tokens generated in %.2f s", len(ids), seq.completion_tokens,
-                 time.perf_counter() - t0)
+        where = f" (replica {replica})" if len(self.client.replicas) > 1 else ""
+        log.info("warm-up done%s: %d-token prompt, %d tokens generated in %.2f s", where, len(ids),
+                 seq.completion_tokens, time.perf_counter() - t0)
 
     def fatal(self, message: str) -> None:
         self.ready = False
         if self.on_fatal is not None:
             self.on_fatal(message)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self.ready = False
-        self.client.close()
+        await self.client.aclose()
         if self.tokenization is not None:
             self.tokenization.close()
 
