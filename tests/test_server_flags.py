@@ -177,7 +177,7 @@ def context_state(auto_truncate: bool):
     from salaserve.server.state import ServerState
 
     state = ServerState(ServerArgs(allow_auto_truncate=auto_truncate), EngineArgs())
-    state.client.info = {"context_length": CONTEXT}
+    state.client.replicas[0].info = {"context_length": CONTEXT}  # (the engine as replica 0 reports it)
     return state
 
 
