@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 
 
 def decode_batch(positions, slots, device="cpu") -> ForwardBatch:

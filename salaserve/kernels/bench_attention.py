@@ -21,7 +21,7 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import SparseConfig
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.kernels import attention as A
 from salaserve.kernels.timing import graph_time_us
 from salaserve.kernels.torch_ops import TorchBackend

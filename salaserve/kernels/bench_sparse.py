@@ -21,7 +21,7 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import preset_config
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.kernels import sparse as ks
 from salaserve.kernels.timing import graph_time_us
 
