@@ -10,7 +10,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from salaserve.engine.sampling_params import SamplingParams
+        from salaserve.core.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineArgs":

@@ -39,7 +39,7 @@ def engine(full_dir):
 def greedy_run(engine, rid, prompt, new_tokens):
     """Greedy run of one request; returns (tokens generated, [(drafts per work item, fp32 logits)]
     for every model step)."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     records = []
     fwd = engine.runner.forward
@@ -98,7 +98,7 @@ def test_prompt_logprobs_match_reference(engine, reference):
     """logprob_start_len=0, max_new_tokens=0 on a 9000-token prompt: the prompt is scored in chunks
     of at most 1024 tokens (dense, then sparse past dense_len), against the reference's logits of
     the whole prompt."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(3, engine.cfg.vocab_size - 8, (9000,), generator=g).tolist()
@@ -120,7 +120,7 @@ def test_prompt_logprobs_match_reference(engine, reference):
 def test_twins_share_one_prefill(engine):
     """Two requests with one 9000-token prompt: the second starts from a copy of the first's caches
     (pages, compressed keys, Lightning state) and both decode the same greedy tokens."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(13)
     prompt = torch.randint(3, engine.cfg.vocab_size - 8, (9000,), generator=g).tolist()
@@ -144,8 +144,8 @@ def test_structured_output_in_graph_batches(engine):
     import re
 
     pytest.importorskip("xgrammar")
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import load_tokenizer
-    from salaserve.engine.sampling_params import SamplingParams
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["n"], "additionalProperties": False}

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from salaserve.config import EngineArgs, ModelConfig
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.llm import LLM, load_tokenizer
 from salaserve.engine.runner import ModelRunner
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.model.loader import WeightLoadError, load_state_dict
 from salaserve.model.reference import ReferenceModel

@@ -285,8 +285,8 @@ def test_shipped_default_model_guard_loss():
 def test_shipped_default_model_engine_greedy():
     """The engine (torch backend, CPU, fp32) continues the guard prompts as the reference did
     when the model was trained, up to the first step whose top-2 margin was too small to matter."""
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
 
     guard = json.loads(open(os.path.join(DEFAULT_MODEL, "metrics.json"), encoding="utf-8").read())["guard"]
     llm = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", backend="torch", max_total_tokens=8192)
@@ -303,8 +303,8 @@ def test_shipped_default_model_engine_greedy():
 
 def test_engine_matches_reference_on_small_shape(tmp_path):
     """The serving engine (torch backend, CPU) on the shipped model's shape, dense and sparse."""
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
     from salaserve.model.checkpoint import write_checkpoint
 
     cfg = write_checkpoint(str(tmp_path), preset_config("small"), seed=0)

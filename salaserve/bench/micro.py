@@ -23,11 +23,11 @@ import torch
 
 from salaserve.bench.floors import Ceilings, decode_bytes, measure_ceilings, prefill_flops
 from salaserve.config import EngineArgs
+from salaserve.core.request import Request, Status
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
-from salaserve.engine.request import Request, Status
 from salaserve.engine.runner import ModelRunner
 from salaserve.engine.sampler import SamplingState
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
 
 

@@ -23,8 +23,8 @@ import time
 import torch
 
 from salaserve.bench.micro import _ints, fake_decoding_requests, model_dir_or_full, release, step_device_ms
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.spec.oracle import OracleDrafter
 

@@ -40,8 +40,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.grammar import apply_grammar_masks
-from salaserve.engine.sampling_params import SamplingParams
 
 # Use torch.topk instead of a full sort when every sampled row has top_k <= this.
 _TOPK_FAST_MAX = 1024

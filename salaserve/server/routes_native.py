@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from salaserve import __version__
-from salaserve.engine.sampling_params import SamplingParams
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.server.auth import is_admin, request_owner
 from salaserve.server.generate_request import parse_generate_request
 from salaserve.server.generation import RequestGroup, run_unless_disconnected

@@ -251,8 +251,8 @@ def _pick_backend(backend: str, device: str) -> str:
 
 def completion_task(model_dir: str, cases: list[FunctionCase], ctx: int, max_new_tokens: int,
                     device: str, backend: str = "auto", dtype: str = "auto") -> dict:
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
     from salaserve.model.tokenizer import BOS_ID
 
     max_running = max(1, min(32, len(cases)))

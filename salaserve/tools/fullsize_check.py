@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     del logits, state
 
     if a.engine:
+        from salaserve.core.sampling_params import SamplingParams
         from salaserve.engine.engine import Engine
-        from salaserve.engine.sampling_params import SamplingParams
 
         engine = Engine(model=d, device="cuda", dtype="bfloat16", backend=a.backend, load_format="dummy",
                         max_total_tokens=65536, max_running_requests=8, chunked_prefill_size=8192)

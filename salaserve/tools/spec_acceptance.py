@@ -15,8 +15,8 @@ import argparse
 import json
 import time
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.llm import LLM, load_tokenizer
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.model.default import default_model_dir
 from salaserve.model.tokenizer import BOS_ID
 from salaserve.tools.corpus import stdlib_corpus_files
