@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from salaserve.config import EngineArgs, ModelConfig
 from salaserve.core.sampling_params import SamplingParams
+from salaserve.core.weights import WeightLoadError
 from salaserve.engine.llm import LLM, load_tokenizer
 from salaserve.engine.runner import ModelRunner
 from salaserve.kernels.torch_ops import TorchBackend
-from salaserve.model.loader import WeightLoadError, load_state_dict
+from salaserve.model.loader import load_state_dict
 from salaserve.model.reference import ReferenceModel
 from salaserve.model.sala import fuse_state_dict
 from salaserve.quant.calib import calibration_sequences

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from salaserve.config import ModelConfig, preset_config
+from salaserve.core.weights import random_state_dict
 from salaserve.model.loader import load_state_dict
 from salaserve.model.reference import ReferenceModel, gla_chunked
-from salaserve.model.weights import random_state_dict
 from salaserve.tools import eval_small, train_small
 from salaserve.tools.train_model import TrainModel, gla_parallel, infllm_v2_mask
 
