@@ -3,8 +3,8 @@
 import asyncio
 
 from salaserve.core.sampling_params import SamplingParams
-from salaserve.engine.async_engine import AsyncEngine
 from salaserve.engine.llm import LLM
+from salaserve.server.async_engine import AsyncEngine
 
 
 def test_stream_matches_offline_and_early_exit_frees(tiny_model_dir):
