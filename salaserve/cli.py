@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from salaserve.subcommands import run_subcommand
+
 
 def _cmd_make_checkpoint(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="salaserve make-checkpoint",
@@ -98,18 +100,6 @@ COMMANDS = {
     "bench": _cmd_bench,
     "eval": _cmd_eval,
 }
-
-
-def run_subcommand(prog: str, commands: dict, argv: list[str], usage: str) -> int:
-    """Dispatch `prog CMD ...` to commands[CMD]; help with no or -h/--help, exit 2 on unknown."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
-        return 0 if argv else 2
-    cmd = commands.get(argv[0])
-    if cmd is None:
-        print(f"{prog}: unknown command {argv[0]!r}; choose from {', '.join(commands)}", file=sys.stderr)
-        return 2
-    return cmd(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

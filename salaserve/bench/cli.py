@@ -188,7 +188,7 @@ COMMANDS = {"run": run_main, "e2e": e2e_main, "make-workload": make_workload_mai
 
 
 def main(argv: list[str]) -> int:
-    from salaserve.cli import run_subcommand
+    from salaserve.subcommands import run_subcommand
 
     return run_subcommand("salaserve bench", COMMANDS, argv, __doc__)
 
