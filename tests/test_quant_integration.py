@@ -452,7 +452,7 @@ def test_prepare_model_cli_rejects_unknown_quant(tiny_model_dir, tmp_path, capsy
 
 def test_prepare_model_cli_gptq_with_jsonl_calibration(tiny_model_dir, tmp_path):
     from salaserve.cli import main
-    from salaserve.tools.corpus import read_corpus_file, stdlib_corpus_files
+    from salaserve.model.corpus import read_corpus_file, stdlib_corpus_files
 
     texts = [read_corpus_file(p) for p in stdlib_corpus_files("train")[:40]]
     calib = tmp_path / "calib.jsonl"
