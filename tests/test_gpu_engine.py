@@ -216,7 +216,7 @@ def test_graph_decode_equals_eager(full_dir):
     """Decode batches give the same logits through CUDA graphs as eagerly; guards against state
     captured from warm-up runs. Unpadded sizes run the very same kernels: bitwise equal. Padded
     sizes change the GEMMs' M (other cuBLAS tiles), so only the bf16 noise bound applies there."""
-    from salaserve.bench.micro import fake_decoding_requests, release
+    from benchmarks.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.engine.scheduler import ScheduledWork
@@ -245,7 +245,7 @@ def test_graph_verify_equals_eager(full_dir):
     path. Verify never writes the Lightning states, so both runs see the same caches. The eager
     run's page tables are as wide as each step needs, the graphs' static (sparse selection then
     splits its work differently): a tight bound, far below what a wrong row or page would give."""
-    from salaserve.bench.micro import fake_decoding_requests, release
+    from benchmarks.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.engine.scheduler import ScheduledWork
@@ -299,7 +299,7 @@ def test_speculative_decoding_follows_plain_decoding(full_dir):
     GEMM and attention-split shapes than decode; with random weights 32 bf16 layers amplify that to
     the same ~2% as engine vs reference, so a near-tie flips every ten or so tokens: a divergence
     must be a near-tie in the plain logits. Exactness itself is tested on CPU in fp32.)"""
-    from salaserve.bench.spec import NoDrafts
+    from benchmarks.spec import NoDrafts
     from salaserve.engine.engine import Engine
     from salaserve.spec.oracle import OracleDrafter
 
@@ -342,7 +342,7 @@ def graph_vs_eager(runner, B, ctx, eager_mode):
     """A decode batch of B fake requests at context ctx: its logits eagerly with `eager_mode` (a
     context manager) in force, then through the graphs from the same states. Returns (graph logits,
     the rows' worst relative difference); the requests are released."""
-    from salaserve.bench.micro import fake_decoding_requests, release
+    from benchmarks.micro import fake_decoding_requests, release
     from salaserve.engine.scheduler import ScheduledWork
 
     reqs = fake_decoding_requests(runner, B, ctx)

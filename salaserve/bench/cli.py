@@ -119,7 +119,7 @@ def compare_main(argv: list[str]) -> int:
 
 def plot_micro_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="salaserve bench plot-micro",
-                                 description="Plot a `python -m salaserve.bench.micro --json` result")
+                                 description="Plot a `python -m benchmarks.micro --json` result")
     ap.add_argument("micro_json")
     ap.add_argument("--out", help="directory for the PNGs (default: beside the JSON)")
     a = ap.parse_args(argv)

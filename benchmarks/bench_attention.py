@@ -1,7 +1,7 @@
 """Times the kernels of salaserve/kernels/attention.py on the GPU next to their floors.
 
-    python -m salaserve.kernels.bench_attention            # the standard table
-    python -m salaserve.kernels.bench_attention --sweep    # + prefill tile configs and decode splits
+    python -m benchmarks.bench_attention            # the standard table
+    python -m benchmarks.bench_attention --sweep    # + prefill tile configs and decode splits
 
 Floors: bytes moved / 4.27 TB/s (store_kv, update_compressed, decode) and FLOPs / 700 TFLOP/s
 (dense prefill: 4 * d * Hq per causal (query, key) pair). Decode-path kernels are timed inside a

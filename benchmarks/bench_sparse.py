@@ -1,6 +1,6 @@
 """Time InfLLM-v2 selection and sparse prefill attention on the GPU next to their floors.
 
-    python -m salaserve.kernels.bench_sparse [--reps 20] [--quick] [--prefill-only | --decode-only]
+    python -m benchmarks.bench_sparse [--reps 20] [--quick] [--prefill-only | --decode-only]
 
 Real config (block 64, C1 32/16, C2 128/64, topk_eff 96, 32 query / 2 KV heads x 128), one sparse
 layer, random bf16 caches (timings do not depend on the values), pages scattered over the pool.
