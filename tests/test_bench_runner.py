@@ -431,7 +431,7 @@ def test_profile_step_ab_times_each_value_with_its_own_graphs(monkeypatch):
     switch is restored afterwards and the runner keeps the first value's graphs."""
     import types
 
-    from salaserve.bench import profile_step as ps
+    from benchmarks import profile_step as ps
 
     module = types.SimpleNamespace(SWITCH=False)
     calls = []
@@ -465,7 +465,7 @@ def test_profile_step_ab_kv_cache_times_both_formats_on_the_same_pages(tiny_mode
     format (fp8 <-> the model dtype) that holds the same pages' contents rounded to its format and
     shares the compressed keys and states; the rounds alternate the two with each one's own graphs;
     afterwards the runner has its own caches and graphs back and every page and slot returned."""
-    from salaserve.bench import profile_step as ps
+    from benchmarks import profile_step as ps
     from salaserve.cache.pages import FP8
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
