@@ -1,6 +1,6 @@
 """salaserve: a fast, dependable inference engine and server for MiniCPM-SALA."""
 
-__version__ = "0.1.0"
+from salaserve._version import __version__
 
 
 def __getattr__(name):
@@ -10,7 +10,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from salaserve.engine.sampling_params import SamplingParams
+        from salaserve.core.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineArgs":

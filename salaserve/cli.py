@@ -50,8 +50,8 @@ def _cmd_generate(argv: list[str]) -> int:
     shape.add_argument("--regex", default=None, help="constrain the output to this regular expression")
     shape.add_argument("--json-schema", default=None, help="constrain the output to JSON with this schema (JSON text)")
     a = p.parse_args(argv)
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
 
     try:
         llm = LLM(a.model, device=a.device, backend=a.backend, load_format=a.load_format, dtype=a.dtype,

@@ -387,7 +387,7 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
         )
     elif name == "small":
         v = 8192 if vocab_size is None else vocab_size
-        # The built-in trained model (salaserve/tools/train_small.py): 8 layers, sparse first and
+        # The built-in trained model (tools/train_small.py): 8 layers, sparse first and
         # last (1:3), ~11.4M parameters so that bf16 weights stay under 25 MB. The sparse_config is
         # scaled so InfLLM-v2 runs from 256 tokens and is truly sparse past 12 blocks (384 tokens);
         # block 32 is a multiple of the C2 stride 4 x 8, as the page-aligned compressed-key pool requires.

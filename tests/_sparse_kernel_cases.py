@@ -17,7 +17,7 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import ModelConfig, preset_config
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.model import reference as spec
 
 LAYER = 1  # a layer other than 0, so that layer offsets are exercised

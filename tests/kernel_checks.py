@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 
 
 def decode_batch(positions, slots, device="cpu") -> ForwardBatch:
@@ -159,7 +159,7 @@ def greedy_outputs_and_logits(eng, prompts, new_tokens: int):
     """Run prompts greedily to completion on an Engine, recording every logits tensor the runner
     returns; checks that pages, slots and compressed entries come back. Returns ({rid: tokens},
     [logits per step])."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     initial = eng.resource_counters()
     rows, fwd = [], eng.runner.forward

@@ -2,9 +2,9 @@
 
 import asyncio
 
-from salaserve.engine.async_engine import AsyncEngine
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.llm import LLM
-from salaserve.engine.sampling_params import SamplingParams
+from salaserve.server.async_engine import AsyncEngine
 
 
 def test_stream_matches_offline_and_early_exit_frees(tiny_model_dir):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from salaserve.engine.batch import (ForwardBatch, PageTableMirror, SeqWork, pack_staged, staged_layout, staged_views,
-                                    table_width)
+from salaserve.core.batch import ForwardBatch, PageTableMirror, SeqWork, table_width
+from salaserve.core.staging import pack_staged, staged_layout, staged_views
 
 
 def _reference_fields(work, block, dense_len, pad_slot=None):

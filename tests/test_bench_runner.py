@@ -296,7 +296,7 @@ def test_profile_step_tool_runs_on_cpu(tmp_path, kv):
     """The per-kernel step profiler (a GPU tool) also runs on CPU, where it lists torch ops."""
     import json
 
-    from salaserve.bench.profile_step import main
+    from benchmarks.profile_step import main
     from salaserve.model.checkpoint import write_checkpoint
 
     model = tmp_path / "tiny"
@@ -313,7 +313,7 @@ def test_profile_step_prefill_mode_runs_on_cpu(tmp_path):
     """--prefill profiles one chunked prompt (CPU ops without a GPU) and writes its rows."""
     import json
 
-    from salaserve.bench.profile_step import main
+    from benchmarks.profile_step import main
     from salaserve.model.checkpoint import write_checkpoint
 
     model = tmp_path / "tiny"
@@ -332,7 +332,7 @@ def test_profile_step_quantized_lm_head_and_no_pdl_on_cpu(tmp_path):
     quantized; --quantize-lm-head alone is refused with a usage error."""
     import json
 
-    from salaserve.bench.profile_step import main
+    from benchmarks.profile_step import main
     from salaserve.kernels import _triton_utils
     from salaserve.model.checkpoint import write_checkpoint
 
@@ -355,7 +355,7 @@ def test_profile_step_quantized_lm_head_and_no_pdl_on_cpu(tmp_path):
 def test_linear_breakdown_names_the_chain_linears():
     """profile_step's per-linear table: GEMV-like kernels in order qkv, o_proj, gate_up, down per layer,
     grouped by layer kind, then lm_head; other kernels ignored; None when the count does not fit."""
-    from salaserve.bench.profile_step import linear_breakdown
+    from benchmarks.profile_step import linear_breakdown
 
     kinds = ["sparse", "lightning", "lightning"]
     seq = []
@@ -377,7 +377,7 @@ def test_linear_breakdown_names_the_chain_linears():
 def test_kernel_timeline_span_busy_and_gaps():
     """Graph-replay timeline: overlapping kernels count once, gaps run from the end of everything so
     far (named by the kernel that ended last) to the next start, and non-kernel events are ignored."""
-    from salaserve.bench.profile_step import kernel_timeline
+    from benchmarks.profile_step import kernel_timeline
 
     ev = [{"cat": "kernel", "ph": "X", "name": "b", "ts": 112.0, "dur": 5.0},
           {"cat": "kernel", "ph": "X", "name": "a", "ts": 100.0, "dur": 10.0},
@@ -394,7 +394,7 @@ def test_kernel_timeline_span_busy_and_gaps():
 
 def test_profile_step_graph_mode_needs_captured_graphs(tmp_path):
     """--graph on a machine without CUDA graphs ends with a message, not a traceback."""
-    from salaserve.bench.profile_step import main
+    from benchmarks.profile_step import main
     from salaserve.model.checkpoint import write_checkpoint
 
     model = tmp_path / "tiny"
@@ -407,7 +407,7 @@ def test_profile_step_ab_parses_switches_and_refuses_bad_ones(tmp_path):
     """--ab module:ATTR=v1,v2: values take the attribute's type (bools from 0/1); a malformed spec, an
     unknown module or attribute, a value of the wrong type, one value, or --ab without --graph give
     a CLI message."""
-    from salaserve.bench.profile_step import main, parse_ab
+    from benchmarks.profile_step import main, parse_ab
     from salaserve.kernels import compile_ahead
 
     module, attr, values = parse_ab("salaserve.kernels.compile_ahead:PARALLEL_COMPILE=0,1")
@@ -431,7 +431,7 @@ def test_profile_step_ab_times_each_value_with_its_own_graphs(monkeypatch):
     switch is restored afterwards and the runner keeps the first value's graphs."""
     import types
 
-    from salaserve.bench import profile_step as ps
+    from benchmarks import profile_step as ps
 
     module = types.SimpleNamespace(SWITCH=False)
     calls = []
@@ -465,7 +465,7 @@ def test_profile_step_ab_kv_cache_times_both_formats_on_the_same_pages(tiny_mode
     format (fp8 <-> the model dtype) that holds the same pages' contents rounded to its format and
     shares the compressed keys and states; the rounds alternate the two with each one's own graphs;
     afterwards the runner has its own caches and graphs back and every page and slot returned."""
-    from salaserve.bench import profile_step as ps
+    from benchmarks import profile_step as ps
     from salaserve.cache.pages import FP8
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
@@ -501,7 +501,7 @@ def test_profile_step_ab_kv_cache_times_both_formats_on_the_same_pages(tiny_mode
 def test_micro_engine_decode_timing_returns_every_resource(tiny_model_dir):
     """micro's engine-loop timing (fake prefilled requests driven by Engine.step, overlap on and
     off) runs on the CPU too and gives back every page, slot and compressed entry."""
-    from salaserve.bench.micro import time_engine_decode
+    from benchmarks.micro import time_engine_decode
     from salaserve.engine.engine import Engine
 
     engine = Engine(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch", max_running_requests=4)

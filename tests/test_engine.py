@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
 from salaserve.engine.llm import LLM
 from salaserve.engine.runner import prompt_logit_rows
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.model.reference import ReferenceModel
 
 LOGIT_TOL = 1e-4
@@ -281,7 +281,7 @@ def test_requests_compare_by_identity():
     """The scheduler keeps requests in lists and asks `req in running` each step: field-by-field
     dataclass equality made that O(B^2) comparisons of whole token lists (4.7 ms per step at 128
     requests on the host, 2.1 ms with identity)."""
-    from salaserve.engine.request import Request
+    from salaserve.core.request import Request
 
     a = Request(rid="x", prompt_ids=[1, 2, 3], params=SamplingParams())
     b = Request(rid="x", prompt_ids=[1, 2, 3], params=SamplingParams())

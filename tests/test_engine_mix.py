@@ -10,8 +10,8 @@ import re
 
 import pytest
 
+from salaserve.core.sampling_params import SamplingParams as P
 from salaserve.engine.engine import Engine
-from salaserve.engine.sampling_params import SamplingParams as P
 
 
 def make(model_dir, spec, **kw):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from salaserve.evaluation.scoring import (answer_text, correctness_coefficient, extract_choice,
-                                          overall_accuracy, score_one, score_rows)
+from salaserve.bench.score import correctness_coefficient
+from salaserve.evaluation.scoring import answer_text, extract_choice, overall_accuracy, score_one, score_rows
 
 
 def test_answer_text_after_last_think():

@@ -23,7 +23,7 @@ def full_dir(tmp_path_factory):
 def serve_like(engine, shapes, concurrency, rng):
     """Run (prompt_len, output_len, params) requests with at most `concurrency` in flight, a new one
     added as soon as one finishes (as a benchmark client at that concurrency does)."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     vocab = engine.cfg.vocab_size
     pending = list(enumerate(shapes))

@@ -39,7 +39,7 @@ def engine(full_dir):
 def greedy_run(engine, rid, prompt, new_tokens):
     """Greedy run of one request; returns (tokens generated, [(drafts per work item, fp32 logits)]
     for every model step)."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     records = []
     fwd = engine.runner.forward
@@ -98,7 +98,7 @@ def test_prompt_logprobs_match_reference(engine, reference):
     """logprob_start_len=0, max_new_tokens=0 on a 9000-token prompt: the prompt is scored in chunks
     of at most 1024 tokens (dense, then sparse past dense_len), against the reference's logits of
     the whole prompt."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(3, engine.cfg.vocab_size - 8, (9000,), generator=g).tolist()
@@ -120,7 +120,7 @@ def test_prompt_logprobs_match_reference(engine, reference):
 def test_twins_share_one_prefill(engine):
     """Two requests with one 9000-token prompt: the second starts from a copy of the first's caches
     (pages, compressed keys, Lightning state) and both decode the same greedy tokens."""
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(13)
     prompt = torch.randint(3, engine.cfg.vocab_size - 8, (9000,), generator=g).tolist()
@@ -144,8 +144,8 @@ def test_structured_output_in_graph_batches(engine):
     import re
 
     pytest.importorskip("xgrammar")
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import load_tokenizer
-    from salaserve.engine.sampling_params import SamplingParams
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["n"], "additionalProperties": False}
@@ -216,7 +216,7 @@ def test_graph_decode_equals_eager(full_dir):
     """Decode batches give the same logits through CUDA graphs as eagerly; guards against state
     captured from warm-up runs. Unpadded sizes run the very same kernels: bitwise equal. Padded
     sizes change the GEMMs' M (other cuBLAS tiles), so only the bf16 noise bound applies there."""
-    from salaserve.bench.micro import fake_decoding_requests, release
+    from benchmarks.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.engine.scheduler import ScheduledWork
@@ -245,7 +245,7 @@ def test_graph_verify_equals_eager(full_dir):
     path. Verify never writes the Lightning states, so both runs see the same caches. The eager
     run's page tables are as wide as each step needs, the graphs' static (sparse selection then
     splits its work differently): a tight bound, far below what a wrong row or page would give."""
-    from salaserve.bench.micro import fake_decoding_requests, release
+    from benchmarks.micro import fake_decoding_requests, release
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.engine.scheduler import ScheduledWork
@@ -299,7 +299,7 @@ def test_speculative_decoding_follows_plain_decoding(full_dir):
     GEMM and attention-split shapes than decode; with random weights 32 bf16 layers amplify that to
     the same ~2% as engine vs reference, so a near-tie flips every ten or so tokens: a divergence
     must be a near-tie in the plain logits. Exactness itself is tested on CPU in fp32.)"""
-    from salaserve.bench.spec import NoDrafts
+    from benchmarks.spec import NoDrafts
     from salaserve.engine.engine import Engine
     from salaserve.spec.oracle import OracleDrafter
 
@@ -342,7 +342,7 @@ def graph_vs_eager(runner, B, ctx, eager_mode):
     """A decode batch of B fake requests at context ctx: its logits eagerly with `eager_mode` (a
     context manager) in force, then through the graphs from the same states. Returns (graph logits,
     the rows' worst relative difference); the requests are released."""
-    from salaserve.bench.micro import fake_decoding_requests, release
+    from benchmarks.micro import fake_decoding_requests, release
     from salaserve.engine.scheduler import ScheduledWork
 
     reqs = fake_decoding_requests(runner, B, ctx)

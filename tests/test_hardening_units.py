@@ -10,7 +10,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from salaserve.engine.sampling_params import SamplingParams
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.server.auth import ApiKeyMiddleware
 from salaserve.server.tokenization import load_tokenizer, max_chars_per_token
 

@@ -19,7 +19,7 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import SparseConfig, preset_config
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.model import reference as spec
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
 from salaserve.engine.prefix_cache import PrefixCache, _common_prefix
-from salaserve.engine.sampling_params import SamplingParams
 
 LOGPROB_TOL = 1e-4  # fp32: the cached and uncached runs differ only in where prefill chunks end
 

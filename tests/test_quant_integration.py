@@ -12,11 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from salaserve.config import EngineArgs, ModelConfig
+from salaserve.core.sampling_params import SamplingParams
+from salaserve.core.weights import WeightLoadError
 from salaserve.engine.llm import LLM, load_tokenizer
 from salaserve.engine.runner import ModelRunner
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.kernels.torch_ops import TorchBackend
-from salaserve.model.loader import WeightLoadError, load_state_dict
+from salaserve.model.loader import load_state_dict
 from salaserve.model.reference import ReferenceModel
 from salaserve.model.sala import fuse_state_dict
 from salaserve.quant.calib import calibration_sequences
@@ -451,7 +452,7 @@ def test_prepare_model_cli_rejects_unknown_quant(tiny_model_dir, tmp_path, capsy
 
 def test_prepare_model_cli_gptq_with_jsonl_calibration(tiny_model_dir, tmp_path):
     from salaserve.cli import main
-    from salaserve.tools.corpus import read_corpus_file, stdlib_corpus_files
+    from salaserve.model.corpus import read_corpus_file, stdlib_corpus_files
 
     texts = [read_corpus_file(p) for p in stdlib_corpus_files("train")[:40]]
     calib = tmp_path / "calib.jsonl"

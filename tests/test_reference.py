@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from salaserve.config import ModelConfig, preset_config
+from salaserve.core.weights import random_state_dict
 from salaserve.model import reference as ref
 from salaserve.model.reference import ReferenceModel
-from salaserve.model.weights import random_state_dict
 
 TOL = 1e-4  # max abs logit difference allowed between mathematically identical fp32 schedules
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from salaserve.core.sampling_params import SamplingParams as P
 from salaserve.engine.sampler import Sampler, SamplingState, apply_penalties
-from salaserve.engine.sampling_params import SamplingParams as P
 
 
 @pytest.fixture

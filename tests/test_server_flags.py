@@ -182,7 +182,7 @@ def context_state(auto_truncate: bool):
 
 
 def test_without_the_flag_over_long_requests_are_refused():
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.server.protocol import ApiError
 
     state = context_state(False)
@@ -197,7 +197,7 @@ def test_without_the_flag_over_long_requests_are_refused():
 
 
 def test_truncation_rule():
-    from salaserve.engine.sampling_params import SamplingParams
+    from salaserve.core.sampling_params import SamplingParams
 
     state = context_state(True)
     ids = list(range(100))

@@ -60,8 +60,8 @@ def test_generate_text_and_ids(client, tokenizer, tiny_model_dir):
     by_ids = generate(client, input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12,
                                                               "ignore_eos": True})
     assert by_ids["output_ids"] == out["output_ids"] and by_ids["text"] == out["text"]
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
 
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", backend="torch")
     offline = llm.generate(text, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))[0]

@@ -6,8 +6,8 @@ import multiprocessing
 
 import pytest
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.server import engine_worker as w
 
 

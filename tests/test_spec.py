@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.spec.accept import accept_greedy, accept_sampling, target_probs
 from salaserve.spec.ngram import NgramDrafter
 from salaserve.spec.oracle import OracleDrafter
@@ -150,8 +150,8 @@ def test_ngram_drafts_accepted_on_the_trained_model():
     n-gram drafts are accepted (accept length > 1), and greedy output stays identical."""
     import os
 
-    from salaserve.model.default import PACKAGED
     from salaserve.engine.llm import LLM
+    from salaserve.model.default import PACKAGED
 
     if not os.path.isfile(os.path.join(PACKAGED, "config.json")):
         pytest.skip("no trained default model shipped")

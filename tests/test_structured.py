@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from salaserve.core.sampling_params import SamplingParams as P
 from salaserve.engine.engine import Engine
 from salaserve.engine.llm import LLM
-from salaserve.engine.sampling_params import SamplingParams as P
 
 pytest.importorskip("xgrammar")
 

@@ -10,8 +10,8 @@ import pytest
 
 from salaserve.config import TAIL_SPECIAL_TOKENS, preset_config
 from salaserve.model import tokenizer as T
-from salaserve.tools import corpus
-from salaserve.tools.train_tokenizer import BASE_SPECIAL_TOKENS, train
+from salaserve.model import corpus
+from tools.train_tokenizer import BASE_SPECIAL_TOKENS, train
 
 SIZES = (8192, 73448)
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

@@ -1,4 +1,4 @@
-"""The small-model trainer and its evaluation (salaserve/tools/train_{model,small}.py, eval_small.py).
+"""The small-model trainer and its evaluation (tools/train_{model,small}.py, eval_small.py).
 
 (a) the batched training forward equals the reference model (fp32, dense and sparse lengths):
     what makes trained weights mean the same thing in the serving engine;
@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from salaserve.config import ModelConfig, preset_config
+from salaserve.core.weights import random_state_dict
 from salaserve.model.loader import load_state_dict
 from salaserve.model.reference import ReferenceModel, gla_chunked
-from salaserve.model.weights import random_state_dict
-from salaserve.tools import eval_small, train_small
-from salaserve.tools.train_model import TrainModel, gla_parallel, infllm_v2_mask
+from tools import eval_small, train_small
+from tools.train_model import TrainModel, gla_parallel, infllm_v2_mask
 
 TOL = 1e-4
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "salaserve", "assets",
@@ -132,7 +132,7 @@ def test_train_steps_lower_loss_and_checkpoint_loads(tmp_path):
                  "chat_template.jinja", "model.safetensors", "metrics.json", "README.md"):
         assert (out / name).is_file(), name
     reproduce = json.loads((out / "metrics.json").read_text())["reproduce"]
-    assert reproduce.startswith("python -m salaserve.tools.train_small")
+    assert reproduce.startswith("python -m tools.train_small")
 
     cfg = ModelConfig.from_pretrained(out)
     assert cfg == preset_config("tiny")
@@ -251,7 +251,7 @@ def test_eval_end_to_end_on_tiny_random_checkpoint(tiny_model_dir):
 
 
 def test_guard_loss_matches_training_forward(tiny_model_dir):
-    from salaserve.tools.train_small import load_tokenizer
+    from tools.small_data import load_tokenizer
 
     guard = eval_small.make_guard(tiny_model_dir, load_tokenizer(tiny_model_dir), n_files=2, n_tokens=140)
     assert len(guard["token_ids"]) == 2 and all(len(s) == 141 for s in guard["token_ids"])
@@ -285,8 +285,8 @@ def test_shipped_default_model_guard_loss():
 def test_shipped_default_model_engine_greedy():
     """The engine (torch backend, CPU, fp32) continues the guard prompts as the reference did
     when the model was trained, up to the first step whose top-2 margin was too small to matter."""
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
 
     guard = json.loads(open(os.path.join(DEFAULT_MODEL, "metrics.json"), encoding="utf-8").read())["guard"]
     llm = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", backend="torch", max_total_tokens=8192)
@@ -303,8 +303,8 @@ def test_shipped_default_model_engine_greedy():
 
 def test_engine_matches_reference_on_small_shape(tmp_path):
     """The serving engine (torch backend, CPU) on the shipped model's shape, dense and sparse."""
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
     from salaserve.model.checkpoint import write_checkpoint
 
     cfg = write_checkpoint(str(tmp_path), preset_config("small"), seed=0)

@@ -112,7 +112,7 @@ def compare_main(argv: list[str]) -> int:
 
 def plot_micro_main(argv: list[str]) -> int:
     ap = ArgumentParser(prog="salaserve bench plot-micro",
-                        description="Plot a `python -m salaserve.bench.micro --json` result")
+                        description="Plot a `python -m benchmarks.micro --json` result")
     ap.add_argument("micro_json")
     ap.add_argument("--out", help="directory for the PNGs (default: beside the JSON)")
     a = ap.parse_args(argv)
@@ -181,7 +181,7 @@ COMMANDS = {
     "e2e": Command(e2e_main, "soar-quick end to end on the full-size dummy model per configuration, with floors (GPU)"),
     "make-workload": Command(make_workload_main, "write a workload's request files (SOAR toolkit format)"),
     "compare": Command(compare_main, "speedups and the SOAR score of one result against another"),
-    "plot-micro": Command(plot_micro_main, "plot a `python -m salaserve.bench.micro --json` result"),
+    "plot-micro": Command(plot_micro_main, "plot a `python -m benchmarks.micro --json` result"),
     "report": Command(report_main, "re-render report.md and the latency plots of a result"),
 }
 

@@ -2,7 +2,7 @@
 
 - `plot_latencies`: per tier, the TTFT, ITL and E2E distributions of a `bench run` result, with
   the p50/p90/p99 marks of its summary.
-- `plot_micro`: from `python -m salaserve.bench.micro --json` output, decode step time against
+- `plot_micro`: from `python -m benchmarks.micro --json` output, decode step time against
   batch and against context, prefill time against length, each beside its floor.
 """
 

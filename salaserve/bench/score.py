@@ -39,11 +39,20 @@ def soar_score(ref: dict[str, float], yours: dict[str, float], coefficient: floa
     return {"tiers": per, "speed_score": speed, "coefficient": coefficient, "final": speed * coefficient}
 
 
+def correctness_coefficient(overall: float) -> float:
+    """C multiplying the speed score: 0 at or below 97, then 0.92 / 0.96 / 1.0 per point."""
+    if overall <= 97:
+        return 0.0
+    if overall <= 98:
+        return 0.92
+    if overall <= 99:
+        return 0.96
+    return 1.0
+
+
 def coefficient_from_eval(path: str | Path) -> float:
     """C from an `salaserve eval --out` JSON (its summary's coefficient, else from its
     overall_accuracy), or from any JSON with `coefficient` / `overall_accuracy` at the top."""
-    from salaserve.evaluation.scoring import correctness_coefficient
-
     data = json.loads(Path(path).read_text())
     summary = data.get("summary", data)
     if summary.get("coefficient") is not None:

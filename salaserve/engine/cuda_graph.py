@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from salaserve.engine.batch import ForwardBatch, table_width
+from salaserve.core.batch import ForwardBatch, table_width
 from salaserve.kernels.compile_watch import WATCH
 
 log = logging.getLogger("salaserve")

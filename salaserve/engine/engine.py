@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from salaserve.config import EngineArgs
+from salaserve.core.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.grammar import GrammarCompiler
 from salaserve.engine.prefix_cache import CachedPrompt, PrefixCache
-from salaserve.engine.request import ABORT_REASON, Request, Status, StepOutput, length_reason, stop_reason
 from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history, read_logprobs
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import Scheduler, ScheduledWork
 from salaserve.engine.warmup import warm_up_engine
 from salaserve.kernels.compile_watch import WATCH

@@ -18,23 +18,7 @@ import re
 
 import torch
 
-# sampling_params keys, in the order they are checked: at most one may be set
-GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
-
-
-def grammar_spec(params) -> tuple[str, str] | None:
-    """(key, value) of the request's structured-output constraint, or None; ValueError if more
-    than one is set or the value is not a string."""
-    set_keys = [k for k in GRAMMAR_KEYS if getattr(params, k) is not None]
-    if not set_keys:
-        return None
-    if len(set_keys) > 1:
-        raise ValueError(f"sampling_params: set one of {', '.join(GRAMMAR_KEYS)}, got {', '.join(set_keys)}")
-    key = set_keys[0]
-    value = getattr(params, key)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"sampling_params.{key}: must be a non-empty string, got {value!r}")
-    return key, value
+from salaserve.core.sampling_params import GRAMMAR_KEYS, grammar_spec
 
 
 class GrammarCompiler:

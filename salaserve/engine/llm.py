@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 from salaserve.config import EngineArgs
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
 from salaserve.engine.output import GenerationOutput, RequestStream
-from salaserve.engine.sampling_params import SamplingParams
 
 
 def load_tokenizer(model_dir: str):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from salaserve.core.request import StepOutput, stop_reason
 from salaserve.engine.detokenizer import IncrementalDetokenizer, StopRegexMatcher, StopStringMatcher
-from salaserve.engine.request import StepOutput, stop_reason
 
 
 @dataclass

@@ -12,7 +12,7 @@ from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import EngineArgs, ModelConfig
-from salaserve.engine.batch import ForwardBatch, PageTableMirror, SeqWork
+from salaserve.core.batch import ForwardBatch, PageTableMirror, SeqWork
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.kernels import get_backend, resolve_backend_name
 from salaserve.kernels.compile_watch import WATCH

@@ -40,22 +40,12 @@ from typing import Iterable, Sequence
 
 import torch
 
+from salaserve.core.distribution import effective_top_k, keep_mask, mix_seed
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.grammar import apply_grammar_masks
-from salaserve.engine.sampling_params import SamplingParams
 
 # Use torch.topk instead of a full sort when every sampled row has top_k <= this.
 _TOPK_FAST_MAX = 1024
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(seed: int, step: int) -> int:
-    """splitmix64 of (seed, step): a well-spread 64-bit generator seed per request step."""
-    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 class SamplingState:
     """One request's sampling state: params, token history and penalty counters.
 
@@ -208,7 +198,7 @@ class Sampler:
         device, vocab = logits.device, logits.shape[1]
         ps = [states[i].params for i in rows]
         knobs = _to_device(
-            [[p.temperature, _top_k(p, vocab), p.top_p, p.min_p] for p in ps], torch.float32, device
+            [[p.temperature, effective_top_k(p, vocab), p.top_p, p.min_p] for p in ps], torch.float32, device
         )
         temp, top_k, top_p, min_p = knobs.unbind(1)
         probs = torch.softmax(logits[_to_device(rows, torch.long, device)] / temp[:, None], dim=-1)
@@ -222,16 +212,16 @@ class Sampler:
         # E == 0 would give inf/nan scores; clamping keeps p / E finite.
         noise = torch.cat(noise).clamp_min_(torch.finfo(torch.float32).tiny)
 
-        need_k = any(_top_k(p, vocab) < vocab for p in ps)
+        need_k = any(effective_top_k(p, vocab) < vocab for p in ps)
         need_p = any(p.top_p < 1.0 for p in ps)
         need_min_p = any(p.min_p > 0.0 for p in ps)
         if need_k or need_p:
-            width = max(_top_k(p, vocab) for p in ps)
+            width = max(effective_top_k(p, vocab) for p in ps)
             if width <= _TOPK_FAST_MAX:
                 sorted_p, sorted_idx = probs.topk(width, dim=-1)
             else:
                 sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-            keep = _keep_mask(sorted_p, top_k, top_p, min_p, need_p, need_min_p)
+            keep = keep_mask(sorted_p, top_k, top_p, min_p, need_p, need_min_p)
             scores = sorted_p.masked_fill(~keep, 0.0) / noise.gather(1, sorted_idx)
             picked = sorted_idx.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
         else:
@@ -333,27 +323,6 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     if grammar:
         apply_grammar_masks(logits, grammar, [states[i].grammar for i in grammar])
     return logits
-
-
-def _keep_mask(sorted_p, top_k, top_p, min_p, need_p: bool, need_min_p: bool) -> torch.Tensor:
-    """Which entries of each descending-sorted probability row survive top-k, top-p, min-p."""
-    ranks = torch.arange(sorted_p.shape[1], device=sorted_p.device)
-    keep = ranks[None, :] < top_k[:, None]
-    if need_p:
-        kept = sorted_p * keep
-        cum = kept.cumsum(dim=-1)
-        before = cum - kept  # mass strictly ahead of each entry
-        # Nucleus of the top-k survivors: the smallest prefix whose mass reaches top_p of theirs.
-        # (cum[:, -1], not a separate sum: identical whatever the window width, see module doc.)
-        limit = torch.where(top_p < 1.0, top_p * cum[:, -1], torch.inf)
-        keep &= before < limit[:, None]
-    if need_min_p:
-        keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
-    return keep
-
-
-def _top_k(p: SamplingParams, vocab: int) -> int:
-    return vocab if p.top_k <= 0 else min(p.top_k, vocab)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

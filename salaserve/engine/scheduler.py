@@ -18,7 +18,7 @@ from typing import Callable
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
-from salaserve.engine.request import Request, Status
+from salaserve.core.request import Request, Status
 
 
 # Tokens per prefill chunk while a request's prompt logprobs are computed: each needs a logits

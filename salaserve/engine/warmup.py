@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from salaserve.engine.sampling_params import SamplingParams
+from salaserve.core.sampling_params import SamplingParams
 
 log = logging.getLogger("salaserve")
 

@@ -11,7 +11,8 @@ Rules and where they come from:
 - `ori_accuracy` = mean score x 100; `overall_accuracy` = min(round(ori / 80 x 100, 2), 100)
   (section 2, l.396 and l.433).
 - Correctness coefficient C on `overall_accuracy`: <= 97 -> 0, (97, 98] -> 0.92, (98, 99] -> 0.96,
-  (99, 100] -> 1.0 (section 5.4, latest wording).
+  (99, 100] -> 1.0 (section 5.4, latest wording; `bench/score.py` holds it beside the speed score
+  it multiplies).
 - A failed request scores 0: the toolkit turns errors into an empty prediction (section 2).
 
 Choices where the note is silent (the toolkit source itself was not available):
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from salaserve.bench.score import correctness_coefficient
 
 THINK_END = "</think>"
 MCQ_TASKS = ("mcq",)
@@ -110,17 +113,6 @@ def score_one(task: str, prediction: str | None, gold) -> float:
 def overall_accuracy(ori: float) -> float:
     """Normalized accuracy the platform reports: min(round(ori / 80 x 100, 2), 100)."""
     return min(round(ori / BASELINE_ORI * 100, 2), 100.0)
-
-
-def correctness_coefficient(overall: float) -> float:
-    """C multiplying the speed score: 0 at or below 97, then 0.92 / 0.96 / 1.0 per point."""
-    if overall <= 97:
-        return 0.0
-    if overall <= 98:
-        return 0.92
-    if overall <= 99:
-        return 0.96
-    return 1.0
 
 
 @dataclass

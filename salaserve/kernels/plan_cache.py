@@ -86,7 +86,7 @@ def fingerprint(device) -> dict:
     """What the picks depend on besides the shapes (see the module docstring)."""
     import triton
 
-    import salaserve
+    from salaserve._version import __version__
     from salaserve.kernels import gemv
 
     d = torch.device(device)
@@ -101,7 +101,7 @@ def fingerprint(device) -> dict:
         sources.update(path.name.encode() + b"\0" + path.read_bytes())
     switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SALASERVE_") and k != _ENV}
     return dict(format=PLAN_FORMAT, gpu=gpu, capability=capability, torch=torch.__version__,
-                triton=triton.__version__, salaserve=salaserve.__version__, kernels=sources.hexdigest()[:16],
+                triton=triton.__version__, salaserve=__version__, kernels=sources.hexdigest()[:16],
                 switches=switches)
 
 

@@ -15,7 +15,7 @@ from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import ModelConfig
-from salaserve.engine.batch import ForwardBatch
+from salaserve.core.batch import ForwardBatch
 from salaserve.model import reference as spec
 from salaserve.quant.fuse import SplitLinear
 

@@ -14,8 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from salaserve.config import ModelConfig, preset_config
-from salaserve.model.loader import INDEX_FILE
-from salaserve.model.weights import expected_shapes, random_tensor
+from salaserve.core.weights import INDEX_FILE, expected_shapes, random_tensor
 
 DEFAULT_SHARD_BYTES = {"tiny": 4 * 2**20, "full": 4 * 2**30}
 

@@ -7,58 +7,14 @@ fp8) give QuantizedLinearWeights under the linears' `.weight` names (salaserve/q
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from safetensors import safe_open
 
 from salaserve.config import ModelConfig
-from salaserve.model.weights import expected_shapes, random_state_dict
-
-INDEX_FILE = "model.safetensors.index.json"
-
-
-class WeightLoadError(ValueError):
-    """The checkpoint's tensors do not match the config; the message lists every problem."""
-
-
-def checkpoint_files(model_dir: str) -> list[str]:
-    """Shard files of a checkpoint: from the index when present, else every *.safetensors."""
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-        missing = [fn for fn in files if not os.path.isfile(os.path.join(model_dir, fn))]
-        if missing:
-            raise WeightLoadError(f"{INDEX_FILE} names shard(s) that do not exist: {', '.join(missing)}")
-        return [os.path.join(model_dir, fn) for fn in files]
-    files = sorted(fn for fn in os.listdir(model_dir) if fn.endswith(".safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors files in {model_dir} (use load_format='dummy' for random weights)")
-    return [os.path.join(model_dir, fn) for fn in files]
-
-
-def validate_names_and_shapes(found: dict[str, tuple[int, ...]], cfg: ModelConfig,
-                              ignore_unexpected: tuple[str, ...] = (), want=None) -> None:
-    """One error that lists all missing, unexpected and mis-shaped tensors (against `want`,
-    default: the unquantized checkpoint's names)."""
-    want = expected_shapes(cfg) if want is None else want
-    missing = [n for n in want if n not in found]
-    unexpected = [n for n in found if n not in want and not any(n.endswith(s) for s in ignore_unexpected)]
-    misshaped = [f"{n}: checkpoint {list(found[n])}, config expects {list(want[n])}"
-                 for n in want if n in found and tuple(found[n]) != want[n]]
-    if missing or unexpected or misshaped:
-        parts = []
-        if missing:
-            parts.append(f"missing ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
-        if unexpected:
-            parts.append(f"unexpected ({len(unexpected)}): " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
-        if misshaped:
-            parts.append(f"wrong shape ({len(misshaped)}): " + "; ".join(misshaped[:20]))
-        raise WeightLoadError("checkpoint does not match config.json:\n  " + "\n  ".join(parts))
-
+from salaserve.core.weights import (WeightLoadError, checkpoint_files, expected_shapes, random_state_dict,
+                                    validate_names_and_shapes)
 
 def load_state_dict(model_dir, cfg: ModelConfig, dtype=torch.bfloat16, device="cpu",
                     load_format: str = "auto", seed: int = 0, quantization: str | None = None,

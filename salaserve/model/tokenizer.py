@@ -180,6 +180,45 @@ def special_tokens_map() -> dict:
     }
 
 
+def dump_tokenizer_json(obj: dict) -> str:
+    """Deterministic, reasonably diff-friendly serialization of a tokenizer.json object: one
+    top-level key per line, and one vocabulary entry / merge / added token per line."""
+
+    def enc(v) -> str:
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+    lines = ["{"]
+    keys = list(obj)
+    for k_i, key in enumerate(keys):
+        val = obj[key]
+        comma = "," if k_i < len(keys) - 1 else ""
+        if key == "added_tokens" and isinstance(val, list) and val:
+            lines.append(f"{enc(key)}:[")
+            lines.append(",\n".join(enc(t) for t in val))
+            lines.append("]" + comma)
+        elif key == "model" and isinstance(val, dict):
+            lines.append(f"{enc(key)}:{{")
+            mkeys = list(val)
+            for m_i, mk in enumerate(mkeys):
+                mv = val[mk]
+                mcomma = "," if m_i < len(mkeys) - 1 else ""
+                if mk == "vocab" and isinstance(mv, dict) and mv:
+                    lines.append(f"{enc(mk)}:{{")
+                    lines.append(",\n".join(f"{enc(t)}:{i}" for t, i in mv.items()))
+                    lines.append("}" + mcomma)
+                elif mk == "merges" and isinstance(mv, list) and mv:
+                    lines.append(f"{enc(mk)}:[")
+                    lines.append(",\n".join(enc(m) for m in mv))
+                    lines.append("]" + mcomma)
+                else:
+                    lines.append(f"{enc(mk)}:{enc(mv)}{mcomma}")
+            lines.append("}" + comma)
+        else:
+            lines.append(f"{enc(key)}:{enc(val)}{comma}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
 def _write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8", newline="\n") as f:
@@ -191,8 +230,6 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int) -> None:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and
     chat_template.jinja for a model of `vocab_size` into `out_dir` (created if needed).
     Deterministic: the same vocab_size always gives byte-identical files."""
-    from salaserve.tools.train_tokenizer import dump_tokenizer_json
-
     tj = tokenizer_json(vocab_size)  # validates vocab_size before anything is written
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)

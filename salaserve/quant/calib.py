@@ -3,7 +3,7 @@
 Text comes from a JSONL file (`{"text": ...}` rows, or SOAR toolkit rows whose prompt is
 `question` / `input` / `prompt`, with `model_response` appended when present, so answers are
 calibrated on too) or, by default, from the project corpus (the standard library's sources,
-salaserve/tools/corpus.py; its "train" split calibrates, "heldout" evaluates). Documents are
+salaserve/model/corpus.py; its "train" split calibrates, "heldout" evaluates). Documents are
 tokenized with the model's tokenizer, each prefixed with BOS, packed into one stream and cut into
 sequences of `seq_len` tokens. Deterministic for a given file / Python install.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Iterator
 
-from salaserve.tools.corpus import read_corpus_file, stdlib_corpus_files
+from salaserve.model.corpus import read_corpus_file, stdlib_corpus_files
 
 
 def jsonl_texts(path: str) -> Iterator[str]:

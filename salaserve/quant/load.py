@@ -23,8 +23,7 @@ import torch
 from safetensors import safe_open
 
 from salaserve.config import ModelConfig
-from salaserve.model.loader import WeightLoadError, validate_names_and_shapes
-from salaserve.model.weights import expected_shapes
+from salaserve.core.weights import WeightLoadError, expected_shapes, validate_names_and_shapes
 from salaserve.quant.formats import QuantizedLinearWeights, reorder_act_order
 from salaserve.quant.rtn import quantize_fp8, quantize_w4a16_rtn
 from salaserve.quant.scheme import QuantScheme

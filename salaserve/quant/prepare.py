@@ -34,8 +34,7 @@ from tqdm import tqdm
 
 from salaserve.argparsing import ArgumentParser
 from salaserve.config import ModelConfig
-from salaserve.model.loader import validate_names_and_shapes
-from salaserve.model.weights import expected_shapes
+from salaserve.core.weights import expected_shapes, validate_names_and_shapes
 from salaserve.quant.formats import GPTQ_V1, GPTQ_V2, QuantizedLinearWeights, pack_zeros, unpack_zeros
 from salaserve.quant.gptq import HessianAccumulator, gptq_quantize
 from salaserve.quant.layerwise import LayerRunner, embed, layer_linears, layer_prefix

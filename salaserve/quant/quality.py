@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from salaserve.config import EngineArgs
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 
 # kv-fp8: bf16 weights, fp8 K/V cache. w4a16-rtn: int4 weights, prefill dequantizing them for a bf16 GEMM;
 # w4a16-fp8-prefill: the same int4 weights, prefill through their fp8 copy (w8a8; GPUs with fp8 tensor cores)

@@ -185,7 +185,7 @@ def gptq_config_json(group_size: int, sym: bool, desc_act: bool, lm_head: bool, 
                      fmt: str = GPTQ_V1, damp_percent: float = 0.01) -> dict:
     """quantize_config.json / quantization_config of a GPTQ checkpoint we write: GPTQModel's fields
     (so GPTQModel, transformers and vLLM read it), with how it was made under `meta`."""
-    from salaserve import __version__
+    from salaserve._version import __version__
 
     out = gptq_quantize_config(group_size=group_size, sym=sym, desc_act=desc_act, fmt=fmt)
     out.update({"lm_head": lm_head, "pack_dtype": "int32", "damp_percent": damp_percent,
@@ -195,7 +195,7 @@ def gptq_config_json(group_size: int, sym: bool, desc_act: bool, lm_head: bool, 
 
 
 def fp8_config_json(lm_head: bool) -> dict:
-    from salaserve import __version__
+    from salaserve._version import __version__
 
     return {"quant_method": "fp8", "fmt": "e4m3", "weight_granularity": "per_channel",
             "activation_scheme": "dynamic", "lm_head": lm_head,

@@ -14,8 +14,7 @@ import torch
 from safetensors import safe_open
 
 from salaserve.config import ModelConfig
-from salaserve.model.loader import checkpoint_files
-from salaserve.model.weights import expected_shapes, random_tensor
+from salaserve.core.weights import checkpoint_files, expected_shapes, random_tensor
 
 
 class TensorSource:

@@ -13,7 +13,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from salaserve.model.loader import INDEX_FILE
+from salaserve.core.weights import INDEX_FILE
 from salaserve.quant.scheme import QUANTIZE_CONFIG_FILE
 
 

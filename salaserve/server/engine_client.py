@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from salaserve.config import EngineArgs
-from salaserve.engine.request import StepOutput
+from salaserve.core.request import StepOutput
 from salaserve.server import engine_worker as w
 
 log = logging.getLogger("salaserve.server")

@@ -17,7 +17,7 @@ import signal
 import traceback
 from dataclasses import dataclass, field
 
-from salaserve.engine.request import ABORT_REASON, StepOutput
+from salaserve.core.request import ABORT_REASON, StepOutput
 from salaserve.kernels.compile_watch import WATCH
 
 log = logging.getLogger("salaserve.engine")

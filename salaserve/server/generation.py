@@ -17,8 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from salaserve.core.request import StepOutput
 from salaserve.engine.output import RequestStream
-from salaserve.engine.request import StepOutput
 
 
 def new_rid() -> str:

@@ -17,7 +17,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from salaserve.engine.grammar import GRAMMAR_KEYS
+from salaserve.core.sampling_params import GRAMMAR_KEYS
 from salaserve.server.auth import request_owner
 from salaserve.server.generation import RequestGroup, run_unless_disconnected
 from salaserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,

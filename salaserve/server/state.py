@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from salaserve.config import EngineArgs
-from salaserve.engine.sampling_params import SamplingParams
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.server.args import ServerArgs
 from salaserve.server.engine_client import EngineUnavailable
 from salaserve.server.generation import RequestGroup

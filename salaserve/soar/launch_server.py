@@ -7,9 +7,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from salaserve.cli import main as salaserve_main
+    import logging
 
-    return salaserve_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    from salaserve.server.launch import run as serve
+
+    # (as `salaserve serve` sets it up: cli.main)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from salaserve.engine.sampler import _keep_mask, _top_k, mix_seed
+from salaserve.core.distribution import effective_top_k, keep_mask, mix_seed
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -22,10 +22,10 @@ def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
     sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
     n = logits.shape[0]
     dev = logits.device
-    keep = _keep_mask(sorted_p, torch.full((n,), float(_top_k(params, vocab)), device=dev),
-                      torch.full((n,), float(params.top_p), device=dev),
-                      torch.full((n,), float(params.min_p), device=dev),
-                      params.top_p < 1.0, params.min_p > 0.0)
+    keep = keep_mask(sorted_p, torch.full((n,), float(effective_top_k(params, vocab)), device=dev),
+                     torch.full((n,), float(params.top_p), device=dev),
+                     torch.full((n,), float(params.min_p), device=dev),
+                     params.top_p < 1.0, params.min_p > 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p * keep)
     return filtered / filtered.sum(-1, keepdim=True)
 

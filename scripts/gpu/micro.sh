@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Kernel-level measurements on the GPU machine, one process per call, on the full-size model with
 # dummy weights unless --model is given:
-#   scripts/gpu/micro.sh micro NAME [ARGS...]    python -m salaserve.bench.micro ARGS: decode step per
+#   scripts/gpu/micro.sh micro NAME [ARGS...]    python -m benchmarks.micro ARGS: decode step per
 #                                                 (batch, context), prefill, floors
 #   scripts/gpu/micro.sh decode NAME [ARGS...]   the same at 4K, batches 1 and 8, no prefill: the decode
 #                                                 row of BENCHMARKS.md (e.g. --quantization w4a16)
-#   scripts/gpu/micro.sh graph NAME [ARGS...]    python -m salaserve.bench.profile_step --graph ARGS: one
+#   scripts/gpu/micro.sh graph NAME [ARGS...]    python -m benchmarks.profile_step --graph ARGS: one
 #                                                 line with the replay (with --ab / --ab-kv-cache, each
 #                                                 variant's median)
 #   scripts/gpu/micro.sh prefill NAME [ARGS...]  profile_step --prefill 32768 ARGS: the prefill line and
@@ -26,19 +26,19 @@ log="$OUT/$name.log"
 case "$mode" in
   micro|decode)
     [ "$mode" = decode ] && set -- --contexts 4096 --batches 1,8 --prefill "" "$@"
-    timeout "${TIMEOUT:-600}" python3 -m salaserve.bench.micro "$@" --json "$OUT/$name.json" 2>&1 \
+    timeout "${TIMEOUT:-600}" python3 -m benchmarks.micro "$@" --json "$OUT/$name.json" 2>&1 \
       | grep -v -i warn > "$log"
     rc=${PIPESTATUS[0]}
     tail -30 "$log"
     ;;
   graph)
-    timeout "${TIMEOUT:-200}" python3 -m salaserve.bench.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" \
+    timeout "${TIMEOUT:-200}" python3 -m benchmarks.profile_step --graph --top 14 --json "$OUT/$name.json" "$@" \
       2>&1 | grep -v -i warn > "$log"
     rc=${PIPESTATUS[0]}
     echo "$name ($*): $(grep -E 'graph replay|median' "$log" | cut -c1-110 | tr '\n' ' ')"
     ;;
   prefill)
-    timeout "${TIMEOUT:-200}" python3 -m salaserve.bench.profile_step --prefill 32768 --top 24 \
+    timeout "${TIMEOUT:-200}" python3 -m benchmarks.profile_step --prefill 32768 --top 24 \
       --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn > "$log"
     rc=${PIPESTATUS[0]}
     echo "$name: $(grep -E '^prefill of' "$log")"

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.engine.batch import ForwardBatch
+from salaserve.core.batch import ForwardBatch
 
 LOG2E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
 

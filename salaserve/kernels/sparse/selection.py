@@ -9,7 +9,7 @@ import torch
 
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.config import SparseConfig
-from salaserve.engine.batch import ForwardBatch
+from salaserve.core.batch import ForwardBatch
 from salaserve.kernels.sparse._common import _step_tiles
 from salaserve.kernels.sparse.stage1 import _LSE_BLOCK_N, _stage1_keys
 from salaserve.kernels.sparse.topk import _topk_blocks, topk_blocks, topk_pages, topk_pages_torch

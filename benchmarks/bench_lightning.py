@@ -1,6 +1,6 @@
 """Time the Lightning decode step and the fused elementwise kernels inside CUDA graphs (GPU only).
 
-    python -m salaserve.kernels.bench_lightning [--batch 1 8 64] [--layers 24] [--sweep]
+    python -m benchmarks.bench_lightning [--batch 1 8 64] [--layers 24] [--sweep]
 
 Every variant is captured as one CUDA graph running `--layers` Lightning layers back to back (each
 layer its own state slice, as in the model), replayed many times; the table gives microseconds per

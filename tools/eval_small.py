@@ -1,8 +1,8 @@
 """Held-out evaluation of a small MiniCPM-SALA checkpoint (the built-in default model).
 
-    python -m salaserve.tools.eval_small [--model DIR] [--out metrics.json]
+    python -m tools.eval_small [--model DIR] [--out metrics.json]
 
-1. Perplexity on the held-out split of `salaserve.tools.corpus` (files the model never saw).
+1. Perplexity on the held-out split of `salaserve.model.corpus` (files the model never saw).
    Each file is `<s>` + text + `</s>`, cut into consecutive chunks of `ctx` + 1 tokens that
    overlap by one, so every token after the first `<s>` is predicted exactly once, each chunk
    as a fresh sequence (no context carried across chunks). Reported: tokens, nats/token,
@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from salaserve.config import ModelConfig
-from salaserve.tools.corpus import read_corpus_file, stdlib_corpus_files, stdlib_dir
+from salaserve.model.corpus import read_corpus_file, stdlib_corpus_files, stdlib_dir
 
 GUARD_FILES, GUARD_TOKENS = 3, 512
 GUARD_GREEDY_PROMPT, GUARD_GREEDY_TOKENS = 300, 12
@@ -67,7 +67,7 @@ def _rel(path: str) -> str:
 
 def load_train_model(model_dir: str, device):
     from salaserve.model.loader import load_state_dict
-    from salaserve.tools.train_model import TrainModel
+    from tools.train_model import TrainModel
 
     cfg = ModelConfig.from_pretrained(model_dir)
     model = TrainModel(cfg).to(device)
@@ -251,8 +251,8 @@ def _pick_backend(backend: str, device: str) -> str:
 
 def completion_task(model_dir: str, cases: list[FunctionCase], ctx: int, max_new_tokens: int,
                     device: str, backend: str = "auto", dtype: str = "auto") -> dict:
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
-    from salaserve.engine.sampling_params import SamplingParams
     from salaserve.model.tokenizer import BOS_ID
 
     max_running = max(1, min(32, len(cases)))
@@ -358,7 +358,7 @@ def evaluate(model_dir: str, device=None, train_counts: torch.Tensor | None = No
              max_train_files: int | None = None, max_heldout_files: int | None = None,
              max_tokens_per_file: int | None = None) -> dict:
     """Perplexity (model and unigram) and the completion task; returns a JSON-able dict."""
-    from salaserve.tools.train_small import encode_documents, load_tokenizer, train_val_files
+    from tools.small_data import encode_documents, load_tokenizer, train_val_files
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -392,7 +392,7 @@ def evaluate(model_dir: str, device=None, train_counts: torch.Tensor | None = No
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m salaserve.tools.eval_small", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.eval_small", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     p.add_argument("--device", default=None)
     p.add_argument("--backend", default="auto")

@@ -6,7 +6,7 @@ position 0 (one-shot prefill). tests/test_train_small.py checks that its fp32 lo
 reference's on the same weights, dense and sparse lengths alike: that equality is what makes the
 trained weights mean the same thing in the serving engine.
 
-Parameter names are exactly the HF tensor names of `salaserve.model.weights.expected_shapes`,
+Parameter names are exactly the HF tensor names of `salaserve.core.weights.expected_shapes`,
 so `state_dict()` is a checkpoint.
 
 Shared math, taken from `salaserve.model.reference` rather than re-derived: RMSNorm, RoPE, the
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from salaserve.config import ModelConfig
+from salaserve.core.weights import expected_shapes
 from salaserve.model import reference as spec
-from salaserve.model.weights import expected_shapes
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """Quantized linears at the model's shapes: decode GEMVs and prefill GEMMs, old vs new (GPU only).
 
-    python -m salaserve.kernels.bench_quant [--m 1 2 4 8 16] [--prefill-m 8192] [--json FILE]
+    python -m benchmarks.bench_quant [--m 1 2 4 8 16] [--prefill-m 8192] [--json FILE]
 
 Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycling through
 >= 256 MB of weight copies (no L2 reuse), and GB/s of weight bytes next to the copy bandwidth:

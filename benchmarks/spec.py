@@ -1,7 +1,7 @@
 """Speculative decoding on the full-size model (issue 8): what a verify step costs, and what it
 buys end to end at batch 1 with an oracle drafter.
 
-    python -m salaserve.bench.spec [--context 4096] [--ks 1,2,4,8] [--batches 1,2,4,8]
+    python -m benchmarks.spec [--context 4096] [--ks 1,2,4,8] [--batches 1,2,4,8]
                                    [--new-tokens 256] [--json OUT.json]
 
 1. Verify cost: requests set up as prefilled to the context (random caches), then the device time
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from salaserve.bench.micro import _ints, fake_decoding_requests, model_dir_or_full, release, step_device_ms
+from benchmarks.micro import _ints, fake_decoding_requests, model_dir_or_full, release, step_device_ms
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.spec.oracle import OracleDrafter
 

@@ -1,7 +1,7 @@
 """Micro-benchmark of the full-size model: decode step time vs batch and context, prefill time vs
 length, each next to its floor (measured copy bandwidth and matmul rate, same run).
 
-    python -m salaserve.bench.micro [--batches 1,8,32,128] [--contexts 4096,32768,131072,524288]
+    python -m benchmarks.micro [--batches 1,8,32,128] [--contexts 4096,32768,131072,524288]
                                     [--prefill 8192,32768,131072] [--json OUT.json]
 
 Decode: sequences are set up as if already prefilled to the context length (pages allocated and
@@ -23,11 +23,11 @@ import torch
 
 from salaserve.bench.floors import Ceilings, decode_bytes, measure_ceilings, prefill_flops
 from salaserve.config import EngineArgs
+from salaserve.core.request import Request, Status
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
-from salaserve.engine.request import Request, Status
 from salaserve.engine.runner import ModelRunner
 from salaserve.engine.sampler import SamplingState
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.engine.scheduler import ScheduledWork
 
 

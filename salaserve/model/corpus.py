@@ -1,7 +1,8 @@
 """The project's text corpus: the Python standard library's own `.py` sources.
 
-Used to train the base BPE (`salaserve.tools.train_tokenizer`) and, later, the small models;
-both must use the same deterministic train / held-out split, which lives here.
+The base BPE (`tools/train_tokenizer.py`) and the small models (`tools/train_small.py`) were
+trained on it, and GPTQ calibrates on it by default (`quant/calib.py`); all of them use the same
+deterministic train / held-out split, which lives here.
 
 The file list is every `.py` file under `os.path.dirname(os.__file__)`, minus third-party
 packages, test suites, generated tables and data dumps (see `_EXCLUDED_DIRS` / `_is_excluded`),

@@ -1,7 +1,7 @@
 """Full-size sanity check on a GPU: the reference (and optionally the engine) at the real 9.48B
 shapes with dummy weights.
 
-    python -m salaserve.tools.fullsize_check --prompt-len 9000 [--engine] [--json OUT.json]
+    python -m tools.fullsize_check --prompt-len 9000 [--engine] [--json OUT.json]
 
 Builds `make-checkpoint --preset full --no-weights` in a temp dir, loads it with
 load_format="dummy" on the GPU, runs a prompt in the sparse regime and a few decode steps, and
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     del logits, state
 
     if a.engine:
+        from salaserve.core.sampling_params import SamplingParams
         from salaserve.engine.engine import Engine
-        from salaserve.engine.sampling_params import SamplingParams
 
         engine = Engine(model=d, device="cuda", dtype="bfloat16", backend=a.backend, load_format="dummy",
                         max_total_tokens=65536, max_running_requests=8, chunked_prefill_size=8192)

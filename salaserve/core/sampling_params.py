@@ -16,8 +16,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from salaserve.engine.grammar import grammar_spec
-
 # Below this temperature a request is greedy (SGLang's _SAMPLING_EPS): sampled as top_k=1.
 GREEDY_EPS = 1e-6
 MAX_TEMPERATURE = 100.0
@@ -41,6 +39,25 @@ _BOOL_FIELDS = (
 )
 # SGLang spelling -> our field.
 ALIASES = {"sampling_seed": "seed"}
+
+
+# sampling_params keys, in the order they are checked: at most one may be set
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def grammar_spec(params) -> tuple[str, str] | None:
+    """(key, value) of the request's structured-output constraint, or None; ValueError if more
+    than one is set or the value is not a string."""
+    set_keys = [k for k in GRAMMAR_KEYS if getattr(params, k) is not None]
+    if not set_keys:
+        return None
+    if len(set_keys) > 1:
+        raise ValueError(f"sampling_params: set one of {', '.join(GRAMMAR_KEYS)}, got {', '.join(set_keys)}")
+    key = set_keys[0]
+    value = getattr(params, key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"sampling_params.{key}: must be a non-empty string, got {value!r}")
+    return key, value
 
 
 @dataclass

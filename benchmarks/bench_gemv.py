@@ -1,7 +1,7 @@
 """Decode GEMV vs cuBLAS at the model's shapes, alone and as whole decode steps (GPU only).
 
-    python -m salaserve.kernels.bench_gemv [--m 1 2 4 8 16] [--quick] [--no-step] [--verbose]
-    python -m salaserve.kernels.bench_gemv --m 32 64 128 --no-step     # the large-M tensor-core path
+    python -m benchmarks.bench_gemv [--m 1 2 4 8 16] [--quick] [--no-step] [--verbose]
+    python -m benchmarks.bench_gemv --m 32 64 128 --no-step     # the large-M tensor-core path
 
 1. Per shape and M: `calibrate` times cuBLAS and every candidate GEMV config, each as a CUDA graph
    of >= 8 back-to-back calls cycling through >= 256 MB of weight copies (no L2 reuse; gaps

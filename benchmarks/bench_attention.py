@@ -1,7 +1,7 @@
 """Times the kernels of salaserve/kernels/attention.py on the GPU next to their floors.
 
-    python -m salaserve.kernels.bench_attention            # the standard table
-    python -m salaserve.kernels.bench_attention --sweep    # + prefill tile configs and decode splits
+    python -m benchmarks.bench_attention            # the standard table
+    python -m benchmarks.bench_attention --sweep    # + prefill tile configs and decode splits
 
 Floors: bytes moved / 4.27 TB/s (store_kv, update_compressed, decode) and FLOPs / 700 TFLOP/s
 (dense prefill: 4 * d * Hq per causal (query, key) pair). Decode-path kernels are timed inside a
@@ -21,7 +21,7 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import SparseConfig
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.kernels import attention as A
 from salaserve.kernels.timing import graph_time_us
 from salaserve.kernels.torch_ops import TorchBackend

@@ -1,17 +1,65 @@
-"""Tensor names, shapes and random initialisation of a MiniCPM-SALA checkpoint (spec section 5).
+"""A MiniCPM-SALA checkpoint's tensors: names and shapes (spec section 5), shard files, the check
+that a checkpoint matches its config, and deterministic random values.
 
-Shared by the checkpoint writer (random weights on disk) and the loader (`load_format="dummy"`,
-random weights made directly on the target device).
+The layout is the contract between everything that reads or writes weights: the loader, the
+quantized-checkpoint loader and writer (quant/), the random-checkpoint writer and the small-model
+trainer. Random values serve `load_format="dummy"` (made directly on the target device) and
+random checkpoints on disk.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import zlib
 
 import torch
 
 from salaserve.config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's tensors do not match the config; the message lists every problem."""
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """Shard files of a checkpoint: from the index when present, else every *.safetensors."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(model_dir, fn))]
+        if missing:
+            raise WeightLoadError(f"{INDEX_FILE} names shard(s) that do not exist: {', '.join(missing)}")
+        return [os.path.join(model_dir, fn) for fn in files]
+    files = sorted(fn for fn in os.listdir(model_dir) if fn.endswith(".safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir} (use load_format='dummy' for random weights)")
+    return [os.path.join(model_dir, fn) for fn in files]
+
+
+def validate_names_and_shapes(found: dict[str, tuple[int, ...]], cfg: ModelConfig,
+                              ignore_unexpected: tuple[str, ...] = (), want=None) -> None:
+    """One error that lists all missing, unexpected and mis-shaped tensors (against `want`,
+    default: the unquantized checkpoint's names)."""
+    want = expected_shapes(cfg) if want is None else want
+    missing = [n for n in want if n not in found]
+    unexpected = [n for n in found if n not in want and not any(n.endswith(s) for s in ignore_unexpected)]
+    misshaped = [f"{n}: checkpoint {list(found[n])}, config expects {list(want[n])}"
+                 for n in want if n in found and tuple(found[n]) != want[n]]
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append(f"missing ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+        if unexpected:
+            parts.append(f"unexpected ({len(unexpected)}): " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
+        if misshaped:
+            parts.append(f"wrong shape ({len(misshaped)}): " + "; ".join(misshaped[:20]))
+        raise WeightLoadError("checkpoint does not match config.json:\n  " + "\n  ".join(parts))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

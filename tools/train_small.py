@@ -1,13 +1,13 @@
 """Train the built-in small MiniCPM-SALA-architecture model on the Python standard library.
 
-    python -m salaserve.tools.train_small --out OUT/default_model --minutes 8 --seed 0
+    python -m tools.train_small --out OUT/default_model --minutes 8 --seed 0
 
 trains (bf16 autocast on CUDA), keeps the weights with the best validation loss, writes an HF
 checkpoint (config.json, generation_config.json, tokenizer files, model.safetensors in bf16,
-README.md) and runs the held-out evaluation (`salaserve.tools.eval_small`) into metrics.json.
+README.md) and runs the held-out evaluation (`tools.eval_small`) into metrics.json.
 Copy the directory to salaserve/assets/default_model/ to ship it.
 
-Data: the training split of `salaserve.tools.corpus`, minus every 20th of its files (offset 10)
+Data: the training split of `salaserve.model.corpus`, minus every 20th of its files (offset 10)
 which is kept as a validation set for checkpoint selection and early annealing; the held-out split
 is only read by the final evaluation. Each file is one document, `<s>` + text + `</s>`; training
 windows of seq_len + 1 tokens start at uniformly random offsets of the concatenated stream.
@@ -42,40 +42,16 @@ import torch
 import torch.nn.functional as F
 
 from salaserve.config import ModelConfig, preset_config
-from salaserve.tools.corpus import read_corpus_file, stdlib_corpus_files, stdlib_dir
-from salaserve.tools.train_model import TrainModel
+from salaserve.model.corpus import stdlib_dir
+from tools.small_data import encode_documents, load_tokenizer, train_val_files
+from tools.train_model import TrainModel
 
-VAL_EVERY, VAL_OFFSET = 20, 10  # validation files: train-split index % 20 == 10
 MAX_CHECKPOINT_BYTES = 25 * 10**6
 
 
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
-
-
-def train_val_files(max_files: int | None = None) -> tuple[list[str], list[str]]:
-    """The training split of the corpus, divided into (train, validation) files."""
-    files = stdlib_corpus_files("train")
-    train = [p for i, p in enumerate(files) if i % VAL_EVERY != VAL_OFFSET]
-    val = [p for i, p in enumerate(files) if i % VAL_EVERY == VAL_OFFSET]
-    if max_files is not None:  # small runs (tests): a prefix of each list
-        train, val = train[:max_files], val[:max(1, max_files // 4)]
-    return train, val
-
-
-def load_tokenizer(model_dir: str):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-
-
-def encode_documents(tok, files: list[str]) -> list[list[int]]:
-    """Each file as <s> + text + </s> (ids 1 and 2), without the tokenizer's own BOS."""
-    from salaserve.model.tokenizer import BOS_ID, EOS_TEXT_ID
-
-    texts = [read_corpus_file(p) for p in files]
-    return [[BOS_ID] + e.ids + [EOS_TEXT_ID] for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
 class TokenStream:
@@ -343,7 +319,7 @@ def model_card(cfg: ModelConfig, metrics: dict) -> str:
         "",
         "A small model with the MiniCPM-SALA architecture (InfLLM-v2 sparse attention layers 0 and "
         f"{cfg.num_hidden_layers - 1}, Lightning simple-GLA layers in between, muP scalings), trained by "
-        "`salaserve.tools.train_small` on the Python standard library's sources. It writes Python-ish "
+        "`tools.train_small` on the Python standard library's sources. It writes Python-ish "
         "code; it is a quality yardstick and a working default, not an assistant.",
         "",
         f"- parameters: {metrics['parameters']['total']:,} ({metrics['parameters']['embedding']:,} in "
@@ -373,7 +349,7 @@ def model_card(cfg: ModelConfig, metrics: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m salaserve.tools.train_small", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.train_small", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--preset", default="small", choices=["small", "tiny"])
     p.add_argument("--seed", type=int, default=0)
@@ -443,7 +419,7 @@ def main(argv=None) -> dict:
              "seq-len": args.seq_len, "lr": args.lr, "weight-decay": args.weight_decay, "dropout": args.dropout,
              "grad-clip": args.grad_clip, "max-train-files": args.max_train_files,
              "max-val-tokens": args.max_val_tokens}
-    reproduce = "python -m salaserve.tools.train_small --out OUT " + " ".join(
+    reproduce = "python -m tools.train_small --out OUT " + " ".join(
         f"--{k} {v}" for k, v in flags.items() if v is not None) + (" --fp32" if args.fp32 else "")
     metrics = {
         "format": 1,
@@ -460,7 +436,7 @@ def main(argv=None) -> dict:
         },
     }
     if not args.no_eval:
-        from salaserve.tools import eval_small
+        from tools import eval_small
 
         del model  # evaluate what was written: the bf16 checkpoint
         metrics["eval"] = eval_small.evaluate(

@@ -1,6 +1,6 @@
 """Real n-gram speculative acceptance on code completion with the built-in trained model.
 
-    python -m salaserve.tools.spec_acceptance [--model DIR] [--functions 20] [--max-new-tokens 64]
+    python -m tools.spec_acceptance [--model DIR] [--functions 20] [--max-new-tokens 64]
                                               [--draft-tokens 4] [--device cpu]
 
 Completes held-out standard-library functions greedily twice, without and with NGRAM
@@ -15,12 +15,12 @@ import argparse
 import json
 import time
 
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.llm import LLM, load_tokenizer
-from salaserve.engine.sampling_params import SamplingParams
+from salaserve.model.corpus import stdlib_corpus_files
 from salaserve.model.default import default_model_dir
 from salaserve.model.tokenizer import BOS_ID
-from salaserve.tools.corpus import stdlib_corpus_files
-from salaserve.tools.eval_small import select_functions
+from tools.eval_small import select_functions
 
 
 def run(model_dir: str, prompts: list[list[int]], new_tokens: int, spec: bool, k: int, device: str) -> dict:

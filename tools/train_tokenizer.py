@@ -1,13 +1,13 @@
 """Train the project's base byte-level BPE on the Python standard library's sources.
 
-    python -m salaserve.tools.train_tokenizer --out salaserve/assets/bpe_base.json
+    python -m tools.train_tokenizer [--out salaserve/assets/bpe_base.json]
 
 The result is the id range 0..8183 of every tokenizer that `salaserve.model.tokenizer` writes:
 `<unk>`=0, `<s>`=1, `</s>`=2, then the 256 byte symbols and the learned merges. Byte-level BPE
 covers every UTF-8 string (Chinese included) with no unknown token and decodes it back exactly:
 there is no normalizer, and the ByteLevel pre-tokenizer adds no prefix space.
 
-Only the training split of `salaserve.tools.corpus` is used, so the held-out files stay unseen.
+Only the training split of `salaserve.model.corpus` is used, so the held-out files stay unseen.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def train(files: list[str], vocab_size: int = BASE_VOCAB_SIZE):
     """Train on `files`; returns a `tokenizers.Tokenizer` of exactly `vocab_size` entries."""
     from tokenizers import pre_tokenizers, trainers
 
-    from salaserve.tools.corpus import read_corpus_file
+    from salaserve.model.corpus import read_corpus_file
 
     tok = build_untrained()
     trainer = trainers.BpeTrainer(
@@ -58,51 +58,12 @@ def train(files: list[str], vocab_size: int = BASE_VOCAB_SIZE):
     return tok
 
 
-def dump_tokenizer_json(obj: dict) -> str:
-    """Deterministic, reasonably diff-friendly serialization of a tokenizer.json object: one
-    top-level key per line, and one vocabulary entry / merge / added token per line."""
-
-    def enc(v) -> str:
-        return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-
-    lines = ["{"]
-    keys = list(obj)
-    for k_i, key in enumerate(keys):
-        val = obj[key]
-        comma = "," if k_i < len(keys) - 1 else ""
-        if key == "added_tokens" and isinstance(val, list) and val:
-            lines.append(f"{enc(key)}:[")
-            lines.append(",\n".join(enc(t) for t in val))
-            lines.append("]" + comma)
-        elif key == "model" and isinstance(val, dict):
-            lines.append(f"{enc(key)}:{{")
-            mkeys = list(val)
-            for m_i, mk in enumerate(mkeys):
-                mv = val[mk]
-                mcomma = "," if m_i < len(mkeys) - 1 else ""
-                if mk == "vocab" and isinstance(mv, dict) and mv:
-                    lines.append(f"{enc(mk)}:{{")
-                    lines.append(",\n".join(f"{enc(t)}:{i}" for t, i in mv.items()))
-                    lines.append("}" + mcomma)
-                elif mk == "merges" and isinstance(mv, list) and mv:
-                    lines.append(f"{enc(mk)}:[")
-                    lines.append(",\n".join(enc(m) for m in mv))
-                    lines.append("]" + mcomma)
-                else:
-                    lines.append(f"{enc(mk)}:{enc(mv)}{mcomma}")
-            lines.append("}" + comma)
-        else:
-            lines.append(f"{enc(key)}:{enc(val)}{comma}")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
-    from salaserve.tools.corpus import stdlib_corpus_files
+    from salaserve.model.corpus import stdlib_corpus_files
+    from salaserve.model.tokenizer import ASSET_PATH, dump_tokenizer_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(__file__)),
-                                                  "assets", "bpe_base.json"))
+    ap.add_argument("--out", default=ASSET_PATH)
     ap.add_argument("--vocab-size", type=int, default=BASE_VOCAB_SIZE)
     args = ap.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """Time InfLLM-v2 selection and sparse prefill attention on the GPU next to their floors.
 
-    python -m salaserve.kernels.bench_sparse [--reps 20] [--quick] [--prefill-only | --decode-only]
+    python -m benchmarks.bench_sparse [--reps 20] [--quick] [--prefill-only | --decode-only]
 
 Real config (block 64, C1 32/16, C2 128/64, topk_eff 96, 32 query / 2 KV heads x 128), one sparse
 layer, random bf16 caches (timings do not depend on the values), pages scattered over the pool.
@@ -21,7 +21,7 @@ import torch
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.config import preset_config
-from salaserve.engine.batch import ForwardBatch, SeqWork
+from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.kernels import sparse as ks
 from salaserve.kernels.timing import graph_time_us
 

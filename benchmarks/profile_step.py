@@ -1,12 +1,12 @@
 """Where a decode (or verify) step's time goes: per-kernel device time of one step.
 
-    python -m salaserve.bench.profile_step [--model DIR] [--batch 1] [--context 131072[,4096...]]
+    python -m benchmarks.profile_step [--model DIR] [--batch 1] [--context 131072[,4096...]]
                                            [--verify-k 0] [--graph] [--no-pdl] [--top 25]
                                            [--quantization {fp8,w4a16} [--quantize-lm-head]]
                                            [--json OUT.json]
-    python -m salaserve.bench.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
-    python -m salaserve.bench.profile_step --graph --ab MODULE:ATTR=V1,V2 [--rounds 5] [...]
-    python -m salaserve.bench.profile_step --graph --ab-kv-cache [--kv-cache-dtype fp8_e4m3] [--rounds 5] [...]
+    python -m benchmarks.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
+    python -m benchmarks.profile_step --graph --ab MODULE:ATTR=V1,V2 [--rounds 5] [...]
+    python -m benchmarks.profile_step --graph --ab-kv-cache [--kv-cache-dtype fp8_e4m3] [--rounds 5] [...]
 
 Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
 default one step runs eagerly under torch.profiler: the kernels are the ones the CUDA graph
@@ -33,7 +33,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from salaserve.bench.micro import fake_decoding_requests, model_dir_or_full, release, time_prefill
+from benchmarks.micro import fake_decoding_requests, model_dir_or_full, release, time_prefill
 from salaserve.config import EngineArgs
 from salaserve.engine.runner import ModelRunner
 from salaserve.engine.scheduler import ScheduledWork
@@ -133,7 +133,7 @@ def kernel_timeline(trace_events: list[dict], top_gaps: int = 15) -> dict:
 def profile_graph_replay(runner: ModelRunner, batch: int, context: int) -> dict:
     """Replay the captured decode graph for `batch` sequences at `context` once under the
     profiler; kernel_timeline of that replay plus per-kernel totals ({name, total_us, calls})."""
-    from salaserve.bench.micro import step_device_ms
+    from benchmarks.micro import step_device_ms
 
     reqs = fake_decoding_requests(runner, batch, context)
     b = runner.build_batch([ScheduledWork(r, 1) for r in reqs])
@@ -235,7 +235,7 @@ def ab_graph_replays(runner: ModelRunner, batch: int, context: int, module, attr
     round]}. timer(runner, batch) -> (ms, graph ran): micro's step_device_ms by default. The attribute
     is restored, and the runner keeps the first value's graphs. Switches consumed at start-up
     (calibration tables, weight preparation) need fresh starts."""
-    from salaserve.bench.micro import step_device_ms
+    from benchmarks.micro import step_device_ms
 
     original = getattr(module, attr)
     variants = {v: (lambda v=v: setattr(module, attr, v)) for v in values}
@@ -257,7 +257,7 @@ def ab_kv_cache_replays(runner: ModelRunner, batch: int, context: int, rounds: i
     round]}, the runner's own format first; the runner keeps its own caches and graphs afterwards.
     The issue's fp8 KV criterion compares the two formats, and separate processes differ by more than
     the difference (a fraction of a percent at 128K)."""
-    from salaserve.bench.micro import step_device_ms
+    from benchmarks.micro import step_device_ms
     from salaserve.cache.pages import FP8, KVPool
     from salaserve.model.sala import Caches
 

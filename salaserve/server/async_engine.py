@@ -15,9 +15,9 @@ frees its pages and state slot.
 from __future__ import annotations
 
 from salaserve.config import EngineArgs
+from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.llm import load_tokenizer
 from salaserve.engine.output import Delta
-from salaserve.engine.sampling_params import SamplingParams
 from salaserve.model.default import default_model_dir
 
 
