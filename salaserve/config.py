@@ -424,6 +424,15 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
 
 
 # ---- engine arguments ------------------------------------------------------------------------
+def default_plan_cache_dir() -> str | None:
+    """EngineArgs.plan_cache_dir's default: $SALASERVE_PLAN_CACHE (a directory; "0": no plans, as
+    the tests set it), else ~/.cache/salaserve/plans."""
+    value = os.environ.get("SALASERVE_PLAN_CACHE", "")
+    if value == "0":
+        return None
+    return value or "~/.cache/salaserve/plans"
+
+
 @dataclass
 class EngineArgs:
     """Knobs of one engine instance; names follow `sglang.launch_server` where one exists."""
@@ -445,6 +454,13 @@ class EngineArgs:
     # int4 weights at prefill sizes on the GPU: "fp8" (an fp8 copy of each int4 linear, w8a8 on fp8
     # tensor cores, where the GPU has them) or "bf16" (the int4 weights dequantized for a bf16 GEMM)
     w4a16_prefill: str = "fp8"
+    # int4 weights on the GPU: a repacked copy of each linear for the wgmma decode GEMV at 4-16 rows
+    # (qweight's bytes again); False gives that memory to KV pages
+    w4_wgmma: bool = True
+    # where the start-up calibration's picks are kept across restarts; None: no plans. Default:
+    # $SALASERVE_PLAN_CACHE ("0": none), else ~/.cache/salaserve/plans
+    plan_cache_dir: str | None = field(default_factory=default_plan_cache_dir)
+    parallel_compile: bool = True  # the calibration compiles its candidates in a thread pool first
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
     stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM"

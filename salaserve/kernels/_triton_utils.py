@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from salaserve.kernels.options import INTERPRET
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -144,7 +145,7 @@ def set_pdl(enabled: bool) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device: str) -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if INTERPRET:
         return False
     dev = torch.device(device)
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9

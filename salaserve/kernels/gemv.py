@@ -93,7 +93,6 @@ the same config gives the same bits on every run, split-K included.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -104,13 +103,13 @@ from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_support
                                              silu_mul_rounded, tl_dtype, write_silu_tile)
 from salaserve.kernels.compile_ahead import launch_kernel, precompile
 from salaserve.kernels.device_buffers import Want, persistent_buffers
+from salaserve.kernels.options import INTERPRET
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
 # largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128, a power of two);
 # the calibration decides per shape against cuBLAS (the GEMV won at 32 rows, cuBLAS at 128)
 DOT_MAX_M = 128
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # prologue kinds (constexpr PROLOGUE)
 _NONE, _RMS, _SILU = 0, 1, 2
@@ -763,8 +762,8 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
         float(scale), float(eps),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PROLOGUE=prologue, RESIDUAL=residual is not None, X_DT=tl_dtype(x.dtype), XN_DT=tl_dtype(xn_dt),
-        Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=_INTERPRET, W_SCALE=w_scale is not None,
-        SILU_OUT=silu_out, FP8_ASM=not _INTERPRET, FP8_STREAM=cfg.stream, STAGES=cfg.num_stages,
+        Y_DT=tl_dtype(y_dt), OUT_DT=tl_dtype(out_dt), PDL=use_pdl, DOT_FP32=INTERPRET, W_SCALE=w_scale is not None,
+        SILU_OUT=silu_out, FP8_ASM=not INTERPRET, FP8_STREAM=cfg.stream, STAGES=cfg.num_stages,
         X_WORDS=w_scale is not None and x.dtype == torch.bfloat16 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **kw)
     return out
@@ -872,7 +871,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     K = w.shape[1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if (x.is_cuda or _INTERPRET) and x.dtype == w.dtype and uses_gemv(M, w.shape[0], K, x.device):
+    if (x.is_cuda or INTERPRET) and x.dtype == w.dtype and uses_gemv(M, w.shape[0], K, x.device):
         y = gemv(x2, w)
     else:
         y = x2 @ w.t()
@@ -903,7 +902,8 @@ def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig
     return graph_time_us(fn, n)
 
 
-def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False) -> dict:
+def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False,
+              parallel_compile: bool = True) -> dict:
     """Time cuBLAS and the GEMV candidates once per (M bucket, N, K) inside CUDA graphs (each a
     graph of >= 8 back-to-back calls over L2-busting weight copies, median of 5 replays) and record
     the results for `linear` / `choose_config`. shapes: iterable of (N, K) (bf16 weights); M is
@@ -917,7 +917,8 @@ def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: b
     shapes = list(dict.fromkeys((int(n), int(k)) for n, k in shapes))
     buckets = list(dict.fromkeys(_bucket(M) for M in m_values if _bucket(M) <= DOT_MAX_M))  # above: never the GEMV
     todo = {(N, K): [Mb for Mb in buckets if _key(Mb, N, K, device) not in _TABLE] for N, K in shapes}
-    precompile(_candidate_launches(todo, device, configs))  # every compile below in one batch across the threads
+    # every compile below in one batch across the threads
+    precompile(_candidate_launches(todo, device, configs), parallel_compile)
     for (N, K), missing in todo.items():
         ws = None
         for Mb in missing:

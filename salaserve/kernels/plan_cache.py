@@ -2,17 +2,18 @@
 empty Triton kernel cache compiles only the kernels that were picked instead of every candidate
 (an fp8 engine's cold start-up: 117 s calibrating, 84 s with a plan).
 
-    load(device) -> int            picks restored into the calibration tables (0: none on file)
-    save(device) -> Path | None    this device's picks written (merged with the file's)
+    load(device, options) -> int            picks restored into the calibration tables (0: none on file)
+    save(device, options) -> Path | None    this device's picks written (merged with the file's)
 
 The tables: gemv's (bf16 GEMV config and whether it beats cuBLAS, per M bucket and shape) and
 quant_gemm's fp8 GEMV and int4 ones. The calibrations skip keys already present, so a load
 before them leaves only new shapes to time.
 
-File: $SALASERVE_PLAN_CACHE (a directory; default ~/.cache/salaserve/plans; `0` turns plans off)
-/ <fingerprint>.json. The fingerprint holds everything that can make a pick stale: the GPU's name
-and compute capability, torch, triton and salaserve versions, the kernel sources (gemv.py and
-quant_gemm/, so any kernel or candidate-list change starts over) and every SALASERVE_* switch.
+File: KernelOptions.plan_cache_dir (`--plan-cache-dir`; default ~/.cache/salaserve/plans; None
+turns plans off) / plan-<fingerprint>.json. The fingerprint holds everything that can make a pick
+stale: the GPU's name and compute capability, torch, triton and salaserve versions, the kernel
+sources (gemv.py and quant_gemm/, so any kernel or candidate-list change starts over) and the
+options that change the candidates (KernelOptions.pick_switches).
 Entries of every model shape seen accumulate in one file per fingerprint. A pick can only be
 slower than a fresh one, never wrong: each is a config the kernels accept at that shape. An
 unreadable file is ignored with a warning, never a failed start-up.
@@ -31,12 +32,12 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from salaserve.kernels.options import KernelOptions
 from salaserve.kernels.quant_gemm._common import _device_key
 
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = 1
-_ENV = "SALASERVE_PLAN_CACHE"
 
 
 class _Table(NamedTuple):
@@ -74,15 +75,7 @@ def _tables() -> list[_Table]:
     ]
 
 
-def plan_dir() -> Optional[Path]:
-    """The plans' directory, or None when SALASERVE_PLAN_CACHE=0."""
-    value = os.environ.get(_ENV, "")
-    if value == "0":
-        return None
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "salaserve" / "plans"
-
-
-def fingerprint(device) -> dict:
+def fingerprint(device, options: KernelOptions) -> dict:
     """What the picks depend on besides the shapes (see the module docstring)."""
     import triton
 
@@ -99,25 +92,24 @@ def fingerprint(device) -> dict:
     sources = hashlib.sha256()
     for path in [kernels / "gemv.py", *sorted((kernels / "quant_gemm").glob("*.py"))]:
         sources.update(path.name.encode() + b"\0" + path.read_bytes())
-    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SALASERVE_") and k != _ENV}
     return dict(format=PLAN_FORMAT, gpu=gpu, capability=capability, torch=torch.__version__,
                 triton=triton.__version__, salaserve=salaserve.__version__, kernels=sources.hexdigest()[:16],
-                switches=switches)
+                switches=options.pick_switches())
 
 
-def _plan(device) -> tuple[Optional[Path], Optional[dict]]:
+def _plan(device, options: KernelOptions) -> tuple[Optional[Path], Optional[dict]]:
     """(this device's plan file, its fingerprint); (None, None) with plans off."""
-    root = plan_dir()
+    root = options.plan_dir()
     if root is None:
         return None, None
-    fp = fingerprint(device)
+    fp = fingerprint(device, options)
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:20]
     return root / f"plan-{digest}.json", fp
 
 
-def plan_path(device) -> Optional[Path]:
+def plan_path(device, options: KernelOptions) -> Optional[Path]:
     """This device's plan file (None: plans off)."""
-    return _plan(device)[0]
+    return _plan(device, options)[0]
 
 
 def _read(path: Path) -> Optional[dict]:
@@ -133,10 +125,10 @@ def _read(path: Path) -> Optional[dict]:
         return None
 
 
-def load(device) -> int:
+def load(device, options: KernelOptions) -> int:
     """Restore this device's picks from its plan file into the tables (existing keys win).
     Returns how many were restored."""
-    path = plan_path(device)
+    path = plan_path(device, options)
     data = _read(path) if path is not None else None
     if data is None:
         return 0
@@ -157,10 +149,10 @@ def load(device) -> int:
     return restored
 
 
-def save(device) -> Optional[Path]:
+def save(device, options: KernelOptions) -> Optional[Path]:
     """Write this device's picks (merged with those already on file) to its plan file, atomically.
     Returns the path, or None (plans off, or nothing to write)."""
-    path, fp = _plan(device)
+    path, fp = _plan(device, options)
     if path is None:
         return None
     dev = _device_key(device)

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 # re-exports (see above)
-from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _INTERPRET, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
+from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
                                                   SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
                                                   _device_key, _sm_count, _workspace)
 from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _fp8_candidates, _fp8_gemv_key, _w8a16_gemv_dot_tuned,

@@ -3,7 +3,6 @@ reduction, the shared workspace), config lists for the autotuner, the calibratio
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -12,17 +11,17 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import write_silu_tile
 from salaserve.kernels.device_buffers import Want, persistent_buffers
+from salaserve.kernels.options import INTERPRET
 from salaserve.quant.formats import is_trivial_g_idx
 
 GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
 SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
 SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _configs(configs: list) -> list:
     # the interpreter cannot benchmark; one config means the autotuner never times anything
-    return configs[:1] if _INTERPRET else configs
+    return configs[:1] if INTERPRET else configs
 
 
 _GEMV_KEY = ["BLOCK_M", "BLOCK_N", "N", "K", "SPLIT_K", "ACT_ORDER"]

@@ -14,7 +14,8 @@ import triton.language as tl
 
 from salaserve.kernels.compile_ahead import launch_kernel, precompile
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _configs, _GEMV_KEY, _tile_ids, _store_output,
+from salaserve.kernels.options import INTERPRET
+from salaserve.kernels.quant_gemm._common import (_configs, _GEMV_KEY, _tile_ids, _store_output,
                                                   _split_range, _workspace, _gemv_block_m, _default_split_k, _check_x,
                                                   _device_key, _to_calibrate)
 
@@ -86,7 +87,7 @@ def w8a16_gemv(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     args = (x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=_INTERPRET)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=INTERPRET)
     grid = (tiles, split)
     if block_k is None:
         _w8a16_gemv_dot_tuned[grid](*args, **meta)
@@ -124,7 +125,7 @@ def _fp8_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
 
 
 def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
-                       silu_shapes=frozenset()) -> dict:
+                       silu_shapes=frozenset(), parallel_compile: bool = True) -> dict:
     """Per (M bucket, fp8 shape): time w8a16_gemv and every gemv.FP8_FMA_CONFIGS and
     FP8_STREAM_CONFIGS config of the bucket (CUDA graphs of back-to-back calls over L2-busting
     random weights) and record the fastest for quant_linear.
@@ -152,7 +153,8 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
                      for c in _fp8_candidates(m, w)]
             precompile([functools.partial(w8a16_gemv, x, copies[0], w.scale)]
                        + [functools.partial(G.gemv_fp8, x, copies[0], w.scale, c,
-                                            silu_out=junction and c.block_n % 2 == 0) for c in cands])
+                                            silu_out=junction and c.block_n % 2 == 0) for c in cands],
+                       parallel_compile)
             t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
             best = (None, t_ref)
             for cfg in cands:

@@ -117,7 +117,8 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu
     return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
 
 
-def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
+def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False,
+                 parallel_compile: bool = True) -> dict:
     """Time every (kernel, config, split) of the decode GEMVs (the dp2a or FMA kernel and, for
     weights with their repacked copy, the wgmma kernel: _w4_candidates) per (M bucket, shape) in CUDA
     graphs of
@@ -136,7 +137,8 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
         return w.format == "w4a16" and w.g_idx_trivial and any(_w4_candidates(m, w, device) for m in m_values)
 
     work = list(_to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE))
-    precompile(_candidate_launches(work, device))  # every compile below in one batch across the threads
+    # every compile below in one batch across the threads
+    precompile(_candidate_launches(work, device), parallel_compile)
     for w, todo in work:
         N, K = w.out_features, w.in_features
         n_copies = l2_busting_count(w.qweight.nbytes)

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
 from salaserve.kernels.compile_ahead import launch_kernel
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _store_output,
+from salaserve.kernels.options import INTERPRET
+from salaserve.kernels.quant_gemm._common import (_check_decode_x, _default_split_k, _store_output,
                                                   _workspace)
 from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, _to_int32, dequantize_gptq, unpack_int4,
                                      unpack_zeros)
@@ -226,6 +227,6 @@ def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4Wgmma
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     launch_kernel(_w4_gemv_wgmma_kernel, (tiles, split),
         x, packed.qweight, packed.zs, out, ws, cnt, M, N, K, x.stride(0), out.stride(0),
-        GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not _INTERPRET,
-        DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))
+        GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not INTERPRET,
+        DOT_FP32=INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))
     return out

@@ -29,7 +29,7 @@ from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _pow2, _pre
 from salaserve.kernels.sparse.attention import (_PER_TOKEN_WARPS, SPARSE_FP8_STAGE_MAX_BYTES, SPARSE_WINDOW_LAUNCH,
                                                 SPARSE_WINDOW_TOKENS, _ascending_lists, _sparse_prefill_attn_kernel,
                                                 _sparse_window_attn_kernel, sparse_attention, sparse_prefill_attention)
-from salaserve.kernels.sparse.selection import (_INTERPRET, _SELECT_BUFFER_BYTES, FUSED_TOPK_MAX_BLOCKS,
+from salaserve.kernels.sparse.selection import (_SELECT_BUFFER_BYTES, FUSED_TOPK_MAX_BLOCKS,
                                                 STAGE1_PREFILL_LAUNCH, STAGE1_PREFILL_TILE, decode_select_meta,
                                                 prefill_width, select_blocks_decode, select_blocks_prefill)
 from salaserve.kernels.sparse.stage1 import (_LSE_BLOCK_N, _MAX_BLOCKS, _TARGET_PROGRAMS, _stage1_block_keys_kernel,
