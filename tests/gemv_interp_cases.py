@@ -240,7 +240,7 @@ def test_linear_dispatch():
     assert torch.equal(G.linear(x20, w), x20 @ w.t())
     # a calibrated cuBLAS win is honoured
     cfg = G.GemvConfig(8, 64, 1)
-    G._TABLE[G._key(4, 64, 128, x.device)] = G.Choice(cfg, 2.0, 1.0)
+    G.PICKS.put(x.device, 4, (64, 128), G.Choice(cfg, 2.0, 1.0))
     assert not G.uses_gemv(3, 64, 128, x.device)
     assert G.choose_config(3, 64, 128, x.device) == cfg  # the fused ops keep the measured config
     assert torch.equal(G.linear(x, w), x @ w.t())
@@ -308,8 +308,8 @@ def test_large_m_dispatch():
     assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(128, N, K, dev)  # uncalibrated: cuBLAS
     assert not TritonBackend._gemv_fuses(x, w)
     cfg = DOT_WIDE[2]
-    G._TABLE[G._key(128, N, K, dev)] = G.Choice(cfg, 1.0, 2.0)  # the GEMV won at bucket 128
-    G._TABLE[G._key(8, N, K, dev)] = G.Choice(DOT[0], 1.0, 2.0)
+    G.PICKS.put(dev, 128, (N, K), G.Choice(cfg, 1.0, 2.0))  # the GEMV won at bucket 128
+    G.PICKS.put(dev, 8, (N, K), G.Choice(DOT[0], 1.0, 2.0))
     try:
         assert G.uses_gemv(128, N, K, dev) and G.uses_gemv(65, N, K, dev)
         assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(G.DOT_MAX_M + 1, N, K, dev)
@@ -480,8 +480,9 @@ def test_backend_fp8_gate_up_takes_the_silu_epilogue(monkeypatch):
     """fp8 weights at one row (a calibrated even-BLOCK_N config): the
     gate_up junction writes silu_mul through gemv_fp8(silu_out=True), equal to TorchBackend's
     silu_mul of the fp8 linear; without a calibrated GEMV config the junction falls back."""
-    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm import fp8
     from salaserve.kernels.triton_backend import TritonBackend
+    from salaserve.kernels.tuning import isolated_tables
     from salaserve.quant import rtn
 
     gen = torch.Generator().manual_seed(97)
@@ -498,9 +499,10 @@ def test_backend_fp8_gate_up_takes_the_silu_epilogue(monkeypatch):
     monkeypatch.setattr(G, "gemv_fp8", lambda *a, **kw: calls.append(kw.get("silu_out", False)) or real(*a, **kw))
     for cfg, fused in ((G.GemvConfig(4, 64, 1), True), (G.GemvConfig(1, 64, 1), False), (None, False)):
         calls.clear()
-        monkeypatch.setitem(Q._FP8_GEMV_TABLE, Q._fp8_gemv_key(1, w_gu, "cpu"), cfg)
-        monkeypatch.setitem(Q._FP8_GEMV_TABLE, Q._fp8_gemv_key(1, w_o, "cpu"), cfg)
-        h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
+        with isolated_tables():
+            fp8.PICKS.put("cpu", 1, (w_gu.out_features, w_gu.in_features), cfg)
+            fp8.PICKS.put("cpu", 1, (w_o.out_features, w_o.in_features), cfg)
+            h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
         assert (True in calls) == fused, (cfg, calls)
         assert act.shape == (1, F)
         assert_within_ulps(h1, ref_h, max_ulps=1, max_frac=0.05)

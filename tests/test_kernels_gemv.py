@@ -26,6 +26,9 @@ import pytest
 import torch
 from kernel_checks import assert_within_ulps
 
+from salaserve.kernels.gemv import GemvTuning
+from salaserve.kernels.tuning import Stopwatch, isolated_tables, m_bucket
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -185,9 +188,9 @@ def test_fp8_calibration_candidates():
     from salaserve.quant import rtn
 
     w = rtn.quantize_fp8(torch.randn(64, 128))
-    assert F8._fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1] + G.FP8_STREAM_CONFIGS[1]
-    assert F8._fp8_candidates(2, w) == G.FP8_FMA_CONFIGS[2] + G.FP8_STREAM_CONFIGS[2]
-    assert F8._fp8_candidates(8, w) == G.FP8_FMA_CONFIGS[8]
+    assert F8.fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1] + G.FP8_STREAM_CONFIGS[1]
+    assert F8.fp8_candidates(2, w) == G.FP8_FMA_CONFIGS[2] + G.FP8_STREAM_CONFIGS[2]
+    assert F8.fp8_candidates(8, w) == G.FP8_FMA_CONFIGS[8]
     assert all(c.stream and c.split_k for cs in G.FP8_STREAM_CONFIGS.values() for c in cs)
 
 
@@ -201,7 +204,7 @@ def test_large_m_configs_and_limits():
     assert G.DOT_MAX_M == 128 and G.GEMV_MAX_M == 16
     assert set(G.DOT_LARGE_M_CONFIGS) == {32, 64, 128}
     for M in (17, 20, 32, 33, 64, 65, 100, 128):
-        b = G._bucket(M)
+        b = m_bucket(M)
         cands = G.candidate_configs(M)
         assert cands == G.DOT_LARGE_M_CONFIGS[b] and 4 <= len(cands) <= 6
         assert all(c.dot and c.split_k in (1, 2, 4) for c in cands)
@@ -231,13 +234,12 @@ def test_large_m_dispatch_rules():
     from salaserve.kernels import gemv as G
     from salaserve.kernels.triton_backend import TritonBackend
 
-    G.clear_calibration()
     dev = torch.device("cpu")
     N, K = 4096, 4096
-    try:
+    with isolated_tables():
         assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(128, N, K, dev)
         cfg = G.DOT_LARGE_M_CONFIGS[128][1]
-        G._TABLE[G._key(128, N, K, dev)] = G.Choice(cfg, 8.5, 15.0)
+        G.PICKS.put(dev, 128, (N, K), G.Choice(cfg, 8.5, 15.0))
         assert G.uses_gemv(128, N, K, dev) and G.uses_gemv(100, N, K, dev)
         assert G.choose_config(128, N, K, dev) == cfg
         assert not G.uses_gemv(64, N, K, dev)  # bucket 64 uncalibrated
@@ -245,33 +247,34 @@ def test_large_m_dispatch_rules():
         x = torch.empty(128, K, dtype=torch.bfloat16)
         w = torch.empty(N, K, dtype=torch.bfloat16)
         assert not TritonBackend._gemv_fuses(x, w)
-    finally:
-        G.clear_calibration()
 
 
-def test_calibrate_skips_rows_above_the_gemv_limit(monkeypatch):
-    """With DOT_MAX_M 16 calibration times nothing above 16 rows (the GEMV refuses them) and linear
-    keeps cuBLAS there. Timings faked: no GPU here."""
+def test_calibrate_times_each_bucket_up_to_the_gemv_limit():
+    """calibrate (the tuner's recipe, timings faked: no GPU here) times cuBLAS and then each candidate
+    per bucket, nothing above DOT_MAX_M rows (the GEMV refuses them; linear keeps cuBLAS there), keeps
+    the fastest candidate with cuBLAS's time, and skips the buckets already in the table."""
     from salaserve.kernels import gemv as G
 
-    monkeypatch.setattr(G, "DOT_MAX_M", 16)
-    monkeypatch.setattr(G, "weight_copies", lambda *a, **k: [None])
-    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
-    timed = []
+    times = []
 
-    def fake_time(fn_name, M, N, K, device, config=None, weights=None, **kw):
-        timed.append((fn_name, M))
-        return 1.0 if fn_name == "gemv" else 2.0
+    def timer(run, calls):  # each run slower than the last: cuBLAS (first) fastest, then the first candidate
+        times.append(calls)
+        return float(len(times))
 
-    monkeypatch.setattr(G, "time_linear", fake_time)
-    G.clear_calibration()
-    try:
-        got = G.calibrate([(4096, 4096)], "cuda:0", m_values=(8, 16, 32, 128))
-        assert sorted(b for b, _, _ in got) == [8, 16]
-        assert max(M for _, M in timed) == 16
-        assert not G.uses_gemv(32, 4096, 4096, torch.device("cuda:0"))
-    finally:
-        G.clear_calibration()
+    N, K = 256, 512
+    with isolated_tables():
+        got = G.calibrate([(N, K)], "cpu", m_values=(3, 8, 16, 256), stopwatch=Stopwatch(timer))
+        assert sorted(b for b, _, _ in got) == [4, 8, 16]
+        cands = {m: GemvTuning().candidates(m, N, K, "cpu") for m in (4, 8, 16)}
+        assert len(times) == sum(1 + len(c) for c in cands.values())  # cuBLAS + the candidates, per bucket
+        for m in (4, 8, 16):
+            choice = G.calibrated_choice(m, N, K, "cpu")
+            assert choice.gemv == cands[m][0] and choice.gemv_us > choice.cublas_us and not choice.use_gemv
+            assert not G.uses_gemv(m, N, K, "cpu")
+        assert not G.uses_gemv(256, N, K, "cpu")
+        times.clear()
+        G.calibrate([(N, K)], "cpu", m_values=(8, 32), stopwatch=Stopwatch(timer))
+        assert len(times) == 1 + len(GemvTuning().candidates(32, N, K, "cpu"))  # only the new bucket
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +424,7 @@ def test_fused_ops_gpu(M):
     g = torch.Generator(device="cuda").manual_seed(M)
     h = torch.randn(M, 4096, device="cuda", generator=g).bfloat16()
     nw = (1 + 0.3 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
-    for cfg in G.FMA_CONFIGS[G._bucket(M)][:1] + G.DOT_CONFIGS[:1]:
+    for cfg in G.FMA_CONFIGS[m_bucket(M)][:1] + G.DOT_CONFIGS[:1]:
         # residual epilogue: bit-exact against torch's expression on the same GEMV output
         x, w = _inputs(M, 4096, 4096, seed=10 + M)
         y = G.gemv(x, w, config=cfg)

@@ -1,5 +1,5 @@
 """kernels/plan_cache.py: the start-up calibration picks written to disk and read back (CPU: the
-tables filled by hand, as the GPU calibrations would fill them for device "cpu")."""
+pick tables filled by hand, as the GPU calibrations would fill them for device "cpu")."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from salaserve.kernels import gemv as G
-from salaserve.kernels import plan_cache
+from salaserve.kernels import plan_cache, tuning
 from salaserve.kernels.options import KernelOptions
 from salaserve.kernels.quant_gemm import fp8, w4_decode
 
@@ -20,34 +20,30 @@ def opts(tmp_path):
 
 
 @pytest.fixture
-def tables(monkeypatch):
-    """Empty calibration tables."""
-    fresh = dict(gemv={}, fp8_gemv={}, w4={}, w4_rounded={})
-    monkeypatch.setattr(G, "_TABLE", fresh["gemv"])
-    monkeypatch.setattr(fp8, "_FP8_GEMV_TABLE", fresh["fp8_gemv"])
-    monkeypatch.setattr(w4_decode, "_W4_TABLE", fresh["w4"])
-    monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", fresh["w4_rounded"])
-    return fresh
+def tables():
+    """Empty pick tables (the process's picks back after the test), by name."""
+    with tuning.isolated_tables():
+        yield {t.name: t for t in tuning.tables()}
 
 
 def _fill(t, dev="cpu"):
     """One pick of each kind, as the calibrations record them (fp8: a config and a w8a16 win)."""
-    t["gemv"][(dev, 1, 4096, 4096)] = G.Choice(G.GemvConfig(4, 1024, 4), 10.5, 12.25)
-    t["gemv"][(dev, 32, 4096, 16384)] = G.Choice(G.GemvConfig(128, 128, 8, 3, split_k=4, dot=True), 40.0, 38.0)
-    t["fp8_gemv"][(1, 32768, 4096, dev)] = G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True)
-    t["fp8_gemv"][(8, 32768, 4096, dev)] = None
-    t["w4"][(1, 16384, 4096, 128, dev)] = ("fma", (64, 16, 4, 1), 8)
-    t["w4_rounded"][(1, 16384, 4096, 128, dev)] = ("dp2a_rounded", (64, 16, 2, 4, 2, False), 8)
+    t["gemv"].put(dev, 1, (4096, 4096), G.Choice(G.GemvConfig(4, 1024, 4), 10.5, 12.25))
+    t["gemv"].put(dev, 32, (4096, 16384), G.Choice(G.GemvConfig(128, 128, 8, 3, split_k=4, dot=True), 40.0, 38.0))
+    t["fp8_gemv"].put(dev, 1, (32768, 4096), G.GemvConfig(32, 512, 8, 4, split_k=1, stream=True))
+    t["fp8_gemv"].put(dev, 8, (32768, 4096), None)
+    t["w4"].put(dev, 1, (16384, 4096, 128), ("fma", (64, 16, 4, 1), 8))
+    t["w4_rounded"].put(dev, 1, (16384, 4096, 128), ("dp2a_rounded", (64, 16, 2, 4, 2, False), 8))
 
 
 def _snapshot(t):
-    return {name: dict(table) for name, table in t.items()}
+    return {name: dict(table.items()) for name, table in t.items()}
 
 
 def test_picks_round_trip_and_drive_the_dispatch(tables, opts):
     _fill(tables)
     _fill(tables, dev="cuda:1")  # another device's picks stay out of this device's plan
-    want = {name: {k: v for k, v in table.items() if "cpu" in k} for name, table in _snapshot(tables).items()}
+    want = {name: {k: v for k, v in table.items() if k[0] == "cpu"} for name, table in _snapshot(tables).items()}
     path = plan_cache.save("cpu", opts)
     assert path is not None and path.exists()
     for table in tables.values():
@@ -71,10 +67,10 @@ def test_picks_in_the_tables_win_and_saves_merge(tables, opts):
     newer = G.Choice(G.GemvConfig(2, 1024, 4), 9.0, 12.0)
     for table in tables.values():
         table.clear()
-    tables["gemv"][("cpu", 1, 4096, 4096)] = newer  # calibrated in this process: kept
-    tables["gemv"][("cpu", 2, 8704, 4096)] = G.Choice(G.GemvConfig(2, 1024, 4), 11.0, 15.0)  # new shape
+    tables["gemv"].put("cpu", 1, (4096, 4096), newer)  # calibrated in this process: kept
+    tables["gemv"].put("cpu", 2, (8704, 4096), G.Choice(G.GemvConfig(2, 1024, 4), 11.0, 15.0))  # new shape
     assert plan_cache.load("cpu", opts) == 5
-    assert tables["gemv"][("cpu", 1, 4096, 4096)] == newer
+    assert tables["gemv"].get("cpu", 1, (4096, 4096)) == newer
     plan_cache.save("cpu", opts)
     data = json.loads(plan_cache.plan_path("cpu", opts).read_text())
     keys = [k for k, _ in data["tables"]["gemv"]]
@@ -106,7 +102,7 @@ def test_bad_files_and_unwritable_directories_never_fail_a_start_up(tables, opts
     assert plan_cache.load("cpu", opts) == 0 and "unreadable" in caplog.text
     path.write_text(json.dumps(dict(format=plan_cache.PLAN_FORMAT, tables=dict(gemv=[[[1, 4096], {"gemv": {}}]]))))
     assert plan_cache.load("cpu", opts) == 0 and "malformed" in caplog.text
-    assert all(not t for t in tables.values())
+    assert all(not len(t) for t in tables.values())
     # a plan directory that cannot be made (a file in its place): a warning, no plan
     blocker = tmp_path / "blocker"
     blocker.write_text("")

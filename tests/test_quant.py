@@ -549,16 +549,17 @@ def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
     takes, not for act-order ones; its picks are read at 1-2 rows only, by shape, and only from what
     the calibration recorded; w4a16_decode_rounded takes the dp2a_rounded kernel's choices only."""
     from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.kernels.tuning import isolated_tables
     from salaserve.quant import rtn
 
     w = rtn.quantize_w4a16_rtn(torch.randn(256, 1024), 128)
     assert w4_decode.w4_rounded_usable(w)
     assert not w4_decode.w4_rounded_usable(dataclasses.replace(w, perm=torch.arange(1024)))
-    monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", {})
-    assert w4_decode.w4_rounded_choice(1, w, "cpu") is None
-    w4_decode._W4_ROUNDED_TABLE[w4_decode._w4_key(2, w, "cpu")] = ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
-    assert w4_decode.w4_rounded_choice(2, w, "cpu") == ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
-    assert w4_decode.w4_rounded_choice(1, w, "cpu") is None and w4_decode.w4_rounded_choice(3, w, "cpu") is None
+    with isolated_tables():
+        assert w4_decode.w4_rounded_choice(1, w, "cpu") is None
+        w4_decode.ROUNDED_PICKS.put("cpu", 2, w4_decode.w4_shape(w), ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4))
+        assert w4_decode.w4_rounded_choice(2, w, "cpu") == ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
+        assert w4_decode.w4_rounded_choice(1, w, "cpu") is None and w4_decode.w4_rounded_choice(3, w, "cpu") is None
     assert all(cfg[1] * 8 == w4_decode.X_TILE for cfgs in w4_decode.W4_DP2A_ROUNDED_CONFIGS.values() for cfg in cfgs)
     assert {c[0] for c in w4_decode.rounded_choices(1, w, "cpu")} == {"dp2a_rounded"}
     calls = []

@@ -481,7 +481,7 @@ def test_bf16_gemv_calibration_times_only_the_plain_weights(monkeypatch):
 
     cfg = preset_config("tiny")
     timed = []
-    monkeypatch.setattr(G, "calibrate", lambda shapes, device, m_values: timed.append(list(shapes)) or {})
+    monkeypatch.setattr(G, "calibrate", lambda shapes, device, m_values, **kw: timed.append(list(shapes)) or {})
     q = rtn.quantize_w4a16_rtn(torch.randn(64, 128), 128)
     params = {"lm_head": torch.zeros(cfg.vocab_size, cfg.hidden_size),
               "layers": [{"qkvg": q, "o_proj": q, "gate_up": q, "down": q}]}

@@ -67,9 +67,9 @@ def decode_table(shapes, ms, out):
                                                        act_order=False), w4s)
             if M <= Q.W4_WGMMA_MAX_M:  # the start-up calibration's candidates (kernel x config x split), printed
                 bucket = 1 << (M - 1).bit_length()
-                res = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)
-                if (bucket, N, K) in res:
-                    kernel, cfg, split, _ = res[(bucket, N, K)]
+                Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)
+                if (choice := Q.w4_decode_choice(x, w4s[0])) is not None:
+                    kernel, cfg, split = choice
                     r["w4_new"] = {f"{kernel} {cfg} split{split}": _time(lambda w: Q.quant_linear(x, w), w4s)}
             r["fp8_w8a16"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
             r["fp8_gemv"] = None

@@ -92,6 +92,7 @@ the same config gives the same bits on every run, split-K included.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, replace
 
@@ -101,10 +102,11 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import (bf16_pair, pdl_enabled, pdl_supported, promote, round_to, rsqrt_rn,
                                              silu_mul_rounded, tl_dtype, write_silu_tile)
-from salaserve.kernels.compile_ahead import launch_kernel, precompile
+from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.device_buffers import Want, persistent_buffers
 from salaserve.kernels.options import INTERPRET
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
+from salaserve.kernels.tuning import Family, PickTable, Stopwatch, Trial, m_bucket, tune
 
 GEMV_MAX_M = 16  # largest M of the fused prologues (each program recomputes its rows' statistics)
 # largest M of the plain GEMV / residual epilogue (tensor-core path, BLOCK_M <= 128, a power of two);
@@ -620,11 +622,6 @@ PROGRAMS_PER_SM = 8
 MIN_SPLIT_LEN = 512
 
 
-def _bucket(M: int) -> int:
-    """M bucket: the power of two >= M (the kernel's BLOCK_M on the FMA paths)."""
-    return 1 if M <= 1 else 1 << (M - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=None)
 def _device_info(device: str) -> tuple[int, int]:
     """(SM count, compute capability major); off-GPU (interpreter runs): an H200's."""
@@ -653,12 +650,12 @@ def default_config(M: int, N: int, K: int) -> GemvConfig:
     """Uncalibrated choice: FMA at M = 1, tensor cores above (M > 16: the bucket's first config)."""
     if M <= 1:
         return FMA_CONFIGS[1][0]
-    return DOT_CONFIGS[0] if M <= GEMV_MAX_M else DOT_LARGE_M_CONFIGS[_bucket(M)][0]
+    return DOT_CONFIGS[0] if M <= GEMV_MAX_M else DOT_LARGE_M_CONFIGS[m_bucket(M)][0]
 
 
 def candidate_configs(M: int) -> tuple[GemvConfig, ...]:
     """Configs `calibrate` times for an M bucket (each one Triton compile per shape)."""
-    b = _bucket(M)
+    b = m_bucket(M)
     if b == 1:
         return FMA_CONFIGS[1] + DOT_CONFIGS[:1]
     if b > GEMV_MAX_M:
@@ -750,7 +747,7 @@ def _launch(x, w, *, out=None, residual=None, scale=1.0, norm_w=None, eps=0.0, p
     use_pdl = pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device)
     if cfg.stream and w_scale is None:
         raise ValueError(f"{cfg} takes fp8 weights")
-    block_m = max(16, _bucket(M)) if cfg.dot else _bucket(M)
+    block_m = max(16, m_bucket(M)) if cfg.dot else m_bucket(M)
     tiles = triton.cdiv(n_out, cfg.block_n // 2) if silu_out else triton.cdiv(N, cfg.block_n)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     even_k = K % (split * cfg.block_k) == 0
@@ -836,20 +833,27 @@ class Choice:
         return self.gemv_us < self.cublas_us
 
 
-_TABLE: dict[tuple[str, int, int, int], Choice] = {}
+def _choice_encode(c: Choice) -> dict:
+    return dict(gemv=dataclasses.asdict(c.gemv), gemv_us=c.gemv_us, cublas_us=c.cublas_us)
 
 
-def _key(M, N, K, device) -> tuple[str, int, int, int]:
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:  # "cuda" and x.device ("cuda:0") must meet
-        d = torch.device("cuda", torch.cuda.current_device())
-    return (str(d), _bucket(M), int(N), int(K))
+def _choice_decode(d: dict) -> Choice:
+    return Choice(GemvConfig(**d["gemv"]), float(d["gemv_us"]), float(d["cublas_us"]))
+
+
+# (device, M bucket, N, K) -> Choice, filled by `calibrate`
+PICKS = PickTable("gemv", _choice_encode, _choice_decode)
+
+
+def calibrated_choice(M: int, N: int, K: int, device) -> Choice | None:
+    """The calibration's Choice for M rows (its bucket) at [N, K], or None."""
+    return PICKS.get(device, M, (N, K))
 
 
 def choose_config(M: int, N: int, K: int, device: torch.device) -> GemvConfig:
     """The calibrated GEMV config for this shape (kept even where cuBLAS won: the fused ops still
     need one), else the default."""
-    c = _TABLE.get(_key(M, N, K, device))
+    c = PICKS.get(device, M, (N, K))
     return c.gemv if c is not None else default_config(M, N, K)
 
 
@@ -859,7 +863,7 @@ def uses_gemv(M: int, N: int, K: int, device: torch.device) -> bool:
     Triton GEMV beat cuBLAS on all four anchor shapes)."""
     if not 1 <= M <= DOT_MAX_M:
         return False
-    c = _TABLE.get(_key(M, N, K, device))
+    c = PICKS.get(device, M, (N, K))
     if c is not None:
         return c.use_gemv
     return M <= 8
@@ -888,7 +892,8 @@ def weight_copies(N: int, K: int, dtype, device, seed: int = 0) -> list[torch.Te
 def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig | None = None,
                 pdl: bool | None = None, weights=None, calls: int | None = None) -> float:
     """us per call of cuBLAS ('cublas') or the GEMV ('gemv') at this shape, in a CUDA graph of
-    back-to-back calls cycling through L2-busting weight copies."""
+    back-to-back calls cycling through L2-busting weight copies (the benchmarks' measure; the
+    calibration times the same calls through its Stopwatch)."""
     ws = weights if weights is not None else weight_copies(N, K, torch.bfloat16, device)
     x = torch.randn(M, K, device=device).to(ws[0].dtype)
     out = torch.empty(M, N, device=device, dtype=ws[0].dtype)
@@ -902,69 +907,72 @@ def time_linear(fn_name: str, M: int, N: int, K: int, device, config: GemvConfig
     return graph_time_us(fn, n)
 
 
-def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False,
-              parallel_compile: bool = True) -> dict:
-    """Time cuBLAS and the GEMV candidates once per (M bucket, N, K) inside CUDA graphs (each a
-    graph of >= 8 back-to-back calls over L2-busting weight copies, median of 5 replays) and record
-    the results for `linear` / `choose_config`. shapes: iterable of (N, K) (bf16 weights); M is
-    timed at its bucket (3 -> 4). configs: a list for every M, or a callable M -> list; default
-    `candidate_configs` (less the explicit splits that cannot pay off at N: `_split_useful`).
-    Returns {(bucket, N, K): Choice}. Cost: a few ms per candidate plus one
-    Triton compile each (cached on disk across runs); already calibrated keys are skipped."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return {}
-    shapes = list(dict.fromkeys((int(n), int(k)) for n, k in shapes))
-    buckets = list(dict.fromkeys(_bucket(M) for M in m_values if _bucket(M) <= DOT_MAX_M))  # above: never the GEMV
-    todo = {(N, K): [Mb for Mb in buckets if _key(Mb, N, K, device) not in _TABLE] for N, K in shapes}
-    # every compile below in one batch across the threads
-    precompile(_candidate_launches(todo, device, configs), parallel_compile)
-    for (N, K), missing in todo.items():
-        ws = None
-        for Mb in missing:
-            ws = ws if ws is not None else weight_copies(N, K, torch.bfloat16, device)
-            t_cublas = time_linear("cublas", Mb, N, K, device, weights=ws)
-            best = None
-            for cfg in _calibration_candidates(Mb, N, K, device, configs):
-                t = time_linear("gemv", Mb, N, K, device, config=cfg, weights=ws)
-                if verbose:
-                    print(f"  M={Mb} N={N} K={K} {cfg}: {t:.1f} us (cuBLAS {t_cublas:.1f})")
-                if best is None or t < best[1]:
-                    best = (cfg, t)
-            _TABLE[_key(Mb, N, K, device)] = Choice(best[0], best[1], t_cublas)
-        del ws
-    return {(Mb, N, K): _TABLE[_key(Mb, N, K, device)] for N, K in shapes for Mb in buckets}
+class GemvTuning(Family):
+    """The bf16 GEMV against cuBLAS, per (M bucket, N, K) of the plain weights (items: (N, K)): the
+    fastest GEMV config is kept either way (the fused ops need one), and `linear` takes the GEMV
+    where it beat cuBLAS (Choice.use_gemv). configs: a list for every M, or a callable M -> list;
+    default `candidate_configs` less the explicit splits that cannot pay off at N (`_split_useful`).
+    Buckets above DOT_MAX_M are never the GEMV: not timed."""
 
+    table = PICKS
 
-def _calibration_candidates(Mb: int, N: int, K: int, device, configs=None) -> list:
-    """The configs calibrate times at bucket Mb and shape (N, K), each with the split it runs at."""
-    if callable(configs) or configs:
-        cands = configs(Mb) if callable(configs) else configs
-    else:
-        cands = [c for c in candidate_configs(Mb) if _split_useful(c, N, device)]
-    return [c if c.split_k else replace(c, split_k=_auto_split(N, K, c, device)) for c in cands]
+    def __init__(self, configs=None):
+        self.configs = configs
 
+    def shape(self, item) -> tuple:
+        return (int(item[0]), int(item[1]))
 
-def _candidate_launches(todo: dict, device, configs=None):
-    """One GEMV launch per (shape, bucket, candidate) of calibrate's work `todo` ({(N, K): buckets}),
-    with x, w and out as time_linear makes them, for precompile."""
-    for (N, K), buckets in todo.items():
-        if not buckets:
-            continue
+    def wants(self, item, m: int, device) -> bool:
+        return m <= DOT_MAX_M
+
+    def candidates(self, m: int, N: int, K: int, device) -> list[GemvConfig]:
+        """The configs timed at bucket m and shape (N, K), each with the split it runs at."""
+        if callable(self.configs) or self.configs:
+            cands = self.configs(m) if callable(self.configs) else self.configs
+        else:
+            cands = [c for c in candidate_configs(m) if _split_useful(c, N, device)]
+        return [c if c.split_k else replace(c, split_k=_auto_split(N, K, c, device)) for c in cands]
+
+    def launches(self, item, m: int, device):
+        N, K = item
         w = torch.empty(N, K, device=device, dtype=torch.bfloat16)  # launches compile, never run
-        for Mb in buckets:
-            x = torch.empty(Mb, K, device=device, dtype=torch.bfloat16)
-            out = torch.empty(Mb, N, device=device, dtype=torch.bfloat16)
-            for cfg in _calibration_candidates(Mb, N, K, device, configs):
-                yield functools.partial(gemv, x, w, out, config=cfg)
+        x = torch.empty(m, K, device=device, dtype=torch.bfloat16)
+        out = torch.empty(m, N, device=device, dtype=torch.bfloat16)
+        return [functools.partial(gemv, x, w, out, config=cfg) for cfg in self.candidates(m, N, K, device)]
+
+    def operands(self, item, device):
+        return weight_copies(*item, torch.bfloat16, device)
+
+    def tune_bucket(self, item, m: int, ws, device, stopwatch: Stopwatch) -> None:
+        N, K = item
+        calls = max(8, len(ws))
+        x = torch.randn(m, K, device=device).to(torch.bfloat16)
+        out = torch.empty(m, N, device=device, dtype=torch.bfloat16)
+        t_cublas = stopwatch.time(lambda i: torch.mm(x, ws[i % len(ws)].t(), out=out), calls)
+        trials = [Trial(cfg, functools.partial(_gemv_call, x, ws, out, cfg), str(cfg))
+                  for cfg in self.candidates(m, N, K, device)]
+        best, us = stopwatch.fastest(trials, calls, f"M={m} N={N} K={K}", f" (cuBLAS {t_cublas:.1f})")
+        PICKS.put(device, m, (N, K), Choice(best.pick, us, t_cublas))
 
 
-def calibration_table() -> dict:
-    return dict(_TABLE)
+def _gemv_call(x, ws, out, cfg, i):
+    gemv(x, ws[i % len(ws)], out=out, config=cfg)
+
+
+def calibrate(shapes, device, m_values=(1, 2, 4, 8), *, configs=None, verbose: bool = False,
+              parallel_compile: bool = True, stopwatch: Stopwatch | None = None) -> dict:
+    """Time cuBLAS and the GEMV candidates once per (M bucket, N, K) (kernels/tuning.py's recipe:
+    each a CUDA graph of >= 8 back-to-back calls over L2-busting weight copies, median of 5 replays)
+    and record the results for `linear` / `choose_config`. shapes: iterable of (N, K) (bf16
+    weights); M is timed at its bucket (3 -> 4); configs: see GemvTuning. Returns {(bucket, N, K):
+    Choice}. Cost: a few ms per candidate plus one Triton compile each (cached on disk across runs);
+    already calibrated keys are skipped."""
+    return tune(GemvTuning(configs), [(int(n), int(k)) for n, k in shapes], device, m_values,
+                parallel_compile=parallel_compile, verbose=verbose, stopwatch=stopwatch)
 
 
 def clear_calibration() -> None:
-    _TABLE.clear()
+    PICKS.clear()
 
 
 def model_linear_shapes(cfg) -> list[tuple[str, int, int, int]]:

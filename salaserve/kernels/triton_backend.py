@@ -29,6 +29,7 @@ from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
 from salaserve.kernels.options import INTERPRET, KernelOptions
 from salaserve.kernels.torch_ops import TorchBackend
+from salaserve.kernels.tuning import m_bucket
 from salaserve.quant.formats import QuantizedLinearWeights
 
 log = logging.getLogger(__name__)
@@ -152,15 +153,21 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         decode or verify step can have (buckets above it are not timed). The picks are kept on disk
         (kernels/plan_cache.py, options.plan_cache_dir): a restart on the same GPU and code times only
         shapes it has not seen, and compiles only the picked kernels."""
-        from salaserve.kernels import plan_cache
+        from salaserve.kernels import plan_cache, quant_gemm  # noqa: F401 (quant_gemm: its pick tables join the plan)
 
         plan_cache.load(device, self.options)  # picks of an earlier start-up: only shapes new to the plan get timed
         self._calibrate(cfg, device, params, max_rows)
         plan_cache.save(device, self.options)
 
     def _calibrate(self, cfg, device, params, max_rows: int) -> None:
-        top = max(gemv_ops._bucket(max_rows), 16)
+        """Each tuned kernel family over the weights it serves (kernels/tuning.py): the bf16 GEMV
+        against cuBLAS for the plain weights (every linear shape of cfg without params) at the
+        buckets up to max_rows (at least 16), the int4 decode kernels for w4a16 weights, the fp8 GEMV
+        against w8a16 for fp8 weights."""
+        from salaserve.kernels import quant_gemm
+
         parallel = self.options.parallel_compile
+        top = max(m_bucket(max_rows), 16)
         gemv_ops.calibrate(_plain_shapes(cfg, params), device,
                            m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top),
                            parallel_compile=parallel)
@@ -168,16 +175,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
                      if isinstance(w, QuantizedLinearWeights)]
         if not quantized:
             return
-        from salaserve.kernels import quant_gemm
-
-        w4 = {(w.out_features, w.in_features, w.group_size): w for w in quantized if w.format == "w4a16"}
-        if w4:
-            quant_gemm.calibrate_w4(list(w4.values()), device, parallel_compile=parallel)
-        fp8 = {(w.out_features, w.in_features): w for w in quantized if w.format == "fp8"}
-        if fp8:
-            # gate_up at one row runs through the silu_mul junction: timed that way
-            silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
-            quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device, silu_shapes=silu, parallel_compile=parallel)
+        quant_gemm.calibrate_w4(quantized, device, parallel_compile=parallel)
+        # gate_up at one row runs through the silu_mul junction: timed that way
+        silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
+        quant_gemm.calibrate_fp8_gemv(quantized, device, silu_shapes=silu, parallel_compile=parallel)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes (M <= gemv.DOT_MAX_M = 128): the GEMV or cuBLAS

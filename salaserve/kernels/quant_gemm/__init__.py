@@ -52,16 +52,16 @@ import torch.nn.functional as F
 # re-exports (see above)
 from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
                                                   SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
-                                                  _device_key, _sm_count, _workspace)
-from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _fp8_candidates, _fp8_gemv_key, _w8a16_gemv_dot_tuned,
-                                              _w8a16_kernel, calibrate_fp8_gemv, fp8_gemv_choice, w8a16_gemv)
+                                                  _sm_count, _workspace)
+from salaserve.kernels.quant_gemm.fp8 import (_w8a16_gemv_dot_tuned, _w8a16_kernel, calibrate_fp8_gemv, fp8_candidates,
+                                              fp8_gemv_choice, w8a16_gemv)
 from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quantize_rows_fp8_kernel,
                                                    fp8_quantize_rows_ref, fp8_scaled_mm, fp8_scaled_mm_quantized,
                                                    quantize_rows_fp8, rowquant_constexprs, rowquant_warps)
 from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
                                                  _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
                                                  _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
+from salaserve.kernels.quant_gemm.w4_decode import (_w4_candidates, _w4_splits, calibrate_w4, w4_decode_choice,
                                                     w4_rounded_choice, w4_rounded_usable, w4_silu_out_usable,
                                                     w4a16_decode, w4a16_decode_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,

@@ -1,5 +1,5 @@
 """Pieces shared by the quantized linear kernels: the split-K launch (ranges, the in-launch
-reduction, the shared workspace), config lists for the autotuner, the calibration tables' keys."""
+reduction, the shared workspace), config lists for the autotuner."""
 
 from __future__ import annotations
 
@@ -166,25 +166,3 @@ def _act_order(g_idx: Optional[torch.Tensor], group_size: int, act_order: Option
     if act_order is not None:
         return act_order
     return not is_trivial_g_idx(g_idx, group_size)  # syncs; the container caches this instead
-
-
-def _device_key(device) -> str:
-    """The calibration tables' device name: "cuda" (the runner's device) and x.device ("cuda:0")
-    must meet."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return str(d)
-
-
-def _to_calibrate(weights, device, m_values, usable, key, table):
-    """The start-up calibrations' work list: (weight, its M values not yet in `table`) for each
-    weight `usable` accepts; nothing off the GPU. key(m, w, device) is the table's key."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    for w in weights:
-        if usable(w):
-            todo = [m for m in m_values if key(m, w, device) not in table]
-            if todo:
-                yield w, todo
