@@ -134,3 +134,14 @@ def test_backend_start_up_loads_then_saves(monkeypatch):
     monkeypatch.setattr(plan_cache, "save", lambda device, opts: calls.append(("save", str(device))))
     TritonBackend().prepare(preset_config("tiny"), "cpu")
     assert calls == [("load", "cpu"), ("calibrate",), ("save", "cpu")]
+
+
+def test_a_save_keeps_the_tables_of_families_not_imported(tables, opts):
+    """Picks on file under a table no imported family registered stay in the file across saves."""
+    _fill(tables)
+    path = plan_cache.save("cpu", opts)
+    data = json.loads(path.read_text())
+    data["tables"]["other_family"] = [[[1, 64, 64], "pick"]]
+    path.write_text(json.dumps(data))
+    assert plan_cache.save("cpu", opts) == path
+    assert json.loads(path.read_text())["tables"]["other_family"] == [[[1, 64, 64], "pick"]]
