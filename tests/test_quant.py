@@ -69,7 +69,7 @@ def test_zeros_v1_matches_autogptq_convention():
     g = gen(1)
     z = torch.randint(1, 16, (3, 32), generator=g)
     autogptq = sum(((z[:, j::8] - 1) << (4 * j)) for j in range(8))
-    assert torch.equal(formats.pack_zeros(z, "gptq"), formats._to_int32(autogptq))
+    assert torch.equal(formats.pack_zeros(z, "gptq"), formats.to_int32(autogptq))
 
 
 def test_dequantize_gptq_independent_formula():

@@ -31,6 +31,8 @@ from salaserve.kernels.options import INTERPRET, KernelOptions
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.kernels.tuning import m_bucket
 from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.formats.fp8 import FP8
+from salaserve.quant.formats.w4a16 import W4A16
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
         added = 0
         for w in _linear_weights(params):
-            if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16" and w.prefill is None:
+            if isinstance(w, QuantizedLinearWeights) and w.format == W4A16.name and w.prefill is None:
                 w.prefill = fp8_prefill_copy(w)
                 added += w.prefill.weight.nbytes + w.prefill.scale.nbytes
         if added:
@@ -232,7 +234,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """The fp8 GEMV config under which an fp8 [gate | up] weight takes the silu_mul epilogue
         (gemv_fp8(silu_out=True)), or None: the start-up calibration chose the GEMV for this shape
         and row count, with an even BLOCK_N; bf16 x."""
-        if not (isinstance(w, QuantizedLinearWeights) and w.format == "fp8" and x.dim() == 2
+        if not (isinstance(w, QuantizedLinearWeights) and w.format == FP8.name and x.dim() == 2
                 and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRET)):
             return None
         from salaserve.kernels import quant_gemm

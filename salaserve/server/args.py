@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from salaserve.config import EngineArgs, default_plan_cache_dir
+from salaserve.quant.formats import quantization_choices
 
 # flag dest -> why it is ignored (printed once at start-up when the flag is given)
 IGNORED_FLAGS = {
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention-backend", default=None)
     a("--skip-server-warmup", action="store_true")
     a("--dense-as-sparse", action="store_true")
-    a("--quantization", default=None)
+    a("--quantization", default=None, choices=quantization_choices(),
+      help="default: as the checkpoint says; a format on a bf16 checkpoint quantizes on load")
     a("--quantize-lm-head", action="store_true",
       help="with --quantization fp8/w4a16 on a bf16 checkpoint: quantize lm_head on load too (default: bf16)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],

@@ -46,9 +46,6 @@ submodules' names are re-exported here: callers (backend, tests) import the pack
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 # re-exports (see above)
 from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
                                                   SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
@@ -73,56 +70,9 @@ from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
                                                    _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
                                                    w4a16_gemv_wgmma, w4a16_wgmma_ref)
+from salaserve.kernels.quant_gemm.dispatch import (LINEAR_KERNELS, fp8_linear, fp8_scaled_mm_takes, quant_linear,
+                                                   w4a16_linear)
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
 
 
-# ---------------------------------------------------------------- dispatch
-
-
-def fp8_scaled_mm_takes(M: int, w: QuantizedLinearWeights) -> bool:
-    """Whether quant_linear sends M rows through w8a8 on cuBLAS (prefill sizes; cuBLAS fp8
-    needs K and N multiples of 16) rather than a decode kernel."""
-    return w.format == "fp8" and M > GEMV_MAX_M and w.in_features % 16 == 0 and w.out_features % 16 == 0
-
-
-def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "auto") -> torch.Tensor:
-    """y = x @ W^T for x [..., K]. backend "auto": Triton/cuBLAS on CUDA, torch reference
-    elsewhere; "triton" forces the kernels (CPU works under TRITON_INTERPRET=1); "torch" the reference."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"unknown backend {backend!r}")
-    K, N = w.in_features, w.out_features
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    use_kernels = backend == "triton" or (backend == "auto" and x.is_cuda)
-    if w.prefill is not None and M > GEMV_MAX_M:  # int4 weights' fp8 copy: w8a8 at prefill sizes
-        return quant_linear(x, w.prefill, backend)
-    if M == 0:
-        y = x2.new_empty(0, N)
-    elif w.format == "bf16":
-        y = F.linear(x2, w.weight.to(x2.dtype))
-    elif not use_kernels:
-        y = linear_ref(x2, w)
-    elif w.format == "fp8":
-        if (cfg := fp8_gemv_choice(M, w, x2.device)) is not None:
-            from salaserve.kernels import gemv as G
-
-            y = G.gemv_fp8(x2, w.weight, w.scale, cfg)
-        elif not fp8_scaled_mm_takes(M, w):
-            y = w8a16_gemv(x2, w.weight, w.scale)
-        elif x2.is_cuda:
-            y = fp8_scaled_mm(x2, w.weight, w.scale)
-        else:  # interpreter: no cuBLAS fp8
-            y = fp8_matmul_ref(x2, w.weight, w.scale)
-    elif x2.is_cuda and (choice := w4_decode_choice(x2, w)) is not None:
-        y = w4a16_decode(x2, w, choice)  # decode: the kernel the start-up calibration picked
-    elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
-        y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel
-    elif M <= GEMV_MAX_M:
-        y = w4a16_gemv(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
-    elif w.g_idx_trivial and w.group_size % 8 == 0:
-        y = w4a16_dense_mm(x2, w)  # prefill: dequantize into scratch + cuBLAS
-    else:
-        y = w4a16_gemm(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
-    return y.reshape(*lead, N)

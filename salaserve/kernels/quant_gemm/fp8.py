@@ -19,6 +19,7 @@ from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _check_x, _configs,
 from salaserve.kernels.timing import l2_busting_count
 from salaserve.kernels.tuning import Family, PickTable, Stopwatch, Trial, m_bucket, tune
 from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.formats.fp8 import FP8
 
 
 # ---------------------------------------------------------------- w8a16 (fp8 weights)
@@ -204,5 +205,5 @@ def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = F
     """Tune the fp8 decode GEMV against w8a16 (Fp8GemvTuning, kernels/tuning.py's recipe) for the fp8
     weights' shapes and record the picks for quant_linear. Returns {(bucket, N, K): config or None}.
     GPU only."""
-    return tune(Fp8GemvTuning(silu_shapes), [w for w in weights if w.format == "fp8"], device, m_values,
+    return tune(Fp8GemvTuning(silu_shapes), [w for w in weights if w.format == FP8.name], device, m_values,
                 parallel_compile=parallel_compile, verbose=verbose, stopwatch=stopwatch)

@@ -26,6 +26,7 @@ from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MA
 from salaserve.kernels.timing import l2_busting_count
 from salaserve.kernels.tuning import Family, PickTable, Stopwatch, Trial, tune
 from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.formats.w4a16 import W4A16
 
 
 def _choice_encode(v: tuple) -> list:
@@ -84,14 +85,14 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
 
 def w4_rounded_usable(w: QuantizedLinearWeights) -> bool:
     """Whether the calibration times the rounded-x dp2a kernel for w (weights it takes)."""
-    return w.format == "w4a16" and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
+    return w.format == W4A16.name and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
 
 
 def w4_rounded_choice(rows: int, w: QuantizedLinearWeights, device) -> Optional[tuple]:
     """(kernel, config, split) for w4a16_decode_rounded where the calibration found x rounded by its
     producer faster at this many rows and w's shape than the pick on bf16 x; else None (the producer
     writes bf16 x)."""
-    if not 1 <= rows <= W4_DP2A_MAX_M or getattr(w, "format", None) != "w4a16":
+    if not 1 <= rows <= W4_DP2A_MAX_M or getattr(w, "format", None) != W4A16.name:
         return None
     return ROUNDED_PICKS.get(device, rows, w4_shape(w))
 
@@ -111,7 +112,7 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
 def w4_silu_out_usable(w: QuantizedLinearWeights) -> bool:
     """Whether a [gate | up] int4 weight can take the dp2a GEMV's silu_mul epilogue (silu_out): the
     dp2a kernel takes it, and F = N/2 is a multiple of 4 (16-byte column vectors in each half)."""
-    return getattr(w, "format", None) == "w4a16" and w4_dp2a_usable(w) and w.out_features % 8 == 0
+    return getattr(w, "format", None) == W4A16.name and w4_dp2a_usable(w) and w.out_features % 8 == 0
 
 
 def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu_out: bool = False) -> torch.Tensor:
@@ -147,7 +148,7 @@ class W4DecodeTuning(Family):
         return w4_shape(w)
 
     def wants(self, w, m: int, device) -> bool:
-        return w.format == "w4a16" and w.g_idx_trivial and bool(_w4_candidates(m, w, device))
+        return w.format == W4A16.name and w.g_idx_trivial and bool(_w4_candidates(m, w, device))
 
     def _rounded(self, w, m: int) -> bool:
         return m <= W4_DP2A_MAX_M and w4_rounded_usable(w)
@@ -171,7 +172,7 @@ class W4DecodeTuning(Family):
         return copies
 
     def tune_bucket(self, w, m: int, copies, device, stopwatch: Stopwatch) -> None:
-        n, calls = len(copies), max(8, len(copies))
+        calls = max(8, len(copies))
         label = f"w4 M={m} N={w.out_features} K={w.in_features}"
         x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
         best = stopwatch.fastest([Trial(c, functools.partial(_decode_call, x, copies, c), _label(c))
@@ -204,7 +205,7 @@ def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = Fal
     Triton's kernel cache warm; with an empty one the compiles of every candidate take minutes
     (precompiled in threads; the plan cache keeps the picks across restarts). Returns
     {(bucket, N, K, group size): (kernel, config, split)}."""
-    return tune(W4DecodeTuning(), [w for w in weights if w.format == "w4a16"], device, m_values,
+    return tune(W4DecodeTuning(), [w for w in weights if w.format == W4A16.name], device, m_values,
                 parallel_compile=parallel_compile, verbose=verbose, stopwatch=stopwatch)
 
 
