@@ -26,6 +26,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from kernel_checks import assert_within_ulps  # noqa: E402
 
 from salaserve.kernels import gemv as G  # noqa: E402
+from salaserve.kernels.gemv import launch as GL  # noqa: E402
 from salaserve.kernels.torch_ops import TorchBackend  # noqa: E402
 from salaserve.model import reference as spec  # noqa: E402
 
@@ -102,18 +103,18 @@ def test_split_k_counters_rearmed():
     a = G.gemv(x, w, config=cfg)
     b = G.gemv(x, w, config=cfg)
     assert torch.equal(a, b)
-    _, cnt = G._workspace(x.device, 0, 0)
+    _, cnt = GL._workspace(x.device, 0, 0)
     assert int(cnt.abs().sum()) == 0
 
 
 def test_auto_split():
     dev = torch.device("cpu")  # 132 SMs assumed off-GPU
-    assert G._auto_split(4096, 4096, G.GemvConfig(64, 128, dot=True), dev) == 8
-    assert G._auto_split(4096, 16384, G.GemvConfig(64, 128, dot=True), dev) == 16
-    assert G._auto_split(32768, 4096, G.GemvConfig(4, 1024), dev) == 1
-    assert G._auto_split(4096, 4096, G.GemvConfig(4, 1024), dev) == 1
-    assert G._auto_split(4096, 4096, G.GemvConfig(64, 1024, dot=True), dev) == 4  # whole K tiles
-    assert G._auto_split(8704, 4096, G.GemvConfig(64, 128, dot=True), dev) == 4
+    assert G.auto_split(4096, 4096, G.GemvConfig(64, 128, dot=True), dev) == 8
+    assert G.auto_split(4096, 16384, G.GemvConfig(64, 128, dot=True), dev) == 16
+    assert G.auto_split(32768, 4096, G.GemvConfig(4, 1024), dev) == 1
+    assert G.auto_split(4096, 4096, G.GemvConfig(4, 1024), dev) == 1
+    assert G.auto_split(4096, 4096, G.GemvConfig(64, 1024, dot=True), dev) == 4  # whole K tiles
+    assert G.auto_split(8704, 4096, G.GemvConfig(64, 128, dot=True), dev) == 4
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -277,7 +278,7 @@ def test_gemv_dot_large_m_fp32(M, N, K):
         y = G.gemv(x, w, config=cfg)
         assert y.shape == (M, N) and y.dtype == torch.float32
         _close(y, ref)
-    ws, cnt = G._workspace(x.device, 0, 0)
+    ws, cnt = GL._workspace(x.device, 0, 0)
     assert ws.numel() >= 4 * M * N and int(cnt.abs().sum()) == 0
 
 
@@ -319,14 +320,14 @@ def test_large_m_dispatch():
         assert not TritonBackend._gemv_fuses(x[:17], w)
         tb = TritonBackend()
         launches = []
-        launch = G._launch
-        G._launch = lambda *a, **kw: (launches.append((a[0].shape[0], kw.get("prologue", 0))), launch(*a, **kw))[1]
+        launch = GL._launch
+        GL._launch = lambda *a, **kw: (launches.append((a[0].shape[0], kw.get("prologue", 0))), launch(*a, **kw))[1]
         try:
             y = tb.linear(x, w)
             y_norm = tb.norm_linear(x, nw, EPS, w)
             y_64 = tb.linear(x[:64], w)
         finally:
-            G._launch = launch
+            GL._launch = launch
         # the plain GEMV at 128 rows (twice: the norm ran separately), cuBLAS at 64 (cuBLAS won)
         assert launches == [(128, 0), (128, 0)]
         assert torch.equal(y, G.gemv(x, w, config=cfg))
@@ -354,12 +355,12 @@ def test_backend_junction_ops_match_torch(silu, last):
     norm, nxt = (None, None) if last else (nw, w_in)
     tb = TritonBackend()
     launches = []
-    launch = G._launch
-    G._launch = lambda *a, **kw: (launches.append(kw.get("prologue")), launch(*a, **kw))[1]
+    launch = GL._launch
+    GL._launch = lambda *a, **kw: (launches.append(kw.get("prologue")), launch(*a, **kw))[1]
     try:
         h_ours, y_ours = tb.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=silu)
     finally:
-        G._launch = launch
+        GL._launch = launch
     assert len(launches) == (1 if last else 2)  # the fused GEMVs ran, not the fallback
     h_ref, y_ref = TB.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=silu)
     # the GEMV sums in another order than torch's matmul: an ulp here and there
@@ -396,14 +397,14 @@ def test_backend_silu_epilogue_at_one_row(enabled):
     assert tb.silu_after_gate_up(1) == enabled and not tb.silu_after_gate_up(2)
     assert not TB.silu_after_gate_up(1)
     launches = []
-    launch = G._launch
-    G._launch = lambda *a, **kw: (launches.append(kw.get("silu_out", False)), launch(*a, **kw))[1]
+    launch = GL._launch
+    GL._launch = lambda *a, **kw: (launches.append(kw.get("silu_out", False)), launch(*a, **kw))[1]
     try:
         first = tb.silu_after_gate_up(1)
         h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=first)
         h2, proj = tb.residual_norm_linear(h1, act, w_down, 0.7, nw, EPS, w_next, silu=not first)
     finally:
-        G._launch = launch
+        GL._launch = launch
     assert launches == [False, enabled, False, False]  # o_proj, gate_up, down, next
     r1, ract = TB.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
     r2, rproj = TB.residual_norm_linear(r1, ract, w_down, 0.7, nw, EPS, w_next)

@@ -118,7 +118,7 @@ def test_gemv_compiles_for_sm90(name):
     import triton.language as tl
 
     from kernel_checks import compile_sm90_without_spills
-    from salaserve.kernels import gemv as G
+    from salaserve.kernels.gemv.kernel import _gemv_kernel
 
     cfg, block_m, extra = _aot_cases()[name]
     extra = dict(extra)
@@ -131,7 +131,7 @@ def test_gemv_compiles_for_sm90(name):
                       Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False, SILU_OUT=False, W_SCALE=False,
                       FP8_ASM=True, X_WORDS=False, FP8_STREAM=False, STAGES=1)
     constexprs.update(extra)
-    kernel = compile_sm90_without_spills(G._gemv_kernel, ptrs, constexprs, cfg.num_warps,
+    kernel = compile_sm90_without_spills(_gemv_kernel, ptrs, constexprs, cfg.num_warps,
                                          num_stages=cfg.num_stages, fp_fusion=True, divisible=divisible)
     ptx = kernel.asm["ptx"]
     if extra.get("PDL"):
@@ -199,6 +199,7 @@ def test_large_m_configs_and_limits():
     wide N), the uncalibrated default among them; splits that cannot pay off at an N are not
     calibrated; the plain GEMV takes M <= DOT_MAX_M, the fused prologues M <= GEMV_MAX_M."""
     from salaserve.kernels import gemv as G
+    from salaserve.kernels.gemv import launch as GL
 
     dev = torch.device("cpu")  # 132 SMs assumed off-GPU
     assert G.DOT_MAX_M == 128 and G.GEMV_MAX_M == 16
@@ -212,12 +213,12 @@ def test_large_m_configs_and_limits():
         assert G.default_config(M, 4096, 4096) in cands
     assert G.candidate_configs(16) == G.DOT_CONFIGS  # small M unchanged
     # N = 4096 (32 or 64 column tiles) keeps every split; N = 32768 none
-    assert all(G._split_useful(c, 4096, dev) for c in G.DOT_LARGE_M_CONFIGS[128])
-    assert [c.split_k for c in G.DOT_LARGE_M_CONFIGS[128] if G._split_useful(c, 32768, dev)] == [1, 1]
-    assert all(G._split_useful(c, 73448, dev) for c in G.DOT_CONFIGS)  # automatic splits untouched
+    assert all(G.split_useful(c, 4096, dev) for c in G.DOT_LARGE_M_CONFIGS[128])
+    assert [c.split_k for c in G.DOT_LARGE_M_CONFIGS[128] if G.split_useful(c, 32768, dev)] == [1, 1]
+    assert all(G.split_useful(c, 73448, dev) for c in G.DOT_CONFIGS)  # automatic splits untouched
     # the workspace's first allocation covers the largest calibrated split at M = 128
-    largest = max(c.split_k * 128 * 4096 for c in G.DOT_LARGE_M_CONFIGS[128] if G._split_useful(c, 4096, dev))
-    assert largest <= G._WS_MIN_FLOATS
+    largest = max(c.split_k * 128 * 4096 for c in G.DOT_LARGE_M_CONFIGS[128] if G.split_useful(c, 4096, dev))
+    assert largest <= GL._WS_MIN_FLOATS
     x = torch.randn(32, 128)
     w = torch.randn(64, 128)
     with pytest.raises(ValueError, match="prologues"):

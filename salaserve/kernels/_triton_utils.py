@@ -87,7 +87,7 @@ def silu_mul_rounded(gate, up, ACT_DT: tl.constexpr, OUT_DT: tl.constexpr):
 def write_silu_tile(y, offs_m, m_mask, pid_n, F, out_ptr, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
     """A GEMV's silu_mul epilogue: y [BM, BN] (fp32) holds the tile's BN/2 gate columns, then the same
-    BN/2 columns' up values (the SILU_OUT column maps of gemv._gemv_kernel and the int4 dp2a GEMV) ->
+    BN/2 columns' up values (the SILU_OUT column maps of gemv/kernel.py and the int4 dp2a GEMV) ->
     silu(gate) * up for outputs [pid_n * BN/2, +BN/2) of [M, F], with fused.silu_mul's roundings on
     the linear's output rounded to Y_DT."""
     y = round_to(y, Y_DT)  # gate_up as x @ w.t() stores it

@@ -40,7 +40,7 @@ PLAN_FORMAT = 1
 
 # the kernel sources a pick depends on (files or packages under salaserve/kernels): any kernel or
 # candidate-list change there starts a new plan
-_SOURCES = ("gemv.py", "quant_gemm", "tuning.py")
+_SOURCES = ("gemv", "quant_gemm", "tuning.py")
 
 
 def fingerprint(device, options: KernelOptions) -> dict:

@@ -157,7 +157,7 @@ class Fp8GemvTuning(Family):
         from salaserve.kernels import gemv as G
 
         N, K = self.shape(w)
-        return [dataclasses.replace(c, split_k=c.split_k or G._auto_split(N, K, c, device))
+        return [dataclasses.replace(c, split_k=c.split_k or G.auto_split(N, K, c, device))
                 for c in fp8_candidates(m, w)]
 
     def launches(self, w, m: int, device):
