@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from salaserve.kernels import quant_gemm as qg  # noqa: E402
+from salaserve.kernels.quant_gemm._common import _WORKSPACE  # noqa: E402
 from salaserve.quant import formats, rtn  # noqa: E402
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref, w4a16_matmul_ref  # noqa: E402
 
@@ -79,7 +80,7 @@ def refused(what, fn, *args):
 
 
 def counters_rearmed():
-    for ws, cnt in qg._WORKSPACE.values():
+    for ws, cnt in _WORKSPACE.values():
         if int(cnt.abs().sum()) != 0:
             print("BAD split-K counters left non-zero", flush=True)
             sys.exit(1)

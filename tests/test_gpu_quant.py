@@ -221,12 +221,12 @@ def test_w4a16_calibration_picks_a_valid_config():
     TritonBackend().prepare_weights({"lm_head": None, "layers": [{"qkvg": w, "o_proj": None, "gate_up": None,
                                                                   "down": None}]}, "cuda")
     assert w.wgmma is not None
-    assert any(c[0] == "wgmma" for c in Q._w4_candidates(16, w, "cuda"))
+    assert any(c[0] == "wgmma" for c in Q.w4_candidates(16, w, "cuda"))
     res = Q.calibrate_w4([w], "cuda", m_values=(1, 2, 16))
     assert set(res) == {(1, N, K, w.group_size), (2, N, K, w.group_size), (16, N, K, w.group_size)}
     for m in (1, 2, 16):
         kernel, cfg, split = res[(m, N, K, w.group_size)]
-        assert (kernel, cfg, split) in Q._w4_candidates(m, w, "cuda")
+        assert (kernel, cfg, split) in Q.w4_candidates(m, w, "cuda")
         x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
         assert Q.w4_decode_choice(x, w) == (kernel, cfg, split)
         assert _rel(Q.quant_linear(x, w), linear_ref(x, w)) < TOL

@@ -36,43 +36,53 @@ at group 128). Act-order checkpoints should go through formats.reorder_act_order
 kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
-Modules: w4_decode.py (the int4 decode calibration and its dispatch), w4_fma.py (the int4 decode
-GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_wgmma.py (the
-int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
-prefill), fp8.py (the w8a16 GEMV and the fp8 decode calibration), rowquant.py (per-token fp8 activations,
-w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
-submodules' names are re-exported here: callers (backend, tests) import the package.
+Modules: dispatch.py (quant_linear: each weight format's kernel route), w4_decode.py (the int4 decode
+calibration and its dispatch), w4_fma.py (the int4 decode GEMV on FMAs), w4_dp2a.py (the int4 decode
+GEMV on integer dot products), w4_wgmma.py (the int4 decode GEMV on warpgroup MMAs, and its repacked
+weight layout), w4_dot.py (int4 on tensor cores, prefill), fp8.py (the w8a16 GEMV and the fp8 decode
+calibration), rowquant.py (per-token fp8 activations, w8a8 on cuBLAS), _common.py (split-K launch
+pieces). This package exports the submodules' public names; their private helpers and the Triton
+kernels themselves are imported from the submodule that defines them.
 """
 
 from __future__ import annotations
 
-# re-exports (see above)
-from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
-                                                  SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
-                                                  _sm_count, _workspace)
-from salaserve.kernels.quant_gemm.fp8 import (_w8a16_gemv_dot_tuned, _w8a16_kernel, calibrate_fp8_gemv, fp8_candidates,
-                                              fp8_gemv_choice, w8a16_gemv)
-from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quantize_rows_fp8_kernel,
-                                                   fp8_quantize_rows_ref, fp8_scaled_mm, fp8_scaled_mm_quantized,
-                                                   quantize_rows_fp8, rowquant_constexprs, rowquant_warps)
-from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
-                                                 _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
-                                                 _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_decode import (_w4_candidates, _w4_splits, calibrate_w4, w4_decode_choice,
-                                                    w4_rounded_choice, w4_rounded_usable, w4_silu_out_usable,
-                                                    w4a16_decode, w4a16_decode_rounded)
-from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,
-                                                 W4_MAGIC_LO, _w4_gemv_fma_kernel, w4_fma_layout, w4a16_gemv_fma)
-from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M,
-                                                  W4_DP2A_ROUNDED_CONFIGS,
-                                                  X_TILE, _w4_gemv_dp2a_kernel, round_x_int16, w4_dp2a_layout,
-                                                  w4_dp2a_usable, w4a16_gemv_dp2a, w4a16_gemv_dp2a_rounded)
-from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
-                                                   _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
-                                                   w4a16_gemv_wgmma, w4a16_wgmma_ref)
+from salaserve.kernels.quant_gemm._common import GEMV_MAX_M, SPLIT_K_CTAS_PER_SM, SPLIT_K_MIN_CHANNELS
 from salaserve.kernels.quant_gemm.dispatch import (LINEAR_KERNELS, fp8_linear, fp8_scaled_mm_takes, quant_linear,
                                                    w4a16_linear)
-from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
+from salaserve.kernels.quant_gemm.fp8 import Fp8GemvTuning, calibrate_fp8_gemv, fp8_candidates, fp8_gemv_choice, w8a16_gemv
+from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, fp8_quantize_rows_ref, fp8_scaled_mm,
+                                                   fp8_scaled_mm_quantized, quantize_rows_fp8, rowquant_constexprs,
+                                                   rowquant_warps)
+from salaserve.kernels.quant_gemm.w4_decode import (W4DecodeTuning, calibrate_w4, rounded_choices, w4_candidates,
+                                                    w4_decode_choice, w4_rounded_choice, w4_rounded_usable, w4_shape,
+                                                    w4_silu_out_usable, w4a16_decode, w4a16_decode_rounded)
+from salaserve.kernels.quant_gemm.w4_dot import w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv
+from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M,
+                                                  W4_DP2A_ROUNDED_CONFIGS, X_TILE, round_x_int16, w4_dp2a_layout,
+                                                  w4_dp2a_usable, w4a16_gemv_dp2a, w4a16_gemv_dp2a_rounded)
+from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4_fma_layout,
+                                                 w4a16_gemv_fma)
+from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
+                                                   repack_w4_for_wgmma, w4_wgmma_usable, w4a16_gemv_wgmma,
+                                                   w4a16_wgmma_ref)
 
-
+__all__ = [
+    # dispatch
+    "quant_linear", "LINEAR_KERNELS", "fp8_linear", "w4a16_linear", "fp8_scaled_mm_takes", "GEMV_MAX_M",
+    "SPLIT_K_CTAS_PER_SM", "SPLIT_K_MIN_CHANNELS",
+    # fp8 weights
+    "w8a16_gemv", "fp8_gemv_choice", "fp8_candidates", "calibrate_fp8_gemv", "Fp8GemvTuning",
+    "quantize_rows_fp8", "fp8_quantize_rows_ref", "fp8_scaled_mm", "fp8_scaled_mm_quantized",
+    "rowquant_constexprs", "rowquant_warps", "ROWQUANT_ONE_PASS_MAX",
+    # int4 weights: the decode calibration and its dispatch
+    "calibrate_w4", "W4DecodeTuning", "w4_candidates", "rounded_choices", "w4_shape", "w4_decode_choice",
+    "w4_rounded_choice", "w4_rounded_usable", "w4_silu_out_usable", "w4a16_decode", "w4a16_decode_rounded",
+    # int4 weights: the kernels
+    "w4a16_gemv", "w4a16_gemm", "w4a16_dense_mm", "w4a16_dequantize",
+    "w4a16_gemv_fma", "w4_fma_layout", "W4_FMA_CONFIGS", "W4_FMA_GROUP_MULTIPLE", "W4_FMA_MAX_M",
+    "w4a16_gemv_dp2a", "w4a16_gemv_dp2a_rounded", "round_x_int16", "w4_dp2a_layout", "w4_dp2a_usable",
+    "W4_DP2A_CONFIGS", "W4_DP2A_ROUNDED_CONFIGS", "W4_DP2A_GROUP_MULTIPLE", "W4_DP2A_MAX_M", "X_TILE",
+    "w4a16_gemv_wgmma", "w4a16_wgmma_ref", "repack_w4_for_wgmma", "w4_wgmma_usable", "W4WgmmaWeights",
+    "W4_WGMMA_CONFIGS", "W4_WGMMA_MAX_M", "W4_WGMMA_MIN_M",
+]

@@ -64,7 +64,7 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
     return out
 
 
-def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
+def w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     """(kernel, config, split) candidates of the decode calibration at M bucket m: the dp2a
     kernel's configs (M <= 2, no act-order perm), else the FMA kernel's (M <= W4_FMA_MAX_M) and,
     where w carries its repacked copy, the wgmma kernel's (W4_WGMMA_MIN_M <= M <= 16, whole
@@ -133,7 +133,7 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu
 class W4DecodeTuning(Family):
     """Per (M bucket, int4 shape) (items: w4a16 weights with trivial g_idx): every (kernel, config,
     split) of the decode GEMVs that can run there (the dp2a or FMA kernel and, for weights with their
-    repacked copy, the wgmma kernel: _w4_candidates), timed over L2-busting random weights of the
+    repacked copy, the wgmma kernel: w4_candidates), timed over L2-busting random weights of the
     same layout; the fastest goes to PICKS. At 1-2 rows, for weights the rounded-x dp2a kernel takes,
     its candidates are timed on x rounded beforehand (its producer does the rounding in the step, at
     no extra kernel) and the fastest goes to ROUNDED_PICKS where it beat the pick on bf16 x."""
@@ -148,7 +148,7 @@ class W4DecodeTuning(Family):
         return w4_shape(w)
 
     def wants(self, w, m: int, device) -> bool:
-        return w.format == W4A16.name and w.g_idx_trivial and bool(_w4_candidates(m, w, device))
+        return w.format == W4A16.name and w.g_idx_trivial and bool(w4_candidates(m, w, device))
 
     def _rounded(self, w, m: int) -> bool:
         return m <= W4_DP2A_MAX_M and w4_rounded_usable(w)
@@ -157,7 +157,7 @@ class W4DecodeTuning(Family):
         """Each candidate's launch, the rounded-x kernel's included: the whole start-up's compiles in
         one batch, so the thread pool never waits on one bucket's slowest."""
         x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
-        out = [functools.partial(w4a16_decode, x, w, c) for c in _w4_candidates(m, w, device)]
+        out = [functools.partial(w4a16_decode, x, w, c) for c in w4_candidates(m, w, device)]
         if self._rounded(w, m):
             xq, xs = round_x_int16(x)
             out += [functools.partial(w4a16_decode_rounded, xq, xs, w, c) for c in rounded_choices(m, w, device)]
@@ -176,7 +176,7 @@ class W4DecodeTuning(Family):
         label = f"w4 M={m} N={w.out_features} K={w.in_features}"
         x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
         best = stopwatch.fastest([Trial(c, functools.partial(_decode_call, x, copies, c), _label(c))
-                                  for c in _w4_candidates(m, w, device)], calls, label)
+                                  for c in w4_candidates(m, w, device)], calls, label)
         PICKS.put(device, m, w4_shape(w), best[0].pick)
         if self._rounded(w, m):
             xq, xs = round_x_int16(x)
