@@ -357,7 +357,7 @@ def graph_vs_eager(runner, B, ctx, eager_mode):
     return graph, ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
 
 
-def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
+def test_fp8_decode_kernels_equal_w8a16_eager(full_dir):
     """fp8 weights quantized on load: decode batches through the graphs with the default fp8 decode
     kernels (the calibrated FMA or stream GEMV, at one row its silu_mul epilogue on gate_up) give the
     logits of an eager forward through w8a16 on tensor cores (the calibration's picks set aside): the

@@ -1,4 +1,4 @@
-"""Triton attention / cache-maintenance kernels (salaserve/kernels/attention.py) vs the torch twins.
+"""Triton attention / cache-maintenance kernels (salaserve/kernels/attention/) vs the torch twins.
 
 CPU: the kernels run under the Triton interpreter on small fp32 shapes. TRITON_INTERPRET must be
 set before triton is imported, and other test files of the same pytest process import triton

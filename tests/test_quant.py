@@ -599,7 +599,7 @@ def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row():
 
 
 def test_w4_gemv_compiles_with_and_without_pdl():
-    """The w4 decode GEMV takes part in programmatic dependent launch like gemv.py's: with PDL
+    """The w4 decode GEMV takes part in programmatic dependent launch like gemv/'s: with PDL
     its sm_90 code signals the next launch and waits on the previous grid; without, neither."""
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills

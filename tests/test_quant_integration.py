@@ -471,21 +471,26 @@ def test_prepare_model_cli_gptq_with_jsonl_calibration(tiny_model_dir, tmp_path)
                  "--calib-tokens", "512", "--calib-seq-len", "256", "--device", "cpu"]) == 2
 
 
-def test_bf16_gemv_calibration_times_only_the_plain_weights(monkeypatch):
+def test_bf16_gemv_calibration_times_only_the_plain_weights():
     """In a quantized model the start-up's bf16 GEMV / cuBLAS calibration times only the linears
-    that stay plain tensors (here lm_head); without params, every linear shape of the config."""
+    that stay plain tensors (here lm_head); without params, every linear shape of the config (the
+    tuner run on the CPU with a stopwatch that times nothing)."""
     from salaserve.config import preset_config
     from salaserve.kernels import gemv as G
     from salaserve.kernels import triton_backend as TB
+    from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.kernels.tuning import Stopwatch, isolated_tables
     from salaserve.quant import rtn
 
     cfg = preset_config("tiny")
-    timed = []
-    monkeypatch.setattr(G, "calibrate", lambda shapes, device, m_values, **kw: timed.append(list(shapes)) or {})
+    fake = Stopwatch(timer=lambda run, calls: 1.0)
     q = rtn.quantize_w4a16_rtn(torch.randn(64, 128), 128)
     params = {"lm_head": torch.zeros(cfg.vocab_size, cfg.hidden_size),
               "layers": [{"qkvg": q, "o_proj": q, "gate_up": q, "down": q}]}
-    TB.TritonBackend()._calibrate(cfg, "cpu", params, max_rows=1)
-    assert timed == [[(cfg.vocab_size, cfg.hidden_size)]]
-    TB.TritonBackend()._calibrate(cfg, "cpu", None, max_rows=1)
-    assert timed[1] == [(n, k) for _, n, k, _ in G.model_linear_shapes(cfg)]
+    with isolated_tables():
+        TB.TritonBackend()._calibrate(cfg, "cpu", params, max_rows=1, stopwatch=fake)
+        assert {k[2:] for k, _ in G.PICKS.items()} == {(cfg.vocab_size, cfg.hidden_size)}
+        assert {k[2:] for k, _ in w4_decode.PICKS.items()} == {(64, 128, 128)}  # the int4 weights' own family
+    with isolated_tables():
+        TB.TritonBackend()._calibrate(cfg, "cpu", None, max_rows=1, stopwatch=fake)
+        assert {k[2:] for k, _ in G.PICKS.items()} == {(n, k) for _, n, k, _ in G.model_linear_shapes(cfg)}

@@ -1,4 +1,4 @@
-"""Times the kernels of salaserve/kernels/attention.py on the GPU next to their floors.
+"""Times the kernels of salaserve/kernels/attention/ on the GPU next to their floors.
 
     python -m salaserve.kernels.bench_attention            # the standard table
     python -m salaserve.kernels.bench_attention --sweep    # + prefill tile configs and decode splits

@@ -8,7 +8,7 @@ Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycl
   w4 new      M <= 16: calibrate_w4's candidates (w4a16_gemv_fma and w4a16_gemv_wgmma, config x split),
               the best kept and timed through quant_linear
   fp8         the faster of w8a16_gemv (autotuned; tensor cores at every M, weights converted to
-              bf16) and (M <= 8) gemv.py's fp8 FMA GEMV with calibrate_fp8_gemv's choice, if it won
+              bf16) and (M <= 8) gemv/'s fp8 FMA GEMV with calibrate_fp8_gemv's choice, if it won
   bf16        the calibrated bf16 GEMV (reference point)
 Then the sum over the model's linears per decode step (w4: the faster kernel per shape), vs the floor.
 Prefill (M = --prefill-m): bf16 torch.mm, fp8 w8a8 (row quantize + torch._scaled_mm, and the

@@ -161,26 +161,25 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         self._calibrate(cfg, device, params, max_rows)
         plan_cache.save(device, self.options)
 
-    def _calibrate(self, cfg, device, params, max_rows: int) -> None:
+    def _calibrate(self, cfg, device, params, max_rows: int, stopwatch=None) -> None:
         """Each tuned kernel family over the weights it serves (kernels/tuning.py): the bf16 GEMV
         against cuBLAS for the plain weights (every linear shape of cfg without params) at the
         buckets up to max_rows (at least 16), the int4 decode kernels for w4a16 weights, the fp8 GEMV
-        against w8a16 for fp8 weights."""
+        against w8a16 for fp8 weights. stopwatch: the tuner's timer (tests fake one on the CPU)."""
         from salaserve.kernels import quant_gemm
 
-        parallel = self.options.parallel_compile
+        run = dict(parallel_compile=self.options.parallel_compile, stopwatch=stopwatch)
         top = max(m_bucket(max_rows), 16)
         gemv_ops.calibrate(_plain_shapes(cfg, params), device,
-                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top),
-                           parallel_compile=parallel)
+                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top), **run)
         quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
                      if isinstance(w, QuantizedLinearWeights)]
         if not quantized:
             return
-        quant_gemm.calibrate_w4(quantized, device, parallel_compile=parallel)
+        quant_gemm.calibrate_w4(quantized, device, **run)
         # gate_up at one row runs through the silu_mul junction: timed that way
         silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
-        quant_gemm.calibrate_fp8_gemv(quantized, device, silu_shapes=silu, parallel_compile=parallel)
+        quant_gemm.calibrate_fp8_gemv(quantized, device, silu_shapes=silu, **run)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes (M <= gemv.DOT_MAX_M = 128): the GEMV or cuBLAS

@@ -17,7 +17,7 @@ The recipe (`tune`), for one family and the items it tunes (weight shapes, or we
   4. record the winner in the family's table(s), which the family's dispatch reads.
 
 Its parts beside it: timing.py (the CUDA-graph stopwatch), compile_ahead.py (the parallel compiles),
-plan_cache.py (the tables on disk). The families: gemv.py's bf16 GEMV against cuBLAS,
+plan_cache.py (the tables on disk). The families: gemv/tuning.py's bf16 GEMV against cuBLAS,
 quant_gemm/fp8.py's fp8 GEMV against w8a16, quant_gemm/w4_decode.py's int4 decode kernels (and
 the rounded-x route). Every PickTable registers itself at construction, so the plan cache holds
 every family whose module is imported (TritonBackend.prepare imports them all first).

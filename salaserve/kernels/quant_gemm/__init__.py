@@ -15,7 +15,7 @@
         `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
-      - M <= 8, where `calibrate_fp8_gemv` measured it faster than w8a16: gemv.py's FMA GEMV on
+      - M <= 8, where `calibrate_fp8_gemv` measured it faster than w8a16: gemv/'s FMA GEMV on
         the fp8 codes (`gemv_fp8`, cvt-converted in registers; with PDL and, at one row, the
         silu_mul epilogue on gate_up).
       - M <= GEMV_MAX_M otherwise: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows)

@@ -1,5 +1,5 @@
 """fp8 (e4m3) weights at decode sizes: `w8a16_gemv` (weights converted to bf16, tensor cores; x
-exact) and the start-up calibration that chooses between it and gemv.py's FMA GEMV on the fp8
+exact) and the start-up calibration that chooses between it and gemv/'s FMA GEMV on the fp8
 codes (`calibrate_fp8_gemv`, `fp8_gemv_choice`)."""
 
 from __future__ import annotations
