@@ -73,19 +73,16 @@ class PickTable:
         self._picks: dict[tuple, Any] = {}
         _TABLES[name] = self
 
-    @staticmethod
-    def key(device, bucket: int, shape: tuple) -> tuple:
-        return (device_key(device), int(bucket), *(int(s) for s in shape))
-
     def get(self, device, M: int, shape: tuple):
-        """The pick for M rows (its bucket) at this shape, or None."""
-        return self._picks.get(self.key(device, m_bucket(M), shape))
+        """The pick for M rows (its bucket) at this shape, or None (the dispatch's lookup: eager
+        steps make one per linear, so it stays a single dict probe)."""
+        return self._picks.get((device_key(device), m_bucket(M), *shape))
 
     def has(self, device, M: int, shape: tuple) -> bool:
-        return self.key(device, m_bucket(M), shape) in self._picks
+        return (device_key(device), m_bucket(M), *shape) in self._picks
 
     def put(self, device, M: int, shape: tuple, pick) -> None:
-        self._picks[self.key(device, m_bucket(M), shape)] = pick
+        self._picks[(device_key(device), m_bucket(M), *(int(s) for s in shape))] = pick
 
     def items(self) -> list[tuple[tuple, Any]]:
         """Every (key, pick), key = (device, bucket, *shape)."""
