@@ -13,9 +13,11 @@ One module per stage:
                 sparse_attention (TorchBackend.sparse_attention's contract: selection + attention)
   _common.py    tiles of consecutive tokens, small helpers
 
-The modules' tuning constants are module globals read at call time. `set_knob` changes one (or a
-function that another module calls) for every module that reads it (tests); assigning to this
-package does not.
+The modules' tuning constants are module globals read at call time. `set_knob` / `knobs` change one
+(or a function that another module calls) for every module that reads it: the tests' seam for
+driving small inputs through the multi-split and multi-segment paths. The engine never changes them
+(they are constants, not user choices; those are KernelOptions, kernels/options.py); assigning to
+this package does not.
 """
 
 from __future__ import annotations
