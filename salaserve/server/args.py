@@ -15,8 +15,16 @@ from dataclasses import dataclass
 
 from salaserve.argparsing import ArgumentParser
 from salaserve.config import EngineArgs, default_plan_cache_dir
-from salaserve.quant.formats import quantization_choices
 from salaserve.server.sglang_flags import add_ignored_flags, ignored_flag_notices
+
+
+def quantization_name(value: str) -> str:
+    """--quantization's check, run only when the flag is given: the format registry imports torch,
+    and `serve --help` (the SOAR launcher's too) must work without it."""
+    from salaserve.quant.formats import quantization_choices
+    if value not in quantization_choices():
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(quantization_choices())})")
+    return value
 
 
 @dataclass
@@ -89,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-cache-report", action="store_true",
       help="report the prompt tokens taken from the prefix cache in OpenAI usage.prompt_tokens_details")
     a("--skip-server-warmup", action="store_true", help="report ready without a warm-up generation")
-    a("--quantization", default=None, choices=quantization_choices(),
+    a("--quantization", default=None, type=quantization_name, metavar="{fp8,w4a16,gptq}",
       help="default: as the checkpoint says; a format on a bf16 checkpoint quantizes on load")
     a("--quantize-lm-head", action="store_true",
       help="with --quantization fp8/w4a16 on a bf16 checkpoint: quantize lm_head on load too (default: bf16)")
