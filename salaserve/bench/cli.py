@@ -151,6 +151,8 @@ def e2e_main(argv: list[str]) -> int:
     ap.add_argument("--tiers", type=_tiers, default=TIERS, help="comma-separated, default S1,S8,Smax")
     ap.add_argument("--workload", choices=WORKLOADS, default="soar-quick")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--append", action="store_true",
+                    help="keep the other configurations already in --out (same workload and seed)")
     a = ap.parse_args(argv)
     from salaserve.bench.e2e import DEFAULT_CONFIGS, run_e2e, table
 
@@ -163,7 +165,7 @@ def e2e_main(argv: list[str]) -> int:
                 ap.error(f"--config takes NAME=FLAGS, got {item!r}")
             configs[name] = flags
     summary = run_e2e(configs, Path(a.out), Path(a.work_dir) if a.work_dir else None, ["e2e", *argv],
-                      seed=a.seed, workload=a.workload, tiers=a.tiers)
+                      seed=a.seed, workload=a.workload, tiers=a.tiers, append=a.append)
     print(table(summary))
     print(f"written: {a.out}")
     ok = all(t["lengths_exact"] for c in summary["configs"].values() for t in c["tiers"].values())

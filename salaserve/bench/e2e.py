@@ -108,8 +108,11 @@ def summarize_config(name: str, result: dict, cfg: ModelConfig, ceil: Ceilings, 
 
 def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv: list[str],
             seed: int = 0, workload: str = "soar-quick", tiers: tuple[str, ...] = ("S1", "S8", "Smax"),
-            progress: bool = False) -> dict:
-    """Every configuration's tiers on one full-size dummy model; writes and returns the summary."""
+            progress: bool = False, append: bool = False) -> dict:
+    """Every configuration's tiers on one full-size dummy model; writes and returns the summary.
+    append: keep the configurations of an existing out_json (same workload and seed) that this run
+    does not measure, so configurations too slow for one GPU session's call add up in one file;
+    each configuration records its own commit, GPU, date and ceilings."""
     from salaserve.bench.floors import measure_ceilings
     from salaserve.config import preset_config
     from salaserve.model.checkpoint import write_checkpoint
@@ -120,8 +123,9 @@ def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv
     work = work_dir or tmp
     model = tmp / "model"
     write_checkpoint(str(model), "full", weights=False)
-    summary = {**provenance(argv), "workload": workload, "seed": seed,
-               "ceilings": {"copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops}, "configs": {}}
+    run_info = {**provenance(argv), "workload": workload, "seed": seed,
+                "ceilings": {"copy_gbps": ceil.copy_gbps, "matmul_tflops": ceil.matmul_tflops}}
+    summary = {**run_info, "configs": previous_configs(out_json, workload, seed) if append else {}}
     try:
         for name, args in configs.items():
             run = RunConfig(out=work / name, tiers=tiers, workload=workload, seed=seed, model=str(model),
@@ -129,12 +133,27 @@ def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv
             result = run_bench(run, argv)
             (work / name / "result.json").write_text(json.dumps(result, indent=1))
             wb = WEIGHT_BYTES.get(name.split("-")[0], 2.0)
-            summary["configs"][name] = summarize_config(name, result, cfg, ceil, wb)
+            summary["configs"][name] = {**summarize_config(name, result, cfg, ceil, wb),
+                                        "run": {k: run_info[k] for k in RUN_KEYS if k in run_info}}
             out_json.parent.mkdir(parents=True, exist_ok=True)
             out_json.write_text(json.dumps(summary, indent=1))  # after each configuration
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return summary
+
+
+RUN_KEYS = ("git_commit", "git_dirty", "gpu", "date", "ceilings")  # a configuration's own provenance
+
+
+def previous_configs(out_json: Path, workload: str, seed: int) -> dict:
+    """The configurations of an earlier summary of the same workload and seed (none otherwise)."""
+    try:
+        old = json.loads(out_json.read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("workload") != workload or old.get("seed") != seed:
+        return {}
+    return dict(old.get("configs", {}))
 
 
 def table(summary: dict) -> str:

@@ -1,0 +1,41 @@
+"""`salaserve bench e2e`'s bookkeeping on the CPU: TTFT excess, floors, and --append."""
+
+import json
+
+import pytest
+
+from salaserve.bench.e2e import Shape, decode_floor_s, previous_configs, ttft_excess
+from salaserve.bench.floors import Ceilings
+from salaserve.config import preset_config
+
+
+def test_ttft_excess_counts_only_prompts_still_queued_when_sent():
+    rate = 0.001  # s per prompt token
+    records = [
+        {"success": True, "sent_s": 0.0, "ttft_s": 1.0, "prompt_len": 1000},  # alone: no excess
+        {"success": True, "sent_s": 0.5, "ttft_s": 2.5, "prompt_len": 1000},  # behind the first: 1 s its own
+        {"success": True, "sent_s": 5.0, "ttft_s": 4.0, "prompt_len": 1000},  # nothing queued: 3 s excess
+        {"success": False, "sent_s": 0.1, "ttft_s": 0.0, "prompt_len": 10_000},  # failed: ignored
+    ]
+    got = ttft_excess(records, rate)
+    assert got == pytest.approx([0.0, 2.5 - 2.0, 3.0])
+
+
+def test_decode_floor_grows_with_lower_concurrency():
+    cfg = preset_config("full")
+    ceil = Ceilings(copy_gbps=3000.0, matmul_tflops=700.0)
+    shapes = [Shape(4000, 100)] * 8
+    one_at_a_time = decode_floor_s(cfg, shapes, 1, ceil, 2.0)
+    all_at_once = decode_floor_s(cfg, shapes, None, ceil, 2.0)
+    assert one_at_a_time > 4 * all_at_once > 0  # the weights are read once per step, not per request
+
+
+def test_append_keeps_other_configurations_of_the_same_workload(tmp_path):
+    out = tmp_path / "latest.json"
+    assert previous_configs(out, "soar-quick", 0) == {}  # no file yet
+    out.write_text(json.dumps({"workload": "soar-quick", "seed": 0, "configs": {"bf16": {"startup_s": 1.0}}}))
+    assert previous_configs(out, "soar-quick", 0) == {"bf16": {"startup_s": 1.0}}
+    assert previous_configs(out, "soar-quick", 1) == {}  # another seed is another measurement
+    assert previous_configs(out, "soar", 0) == {}
+    out.write_text("{not json")
+    assert previous_configs(out, "soar-quick", 0) == {}
