@@ -47,6 +47,11 @@ def _cmd_generate(argv: list[str]) -> int:
     from salaserve.quant.formats import quantization_choices
     p.add_argument("--quantization", choices=quantization_choices(), default=None,
                    help="default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load")
+    p.add_argument("--speculative-algorithm", default=None, choices=["NGRAM", "EAGLE3"],
+                   help="speculative decoding (exact verify: the output is the same)")
+    p.add_argument("--speculative-draft-model-path", default=None, help="EAGLE3: the draft head's directory")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens per verify step")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="EAGLE3: candidates per draft tree level")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--regex", default=None, help="constrain the output to this regular expression")
     shape.add_argument("--json-schema", default=None, help="constrain the output to JSON with this schema (JSON text)")
@@ -56,7 +61,10 @@ def _cmd_generate(argv: list[str]) -> int:
 
     try:
         llm = LLM(a.model, device=a.device, backend=a.backend, load_format=a.load_format, dtype=a.dtype,
-                  quantization=a.quantization, max_running_requests=1)
+                  quantization=a.quantization, max_running_requests=1, speculative_algorithm=a.speculative_algorithm,
+                  speculative_draft_model_path=a.speculative_draft_model_path,
+                  speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+                  speculative_eagle_topk=a.speculative_eagle_topk)
         prompt = a.prompt
         if a.chat:
             kwargs = {"enable_thinking": False} if a.no_thinking else {}
@@ -71,6 +79,9 @@ def _cmd_generate(argv: list[str]) -> int:
         return 2
     print(a.prompt if not a.chat else "", end="")
     print(out.text)
+    accept = llm.engine.avg_spec_accept_length
+    if accept is not None:
+        print(f"[speculative {a.speculative_algorithm}: {accept:.2f} tokens per verify step]", file=sys.stderr)
     return 0
 
 

@@ -463,8 +463,12 @@ class EngineArgs:
     parallel_compile: bool = True  # the calibration compiles its candidates in a thread pool first
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
     stage1_visibility: str = "causal"
-    speculative_algorithm: str | None = None  # None | "NGRAM"
+    speculative_algorithm: str | None = None  # None | "NGRAM" | "EAGLE3"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
+    speculative_draft_model_path: str | None = None  # EAGLE3: the head's directory
+    speculative_num_steps: int | None = None  # EAGLE3: draft depth (default: speculative_num_draft_tokens)
+    speculative_eagle_topk: int = 1  # EAGLE3: candidates per tree level (the verify takes the first path)
+    speculative_eagle_window: int = 128  # EAGLE3: recent positions the head attends to
     speculative_max_batch: int = 8  # no speculation when more requests decode at once
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 1
@@ -496,8 +500,17 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in [0.05, 0.99], got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
-        if self.speculative_algorithm not in (None, "NGRAM"):
-            raise ValueError(f"speculative_algorithm must be None or 'NGRAM', got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm not in (None, "NGRAM", "EAGLE3"):
+            raise ValueError("speculative_algorithm must be None, 'NGRAM' or 'EAGLE3', got "
+                             f"{self.speculative_algorithm!r}")
+        if (self.speculative_algorithm == "EAGLE3") != (self.speculative_draft_model_path is not None):
+            raise ValueError("speculative_draft_model_path (the EAGLE-3 head) goes with speculative_algorithm "
+                             "EAGLE3, and EAGLE3 needs it")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_eagle_topk < 1 or self.speculative_eagle_window < 1:
+            raise ValueError("speculative_eagle_topk and speculative_eagle_window must be >= 1, got "
+                             f"{self.speculative_eagle_topk}, {self.speculative_eagle_window}")
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
                              f"{self.speculative_num_draft_tokens}")

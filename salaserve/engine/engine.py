@@ -29,6 +29,8 @@ from salaserve.engine.scheduler import Scheduler, ScheduledWork
 from salaserve.engine.warmup import warm_up_engine
 from salaserve.kernels.compile_watch import WATCH
 from salaserve.model.default import default_model_dir
+from salaserve.model.eagle3 import load_eagle3
+from salaserve.model.eagle3_drafter import Eagle3Drafter
 from salaserve.spec.accept import accept_greedy, accept_sampling, spec_generator
 from salaserve.spec.ngram import NgramDrafter
 from salaserve.spec.tree import DraftTree
@@ -67,7 +69,10 @@ class Engine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0,
                       "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
                       "shared_prefill_tokens": 0, "cached_prompt_tokens": 0}
-        if args.speculative_algorithm == "NGRAM":
+        self.eagle_head = None
+        if args.speculative_algorithm == "EAGLE3":
+            self.eagle_head = self._load_eagle_head()
+        if args.speculative_algorithm in ("NGRAM", "EAGLE3"):
             self.scheduler.propose = self._propose_draft
         self.prefix_cache = PrefixCache(args.prefix_cache_slots, args.prefix_cache_min_tokens)
         self.scheduler.reclaim = self._reclaim_pages
@@ -163,6 +168,7 @@ class Engine:
         self.scheduler.remove(req)
         req.finish_reason = reason
         self.requests.pop(req.rid, None)
+        req.drafter = None  # an EAGLE-3 drafter's K/V and pending hidden states go with it
         self.stats["finished"] += 1
 
     def _output(self, req: Request, new_ids: list[int], logprobs=None, num_output: int | None = None) -> StepOutput:
@@ -185,18 +191,45 @@ class Engine:
         if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
                 or p.presence_penalty != 0.0 or p.logit_bias or req.sampling.blocks_stop or req.sampling.grammar:
             return []
-        if req.drafter is None:
-            req.drafter = self.make_drafter(req)
-            req.spec_k = args.speculative_num_draft_tokens
+        self._ensure_drafter(req)
         room = self._max_new_tokens(req) - req.num_output - 1
         draft = req.drafter.propose(req.tokens, min(req.spec_k, room))
         if isinstance(draft, DraftTree):  # the kernels verify chains: a tree's first path
             draft = draft.first_path()[:max(0, room)]
         return draft
 
+    def _ensure_drafter(self, req: Request):
+        if req.drafter is None:
+            req.drafter = self.make_drafter(req)
+            req.spec_k = self.args.speculative_num_draft_tokens
+        return req.drafter
+
     def make_drafter(self, req: Request):
         """The drafter of a request (replaceable, e.g. by an oracle in benchmarks and tests)."""
-        return NgramDrafter(self.args.speculative_ngram_max, self.args.speculative_ngram_min)
+        args = self.args
+        if self.eagle_head is not None:
+            return Eagle3Drafter(self.eagle_head, depth=args.speculative_num_steps or args.speculative_num_draft_tokens,
+                                 topk=args.speculative_eagle_topk, window=args.speculative_eagle_window)
+        return NgramDrafter(args.speculative_ngram_max, args.speculative_ngram_min)
+
+    def _load_eagle_head(self):
+        """The EAGLE-3 head of --speculative-draft-model-path, on the target's device and dtype,
+        sharing its embedding; the runner then returns the head's target layers at every logit row."""
+        runner = self.runner
+        path = self.args.speculative_draft_model_path
+        head = load_eagle3(path, dtype=runner.dtype, device=runner.device, target_cfg=self.cfg)
+        head.attach_target(runner.model.p["embed"], self.cfg.scale_emb)
+        runner.aux_layers = head.cfg.aux_layer_ids
+        log.info("EAGLE-3 head %s: draft vocab %d, target layers %s", path, head.cfg.draft_vocab_size,
+                 list(head.cfg.aux_layer_ids))
+        return head
+
+    def _observe(self, seen: list[tuple[Request, int, int]]) -> None:
+        """EAGLE-3: hand each (request, position, logit row) its target hidden state."""
+        aux = self.runner.last_aux
+        for req, pos, row in seen:
+            if req.status != Status.FINISHED:
+                self._ensure_drafter(req).observe(pos, aux[row])
 
     def _verify(self, req: Request, logits, draft: list[int]) -> list[int]:
         """Accepted drafts + the target's next token, and the adaptive draft length update."""
@@ -207,9 +240,11 @@ class Engine:
             gen = spec_generator(p, req.sampling.num_generated, logits.device, self.sampler._global_generator(logits.device))
             new = accept_sampling(logits, draft, p, gen)
         accepted = len(new) - 1
-        # adaptive depth: grow after a fully accepted draft, shrink towards what was accepted
-        k_max = self.args.speculative_num_draft_tokens
-        req.spec_k = min(k_max, req.spec_k + 1) if accepted == len(draft) else max(1, accepted + 1)
+        # NGRAM's adaptive depth: grow after a fully accepted draft, shrink towards what was
+        # accepted (EAGLE-3 drafts its fixed depth: its misses are not runs of a pattern)
+        if self.eagle_head is None:
+            k_max = self.args.speculative_num_draft_tokens
+            req.spec_k = min(k_max, req.spec_k + 1) if accepted == len(draft) else max(1, accepted + 1)
         req.spec_verify_ct += 1
         req.spec_accepted += accepted
         self.stats["spec_verify_steps"] += 1
@@ -244,11 +279,15 @@ class Engine:
 
         sampled, rows = [], []
         verified, commits = [], []
+        seen = []  # EAGLE-3: (request, position, logit row) of the committed positions
+        eagle = self.eagle_head is not None
         row = 0
         for i, w in enumerate(work):
             req = w.req
             if w.draft:  # verify: accept a prefix (the pending token + the accepted drafts)
                 new = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft)
+                if eagle:  # the pending token and the accepted drafts: their hidden states hold
+                    seen += [(req, req.num_computed + j, row + j) for j in range(len(new))]
                 row += 1 + len(w.draft)
                 verified.append((req, new))
                 commits.append((i, req.state_slot, len(new)))
@@ -271,9 +310,13 @@ class Engine:
                 for r in [req] + self._fork_twins(req):  # twins sample from the same logits row
                     sampled.append(r)
                     rows.append(row)
+                    if eagle:
+                        seen.append((r, r.num_computed - 1, row))
                 row += 1
         if commits:  # the Lightning states advance by the accepted tokens, in one call for all
             self.runner.commit_verified(commits)
+        if seen:
+            self._observe(seen)
         for req, new in verified:
             self._advance(req, len(new))
             outputs.append(self._emit(req, new, None))

@@ -101,6 +101,10 @@ class ModelRunner:
         # None: no padding. real_rows: the logit rows of real tokens in the last padded step.
         self.verify_buckets: list[int] | None = None
         self.real_rows: torch.Tensor | None = None
+        # EAGLE-3: the target layers whose hidden states each forward also returns at its logit
+        # rows (in last_aux, [M, 3*hidden], rows as the logits'); None: none, at no cost
+        self.aux_layers: tuple[int, ...] | None = None
+        self.last_aux: torch.Tensor | None = None
         if hasattr(backend, "prepare"):
             t = time.perf_counter()
             tokens_per_seq = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
@@ -228,10 +232,16 @@ class ModelRunner:
             batch.input_ids = resolve_placeholders(batch.input_ids, prev_tokens)
         self.last_batch = batch
         logits = self.run_batch(batch)
+        if self.aux_layers:
+            logits, aux = logits
+            self.last_aux = aux if self.real_rows is None else aux[self.real_rows]
         return logits if self.real_rows is None else logits[self.real_rows]
 
-    def run_batch(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model on a built batch: its CUDA graph when one was captured for it, else eagerly."""
+    def run_batch(self, batch: ForwardBatch):
+        """The model on a built batch: its CUDA graph when one was captured for it, else eagerly.
+        With aux_layers set: (logits, aux), always eager (the graphs do not capture aux)."""
+        if self.aux_layers:
+            return self.model.forward(batch, self.caches, aux_layers=self.aux_layers)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)

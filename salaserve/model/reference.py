@@ -254,17 +254,20 @@ class ReferenceModel:
         return ReferenceState()
 
     @torch.no_grad()
-    def forward(self, input_ids, state: ReferenceState) -> torch.Tensor:
-        """Append input_ids to the sequence in `state`; return fp32 logits [T, vocab]."""
-        return self.forward_with_grad(input_ids, state)
+    def forward(self, input_ids, state: ReferenceState, aux_layers=None):
+        """Append input_ids to the sequence in `state`; return fp32 logits [T, vocab]. With
+        aux_layers: (logits, aux [T, len(aux_layers)*hidden]), the residual stream after each named
+        layer, concatenated in order (EAGLE-3's target features)."""
+        return self.forward_with_grad(input_ids, state, aux_layers)
 
-    def forward_with_grad(self, input_ids, state: ReferenceState) -> torch.Tensor:
+    def forward_with_grad(self, input_ids, state: ReferenceState, aux_layers=None):
         """Same as forward, with autograd enabled (used by the small-model trainer)."""
         cfg, w = self.config, self.w
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         positions = state.length + torch.arange(ids.numel(), device=self.device)
         h = (w["model.embed_tokens.weight"][ids] * cfg.scale_emb).to(self.dtype)
         r = cfg.residual_scale
+        captured = {}
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
             a = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
@@ -275,9 +278,14 @@ class ReferenceModel:
             h = h + u * r
             b = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             h = h + mlp(b, w, p) * r
+            if aux_layers and layer in aux_layers:
+                captured[layer] = h
         state.length += ids.numel()
         z = rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
-        return linear(z / cfg.logit_divisor, w["lm_head.weight"]).float()
+        logits = linear(z / cfg.logit_divisor, w["lm_head.weight"]).float()
+        if aux_layers:
+            return logits, torch.cat([captured[i] for i in aux_layers], dim=-1)
+        return logits
 
     # ---- sparse layers (spec 3) ---------------------------------------------------------------
     def _sparse_mixer(self, layer, a, positions, state):

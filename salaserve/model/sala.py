@@ -70,9 +70,10 @@ class SalaModel:
         self.log_decay = -torch.tensor(cfg.lightning_slopes(), dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, caches: Caches, aux_layers: tuple[int, ...] | None = None):
         """Run every token of the batch through the model; fp32 logits of the rows in
-        batch.logits_indices, [M, vocab]."""
+        batch.logits_indices, [M, vocab]. With aux_layers (EAGLE-3): (logits, aux [M, len*hidden]),
+        aux = the residual stream after each named layer at those rows, concatenated in order."""
         cfg, ops, p = self.cfg, self.ops, self.p
         eps, r = cfg.rms_norm_eps, cfg.residual_scale
         # per-step derived tensors are recomputed by every forward: a graph capture must record
@@ -86,6 +87,7 @@ class SalaModel:
         # output or down's input (silu_after_gate_up says which).
         proj = ops.norm_linear(h, layers[0]["input_norm"], eps, layers[0]["qkvg"])
         silu_first = ops.silu_after_gate_up(h.shape[0])  # which junction applies the MLP's silu_mul
+        captured = {}
         for i, layer in enumerate(layers):
             if cfg.is_sparse_layer(i):
                 o = self._sparse_mixer(self.sparse_index[i], proj, batch, caches)
@@ -96,8 +98,13 @@ class SalaModel:
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             h, proj = ops.residual_norm_linear(h, gate_up, layer["down"], r, nxt and nxt["input_norm"], eps,
                                                nxt and nxt["qkvg"], silu=not silu_first)
+            if aux_layers and i in aux_layers:  # only the logit rows: a few rows' copy
+                captured[i] = h[batch.logits_indices]
         z = ops.rms_norm(h[batch.logits_indices], p["final_norm"], eps)
-        return ops.linear(z / cfg.logit_divisor, p["lm_head"]).float()
+        logits = ops.linear(z / cfg.logit_divisor, p["lm_head"]).float()
+        if aux_layers:
+            return logits, torch.cat([captured[i] for i in aux_layers], dim=-1)
+        return logits
 
     def _sparse_mixer(self, idx, qkvg, batch, caches):
         """qkvg: the layer's fused q/k/v/gate projection -> the attention output times the gate

@@ -110,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--random-seed", type=int, default=0, help="seed of the dummy weights and of unseeded sampling")
     a("--stream-interval", type=int, default=1, help="tokens between streamed events")
     a("--speculative-algorithm", default=None, choices=["NGRAM", "EAGLE", "EAGLE3"],
-      help="speculative decoding (NGRAM: prompt-lookup drafts, exact verify)")
+      help="speculative decoding (NGRAM: prompt-lookup drafts; EAGLE3: a draft head over the target's hidden "
+           "states, --speculative-draft-model-path; exact verify)")
+    a("--speculative-draft-model-path", default=None, help="EAGLE3: the draft head's directory (SGLang's format)")
+    a("--speculative-num-steps", type=int, default=None,
+      help="EAGLE3: draft depth (default: --speculative-num-draft-tokens)")
+    a("--speculative-eagle-topk", type=int, default=1, help="EAGLE3: candidates per draft tree level")
     a("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens per verify step")
     a("--speculative-max-batch", type=int, default=8, help="speculate only while at most this many requests decode")
     a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
@@ -165,8 +170,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
     if ns.stream_interval < 1:
         parser.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
-    if ns.speculative_algorithm in ("EAGLE", "EAGLE3"):
-        parser.error(f"--speculative-algorithm {ns.speculative_algorithm}: not supported yet (use NGRAM)")
+    if ns.speculative_algorithm == "EAGLE":
+        parser.error("--speculative-algorithm EAGLE: not supported (use EAGLE3 or NGRAM)")
     if ns.max_request_mb <= 0:
         parser.error(f"--max-request-mb must be positive, got {ns.max_request_mb}")
     for flag in ("max_batch_prompts", "max_request_sequences", "request_read_timeout"):
@@ -181,7 +186,9 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, quantize_lm_head=ns.quantize_lm_head,
         log_level=ns.log_level,
         speculative_algorithm=ns.speculative_algorithm, speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
-        speculative_max_batch=ns.speculative_max_batch, enable_cuda_graph=not ns.disable_cuda_graph,
+        speculative_max_batch=ns.speculative_max_batch, speculative_draft_model_path=ns.speculative_draft_model_path,
+        speculative_num_steps=ns.speculative_num_steps, speculative_eagle_topk=ns.speculative_eagle_topk,
+        enable_cuda_graph=not ns.disable_cuda_graph,
         overlap_schedule=not ns.disable_overlap_schedule,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         prefix_cache_slots=0 if ns.disable_radix_cache else ns.prefix_cache_slots,
