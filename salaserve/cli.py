@@ -109,6 +109,12 @@ def _cmd_eval(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _cmd_train_draft(argv: list[str]) -> int:
+    from salaserve.spec_train.train import main as train_main
+
+    return train_main(argv)
+
+
 def _cmd_soar_package(argv: list[str]) -> int:
     from salaserve.soar.package import main as package_main
 
@@ -129,6 +135,7 @@ COMMANDS = {
                                                  "as SOAR's prepare_model.sh"),
     "bench": Command(_cmd_bench, "speed benchmarks: the SOAR S1/S8/Smax tiers, reports, comparisons"),
     "eval": Command(_cmd_eval, "SOAR-style correctness evaluation against a running server"),
+    "train-draft": Command(_cmd_train_draft, "train an EAGLE-3 draft head for a model (speculative decoding)"),
     "soar-package": Command(_cmd_soar_package, "write a SOAR submission folder that installs and serves salaserve"),
     "sglang-shim": Command(_cmd_sglang_shim, "make `python -m sglang.launch_server` start salaserve in this "
                                              "environment"),

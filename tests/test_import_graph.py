@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("salaserve.engine",)),
     ("apps", (
         "salaserve.server", "salaserve.bench", "salaserve.evaluation", "salaserve.argparsing", "salaserve.soar",
-        "salaserve.cli", "salaserve",
+        "salaserve.cli", "salaserve", "salaserve.spec_train",
         # quant/'s offline quantizer (prepare-model, its GPTQ layer runner and calibration data, the
         # quality tool) runs the reference model and the engine: an application in quant/'s folder
         "salaserve.quant.prepare", "salaserve.quant.layerwise", "salaserve.quant.calib",
