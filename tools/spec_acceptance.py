@@ -1,12 +1,15 @@
-"""Real n-gram speculative acceptance on code completion with the built-in trained model.
+"""Real speculative acceptance on code completion with the built-in trained model.
 
     python -m tools.spec_acceptance [--model DIR] [--functions 20] [--max-new-tokens 64]
                                               [--draft-tokens 4] [--device cpu]
+    python -m tools.spec_acceptance --functions 32 --eagle HEAD_DIR --depths 1 2 3 4 5
 
 Completes held-out standard-library functions greedily twice, without and with NGRAM
 speculation, checks that the outputs are token-identical (exact verify), and reports the average
 accept length (tokens emitted per verify step), the share of tokens that came from accepted
-drafts, and the engine steps each run took.
+drafts, and the engine steps each run took. With --eagle: for each depth of --depths, EAGLE3
+(chain drafting, that many tokens per verify) and NGRAM (at most that many) on the same prompts,
+each checked against the plain output.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from salaserve.model.tokenizer import BOS_ID
 from tools.eval_small import select_functions
 
 
-def run(model_dir: str, prompts: list[list[int]], new_tokens: int, spec: bool, k: int, device: str) -> dict:
+def run(model_dir: str, prompts: list[list[int]], new_tokens: int, spec: bool, k: int, device: str,
+        eagle: str | None = None) -> dict:
     kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=k,
               speculative_max_batch=len(prompts)) if spec else {}
+    if spec and eagle:
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle)
     llm = LLM(model_dir, device=device, max_running_requests=len(prompts), **kw)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
@@ -43,6 +49,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--eagle", default=None, help="an EAGLE-3 head: compare it with NGRAM by depth")
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     a = ap.parse_args(argv)
     model_dir = a.model or default_model_dir()
     tok = load_tokenizer(model_dir)
@@ -53,6 +61,8 @@ def main(argv=None) -> dict:
         ids = tok(c.prompt, add_special_tokens=False).input_ids
         prompts.append([BOS_ID] + ids if len(ids) + 1 <= budget else ids[-budget:])
     plain = run(model_dir, prompts, a.max_new_tokens, False, a.draft_tokens, a.device)
+    if a.eagle:
+        return by_depth(a, model_dir, prompts, plain)
     spec = run(model_dir, prompts, a.max_new_tokens, True, a.draft_tokens, a.device)
     s = spec["stats"]
     result = {
@@ -65,6 +75,26 @@ def main(argv=None) -> dict:
         "seconds_plain": plain["seconds"], "seconds_spec": spec["seconds"],
     }
     print(json.dumps(result, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def by_depth(a, model_dir: str, prompts: list[list[int]], plain: dict) -> dict:
+    rows = []
+    for d in a.depths:
+        row = {"depth": d}
+        for name, eagle in (("eagle3", a.eagle), ("ngram", None)):
+            r = run(model_dir, prompts, a.max_new_tokens, True, d, a.device, eagle=eagle)
+            row[name] = {"avg_spec_accept_length": r["accept"], "identical": r["tokens"] == plain["tokens"],
+                         "verify_steps": r["stats"]["spec_verify_steps"], "steps": r["steps"],
+                         "draft_tokens": r["stats"]["spec_draft_tokens"],
+                         "accepted_tokens": r["stats"]["spec_accepted_tokens"], "seconds": round(r["seconds"], 2)}
+        print(json.dumps(row))
+        rows.append(row)
+    result = {"model": model_dir, "eagle": a.eagle, "functions": len(prompts), "max_new_tokens": a.max_new_tokens,
+              "steps_plain": plain["steps"], "seconds_plain": round(plain["seconds"], 2), "by_depth": rows}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
