@@ -248,11 +248,7 @@ def test_greedy_eagle3_equals_plain_decoding(tiny_model_dir, head_dir, prompts, 
 
 def test_eagle3_with_the_trained_default_head_accepts_drafts():
     """The shipped head on the built-in model: greedy output unchanged, and drafts accepted."""
-    from salaserve.model.default import PACKAGED
-
-    head = os.path.join(PACKAGED, "eagle3")
-    if not os.path.isfile(os.path.join(head, "config.json")):
-        pytest.skip("no packaged EAGLE-3 head")
+    head = _packaged_head()
     prompts = [[1] + list(range(300, 340)), [1, 500, 501, 502, 503, 504, 505]]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in LLM(None, device="cpu").generate(prompts, params)]
@@ -270,3 +266,63 @@ def test_engine_args_and_flags(head_dir):
                             "--speculative-eagle-topk", "2", "--speculative-num-steps", "3"])
     assert (eng.speculative_algorithm, eng.speculative_draft_model_path, eng.speculative_eagle_topk,
             eng.speculative_num_steps) == ("EAGLE3", head_dir, 2, 3)
+
+
+def test_seeded_sampling_with_eagle3_runs(tiny_model_dir, head_dir, prompts):
+    llm = LLM(tiny_model_dir, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=12,
+                                                ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert llm.engine.stats["spec_verify_steps"] > 0
+
+
+def _packaged_head():
+    from salaserve.model.default import PACKAGED
+
+    head = os.path.join(PACKAGED, "eagle3")
+    if not os.path.isfile(os.path.join(head, "config.json")):
+        pytest.skip("no packaged EAGLE-3 head")
+    return head
+
+
+def test_preemption_with_eagle3_keeps_outputs():
+    """A page pool far too small for the batch: requests are preempted and recomputed (their
+    drafters see positions again) and the greedy output is still plain decoding's."""
+    import random
+
+    head = _packaged_head()
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(300, 3000) for _ in range(n)] for n in (90, 150, 60, 120)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    kw = dict(device="cpu", chunked_prefill_size=64)
+    plain = [o.token_ids for o in LLM(None, **kw).generate(prompts, params)]
+    llm = LLM(None, max_total_tokens=320, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats["spec_accepted_tokens"] > 0
+
+
+def test_train_draft_resumes_to_the_same_head(tiny_model_dir, tmp_path):
+    """train-draft in two halves (--stop-at, then --resume) ends with the head of one run; the
+    outputs: a loadable head, curves.json."""
+    from safetensors.torch import load_file
+
+    from salaserve.spec_train.train import main
+
+    common = ["--model", tiny_model_dir, "--samples", "6", "--heldout", "2", "--prompt-len", "12", "24",
+              "--gen-len", "8", "--draft-vocab", "128", "--steps", "4", "--batch-size", "3", "--ttt-steps", "3",
+              "--log-every", "1", "--warmup", "2"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert main(["--out", one] + common) == 0
+    os.makedirs(two)
+    os.link(os.path.join(one, "data.pt"), os.path.join(two, "data.pt"))  # the same data, not recollected
+    assert main(["--out", two, "--stop-at", "2"] + common) == 0
+    assert main(["--out", two, "--resume"] + common) == 0
+    a, b = (load_file(os.path.join(d, "head", "model.safetensors")) for d in (one, two))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    with open(os.path.join(two, "curves.json")) as f:
+        curves = json.load(f)["curves"]
+    assert [c["step"] for c in curves if "loss" in c] == [1, 2, 3, 4]
+    assert 1.0 <= curves[-1]["heldout"]["accept_length"] <= 4.0
+    load_eagle3(os.path.join(two, "head"), target_cfg=ModelConfig.from_pretrained(tiny_model_dir))

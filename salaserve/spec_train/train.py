@@ -46,6 +46,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the cosine schedule's length)")
     p.add_argument("--minutes", type=float, default=None, help="stop (and save) after this much training time")
+    p.add_argument("--stop-at", type=int, default=None, help="stop (and save) after this step; --resume goes on")
     p.add_argument("--lam-from", type=float, default=0.3, help="step-1 acceptance where TV starts to count")
     p.add_argument("--lam-to", type=float, default=0.7, help="acceptance where TV's weight reaches --lam-max")
     p.add_argument("--lam-max", type=float, default=0.9)
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
     train = data["train"]
     bar = tqdm(total=a.steps, initial=step, desc="train-draft", unit="step")
     head.train()
-    while step < a.steps and (a.minutes is None or train_s < a.minutes * 60):
+    stop = min(a.steps, a.stop_at or a.steps)
+    while step < stop and (a.minutes is None or train_s < a.minutes * 60):
         ts = time.perf_counter()
         chunk = rng.sample(train, min(a.batch_size, len(train)))
         offsets = [rng.randint(0, max(0, max_offset - s["pos0"] - s["aux"].shape[0] - 1)) if rng.random() < 0.5 else 0
@@ -177,13 +179,14 @@ def main(argv=None) -> int:
         acc_ema = acc1 if step == 1 else 0.9 * acc_ema + 0.1 * acc1
         train_s += time.perf_counter() - ts
         bar.update(1)
+        loss = loss.detach()
         bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{acc_ema:.3f}", lam=f"{lam:.2f}")
-        if step % a.log_every == 0 or step == a.steps:
+        if step % a.log_every == 0 or step == stop:
             point = {"step": step, "seconds": round(train_s, 1), "loss": float(loss), "lam": lam, "lr": lr,
                      "kl": [float(r["kl"]) for r in res], "tv": [float(r["tv"]) for r in res],
                      "train_acc": [float(r["match"].sum()) / max(1, int(r["valid"].sum())) for r in res],
                      "train_accept_length": accept_length(res)}
-            if step % (a.log_every * 5) == 0 or step == a.steps:
+            if step % (a.log_every * 5) == 0 or step == stop:
                 point["heldout"] = evaluate(head, data["heldout"], t2d_index, a.ttt_steps, a.batch_size)
             curves.append(point)
             save()
