@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{acc_ema:.3f}", lam=f"{lam:.2f}")
         if step % a.log_every == 0 or step == stop:
             point = {"step": step, "seconds": round(train_s, 1), "loss": float(loss), "lam": lam, "lr": lr,
-                     "kl": [float(r["kl"]) for r in res], "tv": [float(r["tv"]) for r in res],
+                     "kl": [r["kl"].item() for r in res], "tv": [r["tv"].item() for r in res],
                      "train_acc": [float(r["match"].sum()) / max(1, int(r["valid"].sum())) for r in res],
                      "train_accept_length": accept_length(res)}
             if step % (a.log_every * 5) == 0 or step == stop:
