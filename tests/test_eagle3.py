@@ -326,3 +326,30 @@ def test_train_draft_resumes_to_the_same_head(tiny_model_dir, tmp_path):
     assert [c["step"] for c in curves if "loss" in c] == [1, 2, 3, 4]
     assert 1.0 <= curves[-1]["heldout"]["accept_length"] <= 4.0
     load_eagle3(os.path.join(two, "head"), target_cfg=ModelConfig.from_pretrained(tiny_model_dir))
+
+
+def test_eagle3_with_shared_and_cached_prompts(tiny_model_dir, head_dir, prompts):
+    """Twins (one prefill, several requests) and prefix-cache hits give each drafter its states
+    too: greedy output still plain decoding's."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    batch = [prompts[1], prompts[1], prompts[2]]
+    kw = dict(device="cpu", prefix_cache_min_tokens=8)
+    plain = [o.token_ids for o in LLM(tiny_model_dir, **kw).generate(batch, params)]
+    llm = LLM(tiny_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir, **kw)
+    seen = {}
+    make = llm.engine.make_drafter
+
+    def spy(req):
+        d = make(req)
+        observe = d.observe
+        d.observe = lambda pos, aux: (seen.setdefault(req.rid, []).append(pos), observe(pos, aux))
+        return d
+
+    llm.engine.make_drafter = spy
+    for _ in range(2):  # the second round starts from cached prompts
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == plain
+        for p, o in zip(batch, outs):  # every request's drafter saw each committed position once
+            assert seen[o.rid] == list(range(len(p) - 1, len(p) + 11))
+    s = llm.engine.stats
+    assert s["shared_prefill_tokens"] > 0 and s["cached_prompt_tokens"] > 0 and s["spec_verify_steps"] > 0
