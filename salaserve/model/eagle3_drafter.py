@@ -35,7 +35,7 @@ class Eagle3Drafter:
         """The target's aux hidden state [3*H] at a committed position. A position seen again (the
         request was recomputed) replaces what followed it."""
         self.pending = {p: a for p, a in self.pending.items() if p < position}
-        self.pending[position] = aux
+        self.pending[position] = aux.clone()  # a row of the step's output: not a view that keeps it all
         if len(self.pending) > self.window:  # drafts are not asked for (e.g. a large batch)
             for p in sorted(self.pending)[:len(self.pending) - self.window]:
                 del self.pending[p]
