@@ -1,4 +1,4 @@
-"""Times the kernels of salaserve/kernels/attention.py on the GPU next to their floors.
+"""Times the kernels of salaserve/kernels/attention/ on the GPU next to their floors.
 
     python -m benchmarks.bench_attention            # the standard table
     python -m benchmarks.bench_attention --sweep    # + prefill tile configs and decode splits
@@ -23,6 +23,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.config import SparseConfig
 from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.kernels import attention as A
+from salaserve.kernels.attention.compress import _entries
 from salaserve.kernels.timing import graph_time_us
 from salaserve.kernels.torch_ops import TorchBackend
 
@@ -117,10 +118,10 @@ def bench_update_compressed():
         kv = make_kv(1, num_pages)
         comp = CompressedKeyPool(sc, 1, num_pages, HKV, D, DT, DEV)
         batch = make_batch(seqs, num_pages)
-        entries = sum(A._entries(c + n, k, s) - A._entries(c, k, s)
+        entries = sum(_entries(c + n, k, s) - _entries(c, k, s)
                       for c, n in seqs for k, s in ((sc.kernel_size, sc.kernel_stride),
                                                     (sc.c2_kernel_size, sc.c2_kernel_stride)))
-        read = sum((A._entries(c + n, k, s) - A._entries(c, k, s)) * k
+        read = sum((_entries(c + n, k, s) - _entries(c, k, s)) * k
                    for c, n in seqs for k, s in ((sc.kernel_size, sc.kernel_stride),
                                                  (sc.c2_kernel_size, sc.c2_kernel_stride)))
         floor = (read + entries) * HKV * D * 2 / BW

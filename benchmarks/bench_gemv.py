@@ -78,7 +78,7 @@ def shape_rows(shapes, ms):
         ws = G.weight_copies(N, K, torch.bfloat16, dev)
         calls = max(8, len(ws))
         for M in ms:
-            c = G.calibration_table()[G._key(M, N, K, dev)]
+            c = G.calibrated_choice(M, N, K, dev)
             t_pdl = G.time_linear("gemv", M, N, K, dev, config=c.gemv, pdl=True, weights=ws)
             fn, label = _fused_op(names[0], M, N, K, c.gemv, ws, pdl=False)
             fused_cell = f"{graph_time_us(fn, calls):>6.1f}" if fn is not None else f"{'-':>6}"

@@ -8,7 +8,7 @@ Decode (per shape and M): us per call in a CUDA graph of back-to-back calls cycl
   w4 new      M <= 16: calibrate_w4's candidates (w4a16_gemv_fma and w4a16_gemv_wgmma, config x split),
               the best kept and timed through quant_linear
   fp8         the faster of w8a16_gemv (autotuned; tensor cores at every M, weights converted to
-              bf16) and (M <= 8) gemv.py's fp8 FMA GEMV with calibrate_fp8_gemv's choice, if it won
+              bf16) and (M <= 8) gemv/'s fp8 FMA GEMV with calibrate_fp8_gemv's choice, if it won
   bf16        the calibrated bf16 GEMV (reference point)
 Then the sum over the model's linears per decode step (w4: the faster kernel per shape), vs the floor.
 Prefill (M = --prefill-m): bf16 torch.mm, fp8 w8a8 (row quantize + torch._scaled_mm, and the
@@ -25,6 +25,7 @@ import torch
 from salaserve.config import preset_config
 from salaserve.kernels import gemv as G
 from salaserve.kernels import quant_gemm as Q
+from salaserve.quant.matmul import linear_ref
 from salaserve.kernels.timing import graph_time_us, l2_busting_count
 from salaserve.quant import rtn
 
@@ -67,9 +68,9 @@ def decode_table(shapes, ms, out):
                                                        act_order=False), w4s)
             if M <= Q.W4_WGMMA_MAX_M:  # the start-up calibration's candidates (kernel x config x split), printed
                 bucket = 1 << (M - 1).bit_length()
-                res = Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)
-                if (bucket, N, K) in res:
-                    kernel, cfg, split, _ = res[(bucket, N, K)]
+                Q.calibrate_w4([w4s[0]], "cuda", m_values=(bucket,), verbose=True)
+                if (choice := Q.w4_decode_choice(x, w4s[0])) is not None:
+                    kernel, cfg, split = choice
                     r["w4_new"] = {f"{kernel} {cfg} split{split}": _time(lambda w: Q.quant_linear(x, w), w4s)}
             r["fp8_w8a16"] = _time(lambda w: Q.w8a16_gemv(x, w.weight, w.scale), f8s)
             r["fp8_gemv"] = None
@@ -148,7 +149,7 @@ def check_outputs(out):
         for M in (1, 2, 4, 16, 300):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             for fmt, w in (("w4a16", w4), ("fp8", w8)):
-                ref = Q.linear_ref(x, w).float()
+                ref = linear_ref(x, w).float()
                 y = Q.quant_linear(x, w).float()
                 res[f"{fmt} {N}x{K} M={M}"] = float((y - ref).norm() / ref.norm())
     worst = max(res.values())

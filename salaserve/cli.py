@@ -44,7 +44,8 @@ def _cmd_generate(argv: list[str]) -> int:
                    help="dummy: random weights from config.json")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--quantization", choices=["fp8", "w4a16", "gptq"], default=None,
+    from salaserve.quant.formats import quantization_choices
+    p.add_argument("--quantization", choices=quantization_choices(), default=None,
                    help="default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--regex", default=None, help="constrain the output to this regular expression")

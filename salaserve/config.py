@@ -438,6 +438,15 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
 
 
 # ---- engine arguments ------------------------------------------------------------------------
+def default_plan_cache_dir() -> str | None:
+    """EngineArgs.plan_cache_dir's default: $SALASERVE_PLAN_CACHE (a directory; "0": no plans, as
+    the tests set it), else ~/.cache/salaserve/plans."""
+    value = os.environ.get("SALASERVE_PLAN_CACHE", "")
+    if value == "0":
+        return None
+    return value or "~/.cache/salaserve/plans"
+
+
 @dataclass
 class EngineArgs:
     """Knobs of one engine instance; names follow `sglang.launch_server` where one exists."""
@@ -455,10 +464,17 @@ class EngineArgs:
     context_length: int | None = None  # default: max_position_embeddings
     state_dtype: str = "float32"  # Lightning state slots
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8_e4m3": fp8 K/V, scale per page and head
-    quantization: str | None = None  # "fp8" | "w4a16" | "gptq"; None: as the checkpoint says
+    quantization: str | None = None  # a quant/formats name (fp8, w4a16) or gptq; None: as the checkpoint says
     # int4 weights at prefill sizes on the GPU: "fp8" (an fp8 copy of each int4 linear, w8a8 on fp8
     # tensor cores, where the GPU has them) or "bf16" (the int4 weights dequantized for a bf16 GEMM)
     w4a16_prefill: str = "fp8"
+    # int4 weights on the GPU: a repacked copy of each linear for the wgmma decode GEMV at 4-16 rows
+    # (qweight's bytes again); False gives that memory to KV pages
+    w4_wgmma: bool = True
+    # where the start-up calibration's picks are kept across restarts; None: no plans. Default:
+    # $SALASERVE_PLAN_CACHE ("0": none), else ~/.cache/salaserve/plans
+    plan_cache_dir: str | None = field(default_factory=default_plan_cache_dir)
+    parallel_compile: bool = True  # the calibration compiles its candidates in a thread pool first
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
     speculative_algorithm: str | None = None  # None | "NGRAM"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
@@ -498,12 +514,13 @@ class EngineArgs:
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
                              f"{self.speculative_num_draft_tokens}")
-        if self.quantization not in (None, "fp8", "w4a16", "gptq"):
-            raise ValueError(f"quantization must be fp8, w4a16 or gptq (or unset), got {self.quantization!r}")
-        if self.quantize_lm_head and self.quantization not in ("fp8", "w4a16"):
-            raise ValueError("quantize_lm_head quantizes lm_head on load: it needs quantization fp8 or w4a16 "
-                             f"(got {self.quantization!r}); a prepared checkpoint says itself whether its lm_head "
-                             "is quantized (prepare-model --quantize-lm-head)")
+        # the format names are checked against the registry when the model loads (quant/scheme.py)
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a format name (or unset), got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head quantizes lm_head on load: it needs a quantization (e.g. fp8 or "
+                             "w4a16); a prepared checkpoint says itself whether its lm_head is quantized "
+                             "(prepare-model --quantize-lm-head)")
         if self.w4a16_prefill not in ("fp8", "bf16"):
             raise ValueError(f"w4a16_prefill must be fp8 or bf16, got {self.w4a16_prefill!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):

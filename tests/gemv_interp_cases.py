@@ -26,6 +26,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from kernel_checks import assert_within_ulps  # noqa: E402
 
 from salaserve.kernels import gemv as G  # noqa: E402
+from salaserve.kernels.gemv import launch as GL  # noqa: E402
 from salaserve.kernels.torch_ops import TorchBackend  # noqa: E402
 from salaserve.model import reference as spec  # noqa: E402
 
@@ -102,18 +103,18 @@ def test_split_k_counters_rearmed():
     a = G.gemv(x, w, config=cfg)
     b = G.gemv(x, w, config=cfg)
     assert torch.equal(a, b)
-    _, cnt = G._workspace(x.device, 0, 0)
+    _, cnt = GL._workspace(x.device, 0, 0)
     assert int(cnt.abs().sum()) == 0
 
 
 def test_auto_split():
     dev = torch.device("cpu")  # 132 SMs assumed off-GPU
-    assert G._auto_split(4096, 4096, G.GemvConfig(64, 128, dot=True), dev) == 8
-    assert G._auto_split(4096, 16384, G.GemvConfig(64, 128, dot=True), dev) == 16
-    assert G._auto_split(32768, 4096, G.GemvConfig(4, 1024), dev) == 1
-    assert G._auto_split(4096, 4096, G.GemvConfig(4, 1024), dev) == 1
-    assert G._auto_split(4096, 4096, G.GemvConfig(64, 1024, dot=True), dev) == 4  # whole K tiles
-    assert G._auto_split(8704, 4096, G.GemvConfig(64, 128, dot=True), dev) == 4
+    assert G.auto_split(4096, 4096, G.GemvConfig(64, 128, dot=True), dev) == 8
+    assert G.auto_split(4096, 16384, G.GemvConfig(64, 128, dot=True), dev) == 16
+    assert G.auto_split(32768, 4096, G.GemvConfig(4, 1024), dev) == 1
+    assert G.auto_split(4096, 4096, G.GemvConfig(4, 1024), dev) == 1
+    assert G.auto_split(4096, 4096, G.GemvConfig(64, 1024, dot=True), dev) == 4  # whole K tiles
+    assert G.auto_split(8704, 4096, G.GemvConfig(64, 128, dot=True), dev) == 4
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -240,7 +241,7 @@ def test_linear_dispatch():
     assert torch.equal(G.linear(x20, w), x20 @ w.t())
     # a calibrated cuBLAS win is honoured
     cfg = G.GemvConfig(8, 64, 1)
-    G._TABLE[G._key(4, 64, 128, x.device)] = G.Choice(cfg, 2.0, 1.0)
+    G.PICKS.put(x.device, 4, (64, 128), G.Choice(cfg, 2.0, 1.0))
     assert not G.uses_gemv(3, 64, 128, x.device)
     assert G.choose_config(3, 64, 128, x.device) == cfg  # the fused ops keep the measured config
     assert torch.equal(G.linear(x, w), x @ w.t())
@@ -277,7 +278,7 @@ def test_gemv_dot_large_m_fp32(M, N, K):
         y = G.gemv(x, w, config=cfg)
         assert y.shape == (M, N) and y.dtype == torch.float32
         _close(y, ref)
-    ws, cnt = G._workspace(x.device, 0, 0)
+    ws, cnt = GL._workspace(x.device, 0, 0)
     assert ws.numel() >= 4 * M * N and int(cnt.abs().sum()) == 0
 
 
@@ -308,8 +309,8 @@ def test_large_m_dispatch():
     assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(128, N, K, dev)  # uncalibrated: cuBLAS
     assert not TritonBackend._gemv_fuses(x, w)
     cfg = DOT_WIDE[2]
-    G._TABLE[G._key(128, N, K, dev)] = G.Choice(cfg, 1.0, 2.0)  # the GEMV won at bucket 128
-    G._TABLE[G._key(8, N, K, dev)] = G.Choice(DOT[0], 1.0, 2.0)
+    G.PICKS.put(dev, 128, (N, K), G.Choice(cfg, 1.0, 2.0))  # the GEMV won at bucket 128
+    G.PICKS.put(dev, 8, (N, K), G.Choice(DOT[0], 1.0, 2.0))
     try:
         assert G.uses_gemv(128, N, K, dev) and G.uses_gemv(65, N, K, dev)
         assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(G.DOT_MAX_M + 1, N, K, dev)
@@ -319,14 +320,14 @@ def test_large_m_dispatch():
         assert not TritonBackend._gemv_fuses(x[:17], w)
         tb = TritonBackend()
         launches = []
-        launch = G._launch
-        G._launch = lambda *a, **kw: (launches.append((a[0].shape[0], kw.get("prologue", 0))), launch(*a, **kw))[1]
+        launch = GL._launch
+        GL._launch = lambda *a, **kw: (launches.append((a[0].shape[0], kw.get("prologue", 0))), launch(*a, **kw))[1]
         try:
             y = tb.linear(x, w)
             y_norm = tb.norm_linear(x, nw, EPS, w)
             y_64 = tb.linear(x[:64], w)
         finally:
-            G._launch = launch
+            GL._launch = launch
         # the plain GEMV at 128 rows (twice: the norm ran separately), cuBLAS at 64 (cuBLAS won)
         assert launches == [(128, 0), (128, 0)]
         assert torch.equal(y, G.gemv(x, w, config=cfg))
@@ -354,12 +355,12 @@ def test_backend_junction_ops_match_torch(silu, last):
     norm, nxt = (None, None) if last else (nw, w_in)
     tb = TritonBackend()
     launches = []
-    launch = G._launch
-    G._launch = lambda *a, **kw: (launches.append(kw.get("prologue")), launch(*a, **kw))[1]
+    launch = GL._launch
+    GL._launch = lambda *a, **kw: (launches.append(kw.get("prologue")), launch(*a, **kw))[1]
     try:
         h_ours, y_ours = tb.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=silu)
     finally:
-        G._launch = launch
+        GL._launch = launch
     assert len(launches) == (1 if last else 2)  # the fused GEMVs ran, not the fallback
     h_ref, y_ref = TB.residual_norm_linear(h, x, w_out, 0.7, norm, EPS, nxt, silu=silu)
     # the GEMV sums in another order than torch's matmul: an ulp here and there
@@ -396,14 +397,14 @@ def test_backend_silu_epilogue_at_one_row(enabled):
     assert tb.silu_after_gate_up(1) == enabled and not tb.silu_after_gate_up(2)
     assert not TB.silu_after_gate_up(1)
     launches = []
-    launch = G._launch
-    G._launch = lambda *a, **kw: (launches.append(kw.get("silu_out", False)), launch(*a, **kw))[1]
+    launch = GL._launch
+    GL._launch = lambda *a, **kw: (launches.append(kw.get("silu_out", False)), launch(*a, **kw))[1]
     try:
         first = tb.silu_after_gate_up(1)
         h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=first)
         h2, proj = tb.residual_norm_linear(h1, act, w_down, 0.7, nw, EPS, w_next, silu=not first)
     finally:
-        G._launch = launch
+        GL._launch = launch
     assert launches == [False, enabled, False, False]  # o_proj, gate_up, down, next
     r1, ract = TB.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
     r2, rproj = TB.residual_norm_linear(r1, ract, w_down, 0.7, nw, EPS, w_next)
@@ -480,8 +481,9 @@ def test_backend_fp8_gate_up_takes_the_silu_epilogue(monkeypatch):
     """fp8 weights at one row (a calibrated even-BLOCK_N config): the
     gate_up junction writes silu_mul through gemv_fp8(silu_out=True), equal to TorchBackend's
     silu_mul of the fp8 linear; without a calibrated GEMV config the junction falls back."""
-    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm import fp8
     from salaserve.kernels.triton_backend import TritonBackend
+    from salaserve.kernels.tuning import isolated_tables
     from salaserve.quant import rtn
 
     gen = torch.Generator().manual_seed(97)
@@ -498,9 +500,10 @@ def test_backend_fp8_gate_up_takes_the_silu_epilogue(monkeypatch):
     monkeypatch.setattr(G, "gemv_fp8", lambda *a, **kw: calls.append(kw.get("silu_out", False)) or real(*a, **kw))
     for cfg, fused in ((G.GemvConfig(4, 64, 1), True), (G.GemvConfig(1, 64, 1), False), (None, False)):
         calls.clear()
-        monkeypatch.setitem(Q._FP8_GEMV_TABLE, Q._fp8_gemv_key(1, w_gu, "cpu"), cfg)
-        monkeypatch.setitem(Q._FP8_GEMV_TABLE, Q._fp8_gemv_key(1, w_o, "cpu"), cfg)
-        h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
+        with isolated_tables():
+            fp8.PICKS.put("cpu", 1, (w_gu.out_features, w_gu.in_features), cfg)
+            fp8.PICKS.put("cpu", 1, (w_o.out_features, w_o.in_features), cfg)
+            h1, act = tb.residual_norm_linear(h, o, w_o, 0.7, nw, EPS, w_gu, silu_out=True)
         assert (True in calls) == fused, (cfg, calls)
         assert act.shape == (1, F)
         assert_within_ulps(h1, ref_h, max_ulps=1, max_frac=0.05)

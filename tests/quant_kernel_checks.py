@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from salaserve.kernels import quant_gemm as qg  # noqa: E402
+from salaserve.kernels.quant_gemm._common import _WORKSPACE  # noqa: E402
 from salaserve.quant import formats, rtn  # noqa: E402
 from salaserve.quant.matmul import fp8_matmul_ref, linear_ref, w4a16_matmul_ref  # noqa: E402
 
@@ -79,7 +80,7 @@ def refused(what, fn, *args):
 
 
 def counters_rearmed():
-    for ws, cnt in qg._WORKSPACE.values():
+    for ws, cnt in _WORKSPACE.values():
         if int(cnt.abs().sum()) != 0:
             print("BAD split-K counters left non-zero", flush=True)
             sys.exit(1)
@@ -436,6 +437,7 @@ def dispatch_checks(gen):
     # one bf16 ulp of the exact result, at most 2^-7 relative (the interpreter truncates fp32 -> bf16
     # where the GPU rounds)
     from salaserve.kernels import gemv as G
+    from salaserve.kernels.quant_gemm import fp8 as fp8_module
 
     f = variants["fp8"]
     gemv_calls = []
@@ -444,7 +446,7 @@ def dispatch_checks(gen):
     for route in ("w8a16", "gemv"):
         if route == "gemv":
             for m in (1, 2, 4, 8):
-                qg._FP8_GEMV_TABLE[qg._fp8_gemv_key(m, f, "cpu")] = G.GemvConfig(16, 64, 1, split_k=2)
+                fp8_module.PICKS.put("cpu", m, (f.out_features, f.in_features), G.GemvConfig(16, 64, 1, split_k=2))
         for M in (1, 5, qg.GEMV_MAX_M + 5):
             x = torch.randn(M, 256, generator=gen).to(torch.bfloat16)
             y = qg.quant_linear(x, f, backend="triton")

@@ -408,21 +408,21 @@ def test_profile_step_ab_parses_switches_and_refuses_bad_ones(tmp_path):
     unknown module or attribute, a value of the wrong type, one value, or --ab without --graph give
     a CLI message."""
     from benchmarks.profile_step import main, parse_ab
-    from salaserve.kernels import compile_ahead
+    from salaserve.kernels import _triton_utils
 
-    module, attr, values = parse_ab("salaserve.kernels.compile_ahead:PARALLEL_COMPILE=0,1")
-    assert module is compile_ahead and attr == "PARALLEL_COMPILE" and values == [False, True]
+    module, attr, values = parse_ab("salaserve.kernels._triton_utils:_PDL=0,1")
+    assert module is _triton_utils and attr == "_PDL" and values == [False, True]
     assert parse_ab("salaserve.kernels.quant_gemm._common:SPLIT_K_CTAS_PER_SM=4, 8")[2] == [4, 8]
-    for bad, msg in (("PARALLEL_COMPILE=0,1", "module:ATTR"), ("no.such.module:X=0,1", "cannot import"),
-                     ("salaserve.kernels.compile_ahead:NOPE=0,1", "no attribute"),
-                     ("salaserve.kernels.compile_ahead:PARALLEL_COMPILE=0,2", "not 0/1"),
+    for bad, msg in (("_PDL=0,1", "module:ATTR"), ("no.such.module:X=0,1", "cannot import"),
+                     ("salaserve.kernels._triton_utils:NOPE=0,1", "no attribute"),
+                     ("salaserve.kernels._triton_utils:_PDL=0,2", "not 0/1"),
                      ("salaserve.kernels.quant_gemm._common:SPLIT_K_CTAS_PER_SM=4,x", "is int"),
-                     ("salaserve.kernels.compile_ahead:PARALLEL_COMPILE=1", "two distinct values"),
-                     ("salaserve.kernels.compile_ahead:PARALLEL_COMPILE=1,true", "two distinct values")):
+                     ("salaserve.kernels._triton_utils:_PDL=1", "two distinct values"),
+                     ("salaserve.kernels._triton_utils:_PDL=1,true", "two distinct values")):
         with pytest.raises(ValueError, match=msg):
             parse_ab(bad)
     with pytest.raises(SystemExit):
-        main(["--ab", "salaserve.kernels.compile_ahead:PARALLEL_COMPILE=0,1"])  # no --graph
+        main(["--ab", "salaserve.kernels._triton_utils:_PDL=0,1"])  # no --graph
 
 
 def test_profile_step_ab_times_each_value_with_its_own_graphs(monkeypatch):

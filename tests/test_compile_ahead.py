@@ -3,11 +3,14 @@ side is tests/test_gpu_quant.py::test_precompile_leaves_nothing_to_compile)."""
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from salaserve.kernels import compile_ahead as ca
+from salaserve.kernels.tuning import Stopwatch, isolated_tables, tune
 
 
 class _FakeKernel:
@@ -80,41 +83,60 @@ def test_precompile_does_nothing_without_a_gpu():
     assert ca.workers() >= 1
 
 
-def test_w4_calibration_precompiles_every_candidate_of_every_bucket(monkeypatch):
-    """calibrate_w4's one precompile batch holds exactly what it then times: per shape and M bucket
-    each (kernel, config, split) candidate, plus the rounded-x kernel's at 1-2 rows."""
-    import functools
+class _Recorder(Stopwatch):
+    """A stopwatch that times nothing (no GPU here): it records the picks of the trials it is handed,
+    per call of `fastest`, and returns the first trial."""
 
-    import torch
+    def __init__(self):
+        super().__init__(timer=lambda run, calls: 1.0)
+        self.timed = []
 
+    def fastest(self, trials, calls, label="", against=""):
+        trials = list(trials)
+        self.timed.append([t.pick for t in trials])
+        return (trials[0], 1.0) if trials else None
+
+
+def test_w4_calibration_precompiles_exactly_what_it_times():
+    """The int4 family's precompile batch holds exactly what the tuner then times: per shape and M
+    bucket each (kernel, config, split) candidate, plus the rounded-x kernel's at 1-2 rows."""
     from salaserve.kernels.quant_gemm import w4_decode
     from salaserve.quant import rtn
 
     w = rtn.quantize_w4a16_rtn(torch.randn(256, 512) * 512 ** -0.5, 128)
-    work = [(w, [1, 2, 4])]
-    launches = list(w4_decode._candidate_launches(work, "cpu"))
-    want = sum(len(w4_decode._w4_candidates(m, w, "cpu")) for m in (1, 2, 4))
-    want += sum(len(w4_decode.rounded_choices(m, w, "cpu")) for m in (1, 2)) if w4_decode.w4_rounded_usable(w) else 0
-    assert len(launches) == want > 0
-    assert all(isinstance(f, functools.partial) for f in launches)
-    assert {f.func.__name__ for f in launches} <= {"w4a16_decode", "w4a16_decode_rounded"}
-    assert {f.args[0].shape[0] for f in launches} == {1, 2, 4}  # x (or its int16 pairs) of each bucket
+    family, rec = w4_decode.W4DecodeTuning(), _Recorder()
+    with isolated_tables():
+        tune(family, [w], "cpu", (1, 2, 4), stopwatch=rec)
+    launched = []
+    for m in (1, 2, 4):
+        fns = family.launches(w, m, "cpu")
+        assert all(isinstance(f, functools.partial) for f in fns)
+        assert {f.func.__name__ for f in fns} <= {"w4a16_decode", "w4a16_decode_rounded"}
+        assert {f.args[0].shape[0] for f in fns} == {m}  # x (or its int16 pairs) of the bucket
+        plain = [f.args[2] for f in fns if f.func is w4_decode.w4a16_decode]
+        rounded = [f.args[3] for f in fns if f.func is w4_decode.w4a16_decode_rounded]
+        launched += [plain] + ([rounded] if rounded else [])
+        assert bool(rounded) == (m <= 2 and w4_decode.w4_rounded_usable(w))
+    assert rec.timed == launched and all(launched)
 
 
-def test_gemv_calibration_precompiles_every_candidate_of_every_bucket(monkeypatch):
-    """gemv.calibrate's precompile batch: one launch per (shape, bucket, candidate) it then times,
-    each candidate with the split it runs at."""
-    import functools
-
+def test_gemv_calibration_precompiles_exactly_what_it_times():
+    """The bf16 GEMV family's precompile batch: one launch per (shape, bucket, candidate) the tuner
+    then times, each candidate with the split it runs at."""
     from salaserve.kernels import gemv as G
 
-    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
-    todo = {(512, 256): [1, 4], (256, 512): [], (384, 256): [16]}
-    launches = list(G._candidate_launches(todo, "cpu"))
-    want = [(N, K, Mb, c) for (N, K), bs in todo.items() for Mb in bs for c in G._calibration_candidates(Mb, N, K, "cpu")]
-    assert len(launches) == len(want) > 0
-    for f, (N, K, Mb, c) in zip(launches, want):
-        assert isinstance(f, functools.partial) and f.func is G.gemv
-        x, w, out = f.args
-        assert x.shape == (Mb, K) and w.shape == (N, K) and out.shape == (Mb, N)
-        assert f.keywords["config"] == c and c.split_k
+    family, rec = G.GemvTuning(), _Recorder()
+    shapes, buckets = [(512, 256), (384, 256)], (1, 4, 16)
+    with isolated_tables():
+        tune(family, shapes, "cpu", buckets, stopwatch=rec)
+    launched = []
+    for N, K in shapes:
+        for m in buckets:
+            fns = family.launches((N, K), m, "cpu")
+            for f in fns:
+                assert isinstance(f, functools.partial) and f.func is G.gemv
+                x, w, out = f.args
+                assert x.shape == (m, K) and w.shape == (N, K) and out.shape == (m, N)
+                assert f.keywords["config"].split_k
+            launched.append([f.keywords["config"] for f in fns])
+    assert rec.timed == launched and all(launched)

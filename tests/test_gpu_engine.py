@@ -359,28 +359,23 @@ def graph_vs_eager(runner, B, ctx, eager_mode):
     return graph, ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
 
 
-def test_fp8_decode_kernels_equal_w8a16_eager(full_dir, monkeypatch):
+def test_fp8_decode_kernels_equal_w8a16_eager(full_dir):
     """fp8 weights quantized on load: decode batches through the graphs with the default fp8 decode
     kernels (the calibrated FMA or stream GEMV, at one row its silu_mul epilogue on gate_up) give the
     logits of an eager forward through w8a16 on tensor cores (the calibration's picks set aside): the
     same fp8 products summed in fp32 by other kernels, so the bf16 noise bound applies."""
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
-    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm import fp8
+    from salaserve.kernels.tuning import isolated_tables
 
-    @contextlib.contextmanager
     def through_w8a16():
-        picks = dict(Q._FP8_GEMV_TABLE)
-        Q._FP8_GEMV_TABLE.clear()  # no calibrated GEMV: quant_linear takes w8a16
-        try:
-            yield
-        finally:
-            Q._FP8_GEMV_TABLE.update(picks)
+        return isolated_tables(fp8.PICKS)  # no calibrated GEMV: quant_linear takes w8a16
 
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     quantization="fp8", max_running_requests=8, max_total_tokens=100_000), full_dir)
-    assert Q._FP8_GEMV_TABLE, "the start-up calibration chose no fp8 GEMV config for any shape"
-    print("fp8 calibration picks:", sorted((k[:3], str(v)) for k, v in Q._FP8_GEMV_TABLE.items()))
+    assert len(fp8.PICKS), "the start-up calibration chose no fp8 GEMV config for any shape"
+    print("fp8 calibration picks:", sorted((k[1:], str(v)) for k, v in fp8.PICKS.items()))
     for B, ctx in [(1, 300), (1, 9000), (4, 1000)]:
         graph, rel = graph_vs_eager(runner, B, ctx, through_w8a16)
         print(f"fp8 B={B} ctx={ctx}: graph (gemv) vs eager (w8a16) rel err {rel:.2e}")
@@ -398,33 +393,31 @@ def test_w4a16_decode_batches_through_calibrated_kernels_equal_eager_without(ful
     applies."""
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
-    from salaserve.kernels import quant_gemm as Q
+    from salaserve.kernels.quant_gemm import w4_decode
     from salaserve.kernels.triton_backend import _linear_weights
+    from salaserve.kernels.tuning import isolated_tables
+    from salaserve.quant.formats import QuantizedLinearWeights
 
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     quantization="w4a16", max_running_requests=16, max_total_tokens=100_000), full_dir)
-    w4 = [w for w in _linear_weights(runner.model.p) if isinstance(w, Q.QuantizedLinearWeights) and w.format == "w4a16"]
+    w4 = [w for w in _linear_weights(runner.model.p) if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16"]
     assert w4 and all(w.wgmma is not None for w in w4)
-    picks = {k: v[0] for k, v in Q._W4_TABLE.items()}
+    picks = {k[1:]: v[0] for k, v in w4_decode.PICKS.items()}  # (bucket, N, K, group size) -> kernel
     print("w4 calibration picks:", sorted(set((k[0], k[1], k[2], v) for k, v in picks.items())))
     assert any(v == "wgmma" for (m, *_), v in picks.items() if m >= 8), picks
     assert any(v == "dp2a" for (m, *_), v in picks.items() if m <= 2), picks
 
-    print("w4 rounded-x picks:", sorted(Q._W4_ROUNDED_TABLE.items()))
+    print("w4 rounded-x picks:", sorted(w4_decode.ROUNDED_PICKS.items()))
 
     @contextlib.contextmanager
     def without_copies():
         copies = [w.wgmma for w in w4]
-        table, rounded = dict(Q._W4_TABLE), dict(Q._W4_ROUNDED_TABLE)
         for w in w4:
             w.wgmma = None
-        Q._W4_TABLE.clear()
-        Q._W4_ROUNDED_TABLE.clear()  # x's producers write bf16 x
-        yield
+        with isolated_tables(w4_decode.PICKS, w4_decode.ROUNDED_PICKS):  # x's producers write bf16 x
+            yield
         for w, c in zip(w4, copies):
             w.wgmma = c
-        Q._W4_TABLE.update(table)
-        Q._W4_ROUNDED_TABLE.update(rounded)
 
     for B, ctx in [(1, 300), (2, 2000), (8, 1000), (13, 700)]:
         graph, rel = graph_vs_eager(runner, B, ctx, without_copies)

@@ -68,10 +68,24 @@ def _resolve(name: str, known) -> str | None:
     return name or None
 
 
+def _typing_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (they never run: annotations only)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
 def imports_of(module: str, source: str, is_package: bool, known) -> set[str]:
-    """The known modules that `module` imports anywhere in `source`."""
+    """The known modules that `module` imports anywhere in `source` (at run time: imports under
+    `if TYPE_CHECKING:` are left out)."""
     out = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    typing_only = _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out.update(_resolve(a.name, known) for a in node.names)
         elif isinstance(node, ast.ImportFrom):

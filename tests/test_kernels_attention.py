@@ -1,4 +1,4 @@
-"""Triton attention / cache-maintenance kernels (salaserve/kernels/attention.py) vs the torch twins.
+"""Triton attention / cache-maintenance kernels (salaserve/kernels/attention/) vs the torch twins.
 
 CPU: the kernels run under the Triton interpreter on small fp32 shapes. TRITON_INTERPRET must be
 set before triton is imported, and other test files of the same pytest process import triton
@@ -375,7 +375,7 @@ else:
         pytest.importorskip("triton.backends.nvidia")
         import triton.language as tl
 
-        from salaserve.kernels import attention as A
+        from salaserve.kernels.attention import compress, decode, kv_store, prefill
 
         bf = "*bf16"
         results = []
@@ -384,9 +384,9 @@ else:
             kv_ptrs = dict(K_pool=pool, V_pool=pool, Q=bf, Out=bf, page_table="*i32", cu_seqlens_q="*i32",
                            seq_lens="*i32", K_scale="*fp32", V_scale="*fp32")
             fp8_kw = dict(KV_FP8=fp8, COMPUTE_DT=tl.bfloat16, HKV=2)
-            cfg = A.PREFILL_CONFIG
+            cfg = prefill.PREFILL_CONFIG
             pre, res = _compile_sm90(
-                A._dense_prefill_kernel, kv_ptrs,
+                prefill._dense_prefill_kernel, kv_ptrs,
                 dict(GROUP=16, HEAD_DIM=128, BLOCK_SIZE=64, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                      DOT_PREC=None, **fp8_kw),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -396,44 +396,44 @@ else:
             dec_ptrs = dict(kv_ptrs, block_table="*i32", block_count="*i32", O_part="*fp32", LSE_part="*fp32")
             for splits in (1, 16):
                 _, res = _compile_sm90(
-                    A._decode_split_kernel, dec_ptrs,
+                    decode._decode_split_kernel, dec_ptrs,
                     dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=splits, DOT_PREC=None,
                          **fp8_kw),
-                    **A.DECODE_CONFIG)
+                    **decode.DECODE_CONFIG)
                 results.append(res)
             if fp8:  # bf16 compute on fp8 pages (_f16_dots): the codes go to fp16 dot operands, one cvt per two, no bf16 repacking
                 f16, res = _compile_sm90(
-                    A._decode_split_kernel, dec_ptrs,
+                    decode._decode_split_kernel, dec_ptrs,
                     dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
                          F16_DOTS=True, **fp8_kw),
-                    **A.DECODE_CONFIG)
+                    **decode.DECODE_CONFIG)
                 ptx = f16.asm["ptx"]
                 assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, "fp8 codes not straight to fp16"
                 results.append(res)
             results.append(_compile_sm90(
-                A._update_compressed_kernel, dict(K_pool=pool, C1_pool=bf, C2_pool=bf, page_table="*i32",
+                compress._update_compressed_kernel, dict(K_pool=pool, C1_pool=bf, C2_pool=bf, page_table="*i32",
                                                   seq_lens="*i32", cache_lens="*i32", K_scale="*fp32"),
                 dict(K1=32, S1=16, PER1=4, CH1=32, K2=128, S2=64, PER2=1, CH2=32, BLOCK_SIZE=64, HD=256,
                      BLOCK_HD=256, **fp8_kw, **(dict(BLOCK_HKV=2, BLOCK_D=128) if fp8 else {})),
                 num_warps=4)[1])
             if fp8:
                 results.append(_compile_sm90(
-                    A._store_kv_fp8_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool, slot_mapping="*i64",
+                    kv_store._store_kv_fp8_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool, slot_mapping="*i64",
                                                  K_scale="*fp32", V_scale="*fp32"),
                     dict(HKV=2, HEAD_DIM=128, BLOCK_H=2, BLOCK_SIZE=64, ROWS=16), num_warps=4)[1])
             else:
-                results.append(_compile_sm90(A._store_kv_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool,
+                results.append(_compile_sm90(kv_store._store_kv_kernel, dict(K_new=bf, V_new=bf, K_pool=pool, V_pool=pool,
                                                                        slot_mapping="*i64"),
                                              dict(HKV=2, HEAD_DIM=128, BLOCK_H=2), num_warps=4)[1])
-        results.append(_compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
+        results.append(_compile_sm90(decode._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
                                      dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128), num_warps=4)[1])
         for res in results:
             assert "STACK:0 " in res and "LOCAL:0 " in res, res
         # programmatic dependent launch (on by default): the decode kernels signal and wait
-        dec, _ = _compile_sm90(A._decode_split_kernel, dec_ptrs,
+        dec, _ = _compile_sm90(decode._decode_split_kernel, dec_ptrs,
                                dict(GROUP=16, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=64, NUM_SPLITS=16, DOT_PREC=None,
-                                    PDL=True, **fp8_kw), **A.DECODE_CONFIG)
-        red, _ = _compile_sm90(A._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
+                                    PDL=True, **fp8_kw), **decode.DECODE_CONFIG)
+        red, _ = _compile_sm90(decode._decode_reduce_kernel, dict(O_part="*fp32", LSE_part="*fp32", Out=bf),
                                dict(NUM_SPLITS=16, BLOCK_S=16, HEAD_DIM=128, PDL=True), num_warps=4)
         for k in (dec, red):
             assert "griddepcontrol.wait" in k.asm["ptx"] and "griddepcontrol.launch_dependents" in k.asm["ptx"]

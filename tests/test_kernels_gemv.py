@@ -26,6 +26,9 @@ import pytest
 import torch
 from kernel_checks import assert_within_ulps
 
+from salaserve.kernels.gemv import GemvTuning
+from salaserve.kernels.tuning import Stopwatch, isolated_tables, m_bucket
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -115,7 +118,7 @@ def test_gemv_compiles_for_sm90(name):
     import triton.language as tl
 
     from kernel_checks import compile_sm90_without_spills
-    from salaserve.kernels import gemv as G
+    from salaserve.kernels.gemv.kernel import _gemv_kernel
 
     cfg, block_m, extra = _aot_cases()[name]
     extra = dict(extra)
@@ -128,7 +131,7 @@ def test_gemv_compiles_for_sm90(name):
                       Y_DT=tl.bfloat16, OUT_DT=tl.bfloat16, PDL=False, DOT_FP32=False, SILU_OUT=False, W_SCALE=False,
                       FP8_ASM=True, X_WORDS=False, FP8_STREAM=False, STAGES=1)
     constexprs.update(extra)
-    kernel = compile_sm90_without_spills(G._gemv_kernel, ptrs, constexprs, cfg.num_warps,
+    kernel = compile_sm90_without_spills(_gemv_kernel, ptrs, constexprs, cfg.num_warps,
                                          num_stages=cfg.num_stages, fp_fusion=True, divisible=divisible)
     ptx = kernel.asm["ptx"]
     if extra.get("PDL"):
@@ -185,9 +188,9 @@ def test_fp8_calibration_candidates():
     from salaserve.quant import rtn
 
     w = rtn.quantize_fp8(torch.randn(64, 128))
-    assert F8._fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1] + G.FP8_STREAM_CONFIGS[1]
-    assert F8._fp8_candidates(2, w) == G.FP8_FMA_CONFIGS[2] + G.FP8_STREAM_CONFIGS[2]
-    assert F8._fp8_candidates(8, w) == G.FP8_FMA_CONFIGS[8]
+    assert F8.fp8_candidates(1, w) == G.FP8_FMA_CONFIGS[1] + G.FP8_STREAM_CONFIGS[1]
+    assert F8.fp8_candidates(2, w) == G.FP8_FMA_CONFIGS[2] + G.FP8_STREAM_CONFIGS[2]
+    assert F8.fp8_candidates(8, w) == G.FP8_FMA_CONFIGS[8]
     assert all(c.stream and c.split_k for cs in G.FP8_STREAM_CONFIGS.values() for c in cs)
 
 
@@ -196,12 +199,13 @@ def test_large_m_configs_and_limits():
     wide N), the uncalibrated default among them; splits that cannot pay off at an N are not
     calibrated; the plain GEMV takes M <= DOT_MAX_M, the fused prologues M <= GEMV_MAX_M."""
     from salaserve.kernels import gemv as G
+    from salaserve.kernels.gemv import launch as GL
 
     dev = torch.device("cpu")  # 132 SMs assumed off-GPU
     assert G.DOT_MAX_M == 128 and G.GEMV_MAX_M == 16
     assert set(G.DOT_LARGE_M_CONFIGS) == {32, 64, 128}
     for M in (17, 20, 32, 33, 64, 65, 100, 128):
-        b = G._bucket(M)
+        b = m_bucket(M)
         cands = G.candidate_configs(M)
         assert cands == G.DOT_LARGE_M_CONFIGS[b] and 4 <= len(cands) <= 6
         assert all(c.dot and c.split_k in (1, 2, 4) for c in cands)
@@ -209,12 +213,12 @@ def test_large_m_configs_and_limits():
         assert G.default_config(M, 4096, 4096) in cands
     assert G.candidate_configs(16) == G.DOT_CONFIGS  # small M unchanged
     # N = 4096 (32 or 64 column tiles) keeps every split; N = 32768 none
-    assert all(G._split_useful(c, 4096, dev) for c in G.DOT_LARGE_M_CONFIGS[128])
-    assert [c.split_k for c in G.DOT_LARGE_M_CONFIGS[128] if G._split_useful(c, 32768, dev)] == [1, 1]
-    assert all(G._split_useful(c, 73448, dev) for c in G.DOT_CONFIGS)  # automatic splits untouched
+    assert all(G.split_useful(c, 4096, dev) for c in G.DOT_LARGE_M_CONFIGS[128])
+    assert [c.split_k for c in G.DOT_LARGE_M_CONFIGS[128] if G.split_useful(c, 32768, dev)] == [1, 1]
+    assert all(G.split_useful(c, 73448, dev) for c in G.DOT_CONFIGS)  # automatic splits untouched
     # the workspace's first allocation covers the largest calibrated split at M = 128
-    largest = max(c.split_k * 128 * 4096 for c in G.DOT_LARGE_M_CONFIGS[128] if G._split_useful(c, 4096, dev))
-    assert largest <= G._WS_MIN_FLOATS
+    largest = max(c.split_k * 128 * 4096 for c in G.DOT_LARGE_M_CONFIGS[128] if G.split_useful(c, 4096, dev))
+    assert largest <= GL._WS_MIN_FLOATS
     x = torch.randn(32, 128)
     w = torch.randn(64, 128)
     with pytest.raises(ValueError, match="prologues"):
@@ -231,13 +235,12 @@ def test_large_m_dispatch_rules():
     from salaserve.kernels import gemv as G
     from salaserve.kernels.triton_backend import TritonBackend
 
-    G.clear_calibration()
     dev = torch.device("cpu")
     N, K = 4096, 4096
-    try:
+    with isolated_tables():
         assert not G.uses_gemv(64, N, K, dev) and not G.uses_gemv(128, N, K, dev)
         cfg = G.DOT_LARGE_M_CONFIGS[128][1]
-        G._TABLE[G._key(128, N, K, dev)] = G.Choice(cfg, 8.5, 15.0)
+        G.PICKS.put(dev, 128, (N, K), G.Choice(cfg, 8.5, 15.0))
         assert G.uses_gemv(128, N, K, dev) and G.uses_gemv(100, N, K, dev)
         assert G.choose_config(128, N, K, dev) == cfg
         assert not G.uses_gemv(64, N, K, dev)  # bucket 64 uncalibrated
@@ -245,33 +248,34 @@ def test_large_m_dispatch_rules():
         x = torch.empty(128, K, dtype=torch.bfloat16)
         w = torch.empty(N, K, dtype=torch.bfloat16)
         assert not TritonBackend._gemv_fuses(x, w)
-    finally:
-        G.clear_calibration()
 
 
-def test_calibrate_skips_rows_above_the_gemv_limit(monkeypatch):
-    """With DOT_MAX_M 16 calibration times nothing above 16 rows (the GEMV refuses them) and linear
-    keeps cuBLAS there. Timings faked: no GPU here."""
+def test_calibrate_times_each_bucket_up_to_the_gemv_limit():
+    """calibrate (the tuner's recipe, timings faked: no GPU here) times cuBLAS and then each candidate
+    per bucket, nothing above DOT_MAX_M rows (the GEMV refuses them; linear keeps cuBLAS there), keeps
+    the fastest candidate with cuBLAS's time, and skips the buckets already in the table."""
     from salaserve.kernels import gemv as G
 
-    monkeypatch.setattr(G, "DOT_MAX_M", 16)
-    monkeypatch.setattr(G, "weight_copies", lambda *a, **k: [None])
-    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
-    timed = []
+    times = []
 
-    def fake_time(fn_name, M, N, K, device, config=None, weights=None, **kw):
-        timed.append((fn_name, M))
-        return 1.0 if fn_name == "gemv" else 2.0
+    def timer(run, calls):  # each run slower than the last: cuBLAS (first) fastest, then the first candidate
+        times.append(calls)
+        return float(len(times))
 
-    monkeypatch.setattr(G, "time_linear", fake_time)
-    G.clear_calibration()
-    try:
-        got = G.calibrate([(4096, 4096)], "cuda:0", m_values=(8, 16, 32, 128))
-        assert sorted(b for b, _, _ in got) == [8, 16]
-        assert max(M for _, M in timed) == 16
-        assert not G.uses_gemv(32, 4096, 4096, torch.device("cuda:0"))
-    finally:
-        G.clear_calibration()
+    N, K = 256, 512
+    with isolated_tables():
+        got = G.calibrate([(N, K)], "cpu", m_values=(3, 8, 16, 256), stopwatch=Stopwatch(timer))
+        assert sorted(b for b, _, _ in got) == [4, 8, 16]
+        cands = {m: GemvTuning().candidates(m, N, K, "cpu") for m in (4, 8, 16)}
+        assert len(times) == sum(1 + len(c) for c in cands.values())  # cuBLAS + the candidates, per bucket
+        for m in (4, 8, 16):
+            choice = G.calibrated_choice(m, N, K, "cpu")
+            assert choice.gemv == cands[m][0] and choice.gemv_us > choice.cublas_us and not choice.use_gemv
+            assert not G.uses_gemv(m, N, K, "cpu")
+        assert not G.uses_gemv(256, N, K, "cpu")
+        times.clear()
+        G.calibrate([(N, K)], "cpu", m_values=(8, 32), stopwatch=Stopwatch(timer))
+        assert len(times) == 1 + len(GemvTuning().candidates(32, N, K, "cpu"))  # only the new bucket
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +425,7 @@ def test_fused_ops_gpu(M):
     g = torch.Generator(device="cuda").manual_seed(M)
     h = torch.randn(M, 4096, device="cuda", generator=g).bfloat16()
     nw = (1 + 0.3 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
-    for cfg in G.FMA_CONFIGS[G._bucket(M)][:1] + G.DOT_CONFIGS[:1]:
+    for cfg in G.FMA_CONFIGS[m_bucket(M)][:1] + G.DOT_CONFIGS[:1]:
         # residual epilogue: bit-exact against torch's expression on the same GEMV output
         x, w = _inputs(M, 4096, 4096, seed=10 + M)
         y = G.gemv(x, w, config=cfg)

@@ -69,7 +69,7 @@ def test_zeros_v1_matches_autogptq_convention():
     g = gen(1)
     z = torch.randint(1, 16, (3, 32), generator=g)
     autogptq = sum(((z[:, j::8] - 1) << (4 * j)) for j in range(8))
-    assert torch.equal(formats.pack_zeros(z, "gptq"), formats._to_int32(autogptq))
+    assert torch.equal(formats.pack_zeros(z, "gptq"), formats.to_int32(autogptq))
 
 
 def test_dequantize_gptq_independent_formula():
@@ -354,13 +354,14 @@ def test_w4a16_fma_kernel_compiles_for_sm90(bucket, cfg, even):
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.w4_fma import _w4_gemv_fma_kernel
 
     block_n, block_r, warps, prefetch = cfg
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", perm_ptr="*i32",
                 out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
     constexprs = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r,
                       SPLIT_K=4, **qg.w4_fma_layout(block_n, block_r, warps), EVEN=even, PREFETCH=prefetch, PDL=False)
-    kernel = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, constexprs, warps, fp_fusion=True,
+    kernel = compile_sm90_without_spills(_w4_gemv_fma_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     assert "ld.global.v4.b32" in kernel.asm["ptx"]
 
@@ -383,6 +384,7 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.w4_dp2a import _w4_gemv_dp2a_kernel
 
     block_n, block_r, warps, slabs, prefetch, prep = cfg
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
@@ -390,7 +392,7 @@ def test_w4a16_dp2a_kernel_compiles_for_sm90(bucket, cfg, even, given):
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=bucket, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4,
                       **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=even, ASM=True, PREFETCH=prefetch,
                       X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True, SZ_AHEAD=False, SILU_OUT=False, Y_DT=None)
-    kernel = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
+    kernel = compile_sm90_without_spills(_w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                          divisible=("N", "K"))
     ptx = kernel.asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "griddepcontrol.wait" in ptx
@@ -410,6 +412,7 @@ def test_w4a16_dp2a_sz_ahead_loads_scales_and_zeros_before_the_wait(bucket, cfg,
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.w4_dp2a import _w4_gemv_dp2a_kernel
 
     block_n, block_r, warps, slabs, prefetch, prep = cfg
     layout = qg.w4_dp2a_layout(block_n, block_r, warps, slabs)
@@ -420,7 +423,7 @@ def test_w4a16_dp2a_sz_ahead_loads_scales_and_zeros_before_the_wait(bucket, cfg,
                           EVEN=True, ASM=True, PREFETCH=prefetch, X_PREP=prep and not given, PREP_TILES=8,
                           X_GIVEN=given, PDL=True, SZ_AHEAD=sz_ahead, SILU_OUT=False,
                           Y_DT=None)
-        ptx = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
+        ptx = compile_sm90_without_spills(_w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                           divisible=("N", "K")).asm["ptx"]
         body = ptx[ptx.index("griddepcontrol.launch_dependents"):]
         wait = body.index("griddepcontrol.wait")
@@ -443,6 +446,7 @@ def test_w4a16_dp2a_silu_out_keeps_the_vector_loads(bucket, cfg, given):
     import triton.language as tl
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.w4_dp2a import _w4_gemv_dp2a_kernel
 
     block_n, block_r, warps, slabs, prefetch, prep = cfg
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*bf16",
@@ -453,7 +457,7 @@ def test_w4a16_dp2a_silu_out_keeps_the_vector_loads(bucket, cfg, given):
                           **qg.w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=True, ASM=True, PREFETCH=prefetch,
                           X_PREP=prep and not given, PREP_TILES=8, X_GIVEN=given, PDL=True, SZ_AHEAD=bucket == 1,
                           SILU_OUT=silu, Y_DT=tl.bfloat16 if silu else None)
-        ptx = compile_sm90_without_spills(qg._w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
+        ptx = compile_sm90_without_spills(_w4_gemv_dp2a_kernel, ptrs, constexprs, warps, fp_fusion=True,
                                           divisible=("N", "K")).asm["ptx"]
         loads.append((ptx.count("ld.global.v4.b32"), ptx.count("ld.global")))
         assert ("ex2.approx" in ptx) == silu  # the silu's exp only in the epilogue
@@ -471,12 +475,12 @@ def test_w4a16_wgmma_kernel_compiles_for_sm90(cfg):
 
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
-    from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.w4_wgmma import _w4_gemv_wgmma_kernel
 
     block_n, block_r, warps, stages = cfg
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", zs_ptr="*i32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
     constexprs = dict(GROUP_SIZE=128, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=4, USE_ASM=True, DOT_FP32=False, PDL=True)
-    kernel = compile_sm90_without_spills(qg._w4_gemv_wgmma_kernel, ptrs, constexprs, warps, num_stages=stages,
+    kernel = compile_sm90_without_spills(_w4_gemv_wgmma_kernel, ptrs, constexprs, warps, num_stages=stages,
                                          fp_fusion=True, divisible=("N", "K"))
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     loop = ttgir[ttgir.index("scf.for"):]
@@ -536,12 +540,12 @@ def test_w4_dp2a_candidates_replace_fma_at_one_and_two_rows():
 
     w = rtn.quantize_w4a16_rtn(torch.randn(256, 1024), 128)
     for m in (1, 2):
-        kinds = {c[0] for c in w4_decode._w4_candidates(m, w, "cpu")}
+        kinds = {c[0] for c in w4_decode.w4_candidates(m, w, "cpu")}
         assert kinds == {"dp2a"}, kinds
-        assert {c[1] for c in w4_decode._w4_candidates(m, w, "cpu")} == set(w4_decode.W4_DP2A_CONFIGS[m])
-    assert {c[0] for c in w4_decode._w4_candidates(4, w, "cpu")} == {"fma"}
+        assert {c[1] for c in w4_decode.w4_candidates(m, w, "cpu")} == set(w4_decode.W4_DP2A_CONFIGS[m])
+    assert {c[0] for c in w4_decode.w4_candidates(4, w, "cpu")} == {"fma"}
     reordered = dataclasses.replace(w, perm=torch.arange(1024))
-    assert {c[0] for c in w4_decode._w4_candidates(1, reordered, "cpu")} == {"fma"}
+    assert {c[0] for c in w4_decode.w4_candidates(1, reordered, "cpu")} == {"fma"}
 
 
 def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
@@ -549,16 +553,17 @@ def test_w4_rounded_x_is_offered_where_the_dp2a_kernel_runs(monkeypatch):
     takes, not for act-order ones; its picks are read at 1-2 rows only, by shape, and only from what
     the calibration recorded; w4a16_decode_rounded takes the dp2a_rounded kernel's choices only."""
     from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.kernels.tuning import isolated_tables
     from salaserve.quant import rtn
 
     w = rtn.quantize_w4a16_rtn(torch.randn(256, 1024), 128)
     assert w4_decode.w4_rounded_usable(w)
     assert not w4_decode.w4_rounded_usable(dataclasses.replace(w, perm=torch.arange(1024)))
-    monkeypatch.setattr(w4_decode, "_W4_ROUNDED_TABLE", {})
-    assert w4_decode.w4_rounded_choice(1, w, "cpu") is None
-    w4_decode._W4_ROUNDED_TABLE[w4_decode._w4_key(2, w, "cpu")] = ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
-    assert w4_decode.w4_rounded_choice(2, w, "cpu") == ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
-    assert w4_decode.w4_rounded_choice(1, w, "cpu") is None and w4_decode.w4_rounded_choice(3, w, "cpu") is None
+    with isolated_tables():
+        assert w4_decode.w4_rounded_choice(1, w, "cpu") is None
+        w4_decode.ROUNDED_PICKS.put("cpu", 2, w4_decode.w4_shape(w), ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4))
+        assert w4_decode.w4_rounded_choice(2, w, "cpu") == ("dp2a_rounded", (64, 16, 2, 4, 1, False), 4)
+        assert w4_decode.w4_rounded_choice(1, w, "cpu") is None and w4_decode.w4_rounded_choice(3, w, "cpu") is None
     assert all(cfg[1] * 8 == w4_decode.X_TILE for cfgs in w4_decode.W4_DP2A_ROUNDED_CONFIGS.values() for cfg in cfgs)
     assert {c[0] for c in w4_decode.rounded_choices(1, w, "cpu")} == {"dp2a_rounded"}
     calls = []
@@ -594,18 +599,19 @@ def test_int4_mlps_take_silu_mul_in_the_gate_up_epilogue_at_one_row():
 
 
 def test_w4_gemv_compiles_with_and_without_pdl():
-    """The w4 decode GEMV takes part in programmatic dependent launch like gemv.py's: with PDL
+    """The w4 decode GEMV takes part in programmatic dependent launch like gemv/'s: with PDL
     its sm_90 code signals the next launch and waits on the previous grid; without, neither."""
     sys.path.insert(0, str(REPO / "tests"))
     from kernel_checks import compile_sm90_without_spills
     from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.w4_fma import _w4_gemv_fma_kernel
 
     ptrs = dict(x_ptr="*bf16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", perm_ptr="*i32",
                 out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
     consts = dict(GROUP_SIZE=128, X_PERM=False, X_PAIRS=True, BLOCK_M=1, BLOCK_N=128, BLOCK_R=16, SPLIT_K=4,
                   **qg.w4_fma_layout(128, 16, 4), EVEN=True, PREFETCH=1)
     for pdl in (False, True):
-        ptx = compile_sm90_without_spills(qg._w4_gemv_fma_kernel, ptrs, dict(consts, PDL=pdl), 4, fp_fusion=True,
+        ptx = compile_sm90_without_spills(_w4_gemv_fma_kernel, ptrs, dict(consts, PDL=pdl), 4, fp_fusion=True,
                                           divisible=("N", "K")).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
 
@@ -635,8 +641,9 @@ def test_row_quantizer_compiles_for_sm90_without_spills(K, silu):
     from kernel_checks import compile_sm90_without_spills
     import triton.language as tl
     from salaserve.kernels import quant_gemm as qg
+    from salaserve.kernels.quant_gemm.rowquant import _quantize_rows_fp8_kernel
 
     consts = dict(qg.rowquant_constexprs(K), FP8_MAX_C=448.0, SILU=silu, DT=tl.bfloat16, INTERPRET=False)
-    kernel = compile_sm90_without_spills(qg._quantize_rows_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv",
+    kernel = compile_sm90_without_spills(_quantize_rows_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv",
                                          s_ptr="*fp32"), consts, qg.rowquant_warps(K, silu), divisible=("K",))
     assert kernel.asm["ptx"].count("div.rn.f32") <= consts["ROWS"]

@@ -343,7 +343,7 @@ def test_quantize_on_load_takes_lm_head_when_asked(tiny_model_dir, tmp_path, hel
                   progress=False)
     ids = held_out[0][:64]
     assert torch.allclose(prompt_logits(make_runner(out_dir), ids), prompt_logits(on_load, ids), atol=1e-5)
-    with pytest.raises(ValueError, match="needs quantization fp8 or w4a16"):
+    with pytest.raises(ValueError, match="quantize_lm_head quantizes lm_head on load: it needs a quantization"):
         make_runner(tiny_model_dir, quantize_lm_head=True)
     plain_dir = str(tmp_path / "rtn")
     prepare_model(tiny_model_dir, plain_dir, PrepareOptions(quant="w4a16-rtn", device="cpu"), progress=False)
@@ -352,7 +352,7 @@ def test_quantize_on_load_takes_lm_head_when_asked(tiny_model_dir, tmp_path, hel
 
 
 def test_gptq_request_needs_a_gptq_checkpoint(tiny_model_dir):
-    with pytest.raises(ValueError, match="needs a GPTQ checkpoint"):
+    with pytest.raises(ValueError, match="needs a checkpoint that stores it"):
         make_runner(tiny_model_dir, quantization="gptq")
 
 
@@ -472,21 +472,26 @@ def test_prepare_model_cli_gptq_with_jsonl_calibration(tiny_model_dir, tmp_path)
                  "--calib-tokens", "512", "--calib-seq-len", "256", "--device", "cpu"]) == 2
 
 
-def test_bf16_gemv_calibration_times_only_the_plain_weights(monkeypatch):
+def test_bf16_gemv_calibration_times_only_the_plain_weights():
     """In a quantized model the start-up's bf16 GEMV / cuBLAS calibration times only the linears
-    that stay plain tensors (here lm_head); without params, every linear shape of the config."""
+    that stay plain tensors (here lm_head); without params, every linear shape of the config (the
+    tuner run on the CPU with a stopwatch that times nothing)."""
     from salaserve.config import preset_config
     from salaserve.kernels import gemv as G
     from salaserve.kernels import triton_backend as TB
+    from salaserve.kernels.quant_gemm import w4_decode
+    from salaserve.kernels.tuning import Stopwatch, isolated_tables
     from salaserve.quant import rtn
 
     cfg = preset_config("tiny")
-    timed = []
-    monkeypatch.setattr(G, "calibrate", lambda shapes, device, m_values: timed.append(list(shapes)) or {})
+    fake = Stopwatch(timer=lambda run, calls: 1.0)
     q = rtn.quantize_w4a16_rtn(torch.randn(64, 128), 128)
     params = {"lm_head": torch.zeros(cfg.vocab_size, cfg.hidden_size),
               "layers": [{"qkvg": q, "o_proj": q, "gate_up": q, "down": q}]}
-    TB.TritonBackend()._calibrate(cfg, "cpu", params, max_rows=1)
-    assert timed == [[(cfg.vocab_size, cfg.hidden_size)]]
-    TB.TritonBackend()._calibrate(cfg, "cpu", None, max_rows=1)
-    assert timed[1] == [(n, k) for _, n, k, _ in G.model_linear_shapes(cfg)]
+    with isolated_tables():
+        TB.TritonBackend()._calibrate(cfg, "cpu", params, max_rows=1, stopwatch=fake)
+        assert {k[2:] for k, _ in G.PICKS.items()} == {(cfg.vocab_size, cfg.hidden_size)}
+        assert {k[2:] for k, _ in w4_decode.PICKS.items()} == {(64, 128, 128)}  # the int4 weights' own family
+    with isolated_tables():
+        TB.TritonBackend()._calibrate(cfg, "cpu", None, max_rows=1, stopwatch=fake)
+        assert {k[2:] for k, _ in G.PICKS.items()} == {(n, k) for _, n, k, _ in G.model_linear_shapes(cfg)}

@@ -51,6 +51,19 @@ def test_flags_map_to_engine_and_server_args():
     assert engine.quantization == "w4a16" and engine.quantize_lm_head
 
 
+def test_kernel_option_flags_become_kernel_options():
+    """--w4-wgmma / --plan-cache-dir / --parallel-compile reach the kernels as one KernelOptions."""
+    from salaserve.kernels.options import KernelOptions
+
+    engine, _, _ = parse_args(["--no-w4-wgmma", "--plan-cache-dir", "/tmp/plans", "--no-parallel-compile",
+                               "--w4a16-prefill", "bf16"])
+    assert KernelOptions.from_engine_args(engine) == KernelOptions(
+        w4_wgmma=False, w4a16_prefill="bf16", plan_cache_dir="/tmp/plans", parallel_compile=False)
+    engine, _, _ = parse_args(["--plan-cache-dir", "off"])
+    opts = KernelOptions.from_engine_args(engine)
+    assert opts.plan_dir() is None and opts.w4_wgmma and opts.parallel_compile and opts.w4a16_prefill == "fp8"
+
+
 @pytest.mark.parametrize("argv", [["--tp-size", "2"], ["--max-running-requests", "0"], ["--backend", "cuda"],
                                   ["--port", "http"], ["--quantize-lm-head"], ["--dp-size", "0"]])
 def test_unservable_flags_are_refused(argv, capsys):

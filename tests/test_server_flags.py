@@ -43,6 +43,19 @@ def test_unknown_flag_without_a_close_match_is_an_error(capsys):
     assert "unrecognized arguments: --enable-lora --some-future-flag x" in err and "did you mean" not in err
 
 
+def test_quantization_flag_names_every_format_and_refuses_others(capsys):
+    from salaserve.quant.formats import quantization_choices
+    for name in quantization_choices():
+        assert parse_args(["--quantization", name])[0].quantization == name
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--quantization", "int3"])
+    assert e.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "{" + ",".join(quantization_choices()) + "}" in help_text  # the metavar keeps up with the registry
+
+
 def test_mistyped_flag_exits_2_before_anything_starts():
     r = serve("--max-runing-requests", "4", "--port", "0")
     assert r.returncode == 2

@@ -16,6 +16,7 @@ from salaserve.core.batch import ForwardBatch, PageTableMirror, SeqWork
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.kernels import get_backend, resolve_backend_name
 from salaserve.kernels.compile_watch import WATCH
+from salaserve.kernels.options import KernelOptions
 from salaserve.model.loader import load_state_dict
 from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
 
@@ -61,7 +62,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.backend_name = resolve_backend_name(args.backend, self.device)
-        backend = get_backend(self.backend_name, self.device)
+        backend = get_backend(self.backend_name, self.device, KernelOptions.from_engine_args(args))
         weights = load_state_dict(model_dir, self.cfg, dtype=self.dtype, device=self.device,
                                   load_format=args.load_format, seed=args.seed, quantization=args.quantization,
                                   quantize_lm_head=args.quantize_lm_head)
@@ -72,7 +73,7 @@ class ModelRunner:
 
         if hasattr(backend, "prepare_weights"):  # kernel-specific weight copies, before the memory plan
             t = time.perf_counter()
-            backend.prepare_weights(self.model.p, self.device, w4a16_prefill=args.w4a16_prefill)
+            backend.prepare_weights(self.model.p, self.device)
             self.startup_phases["prepare weights"] = time.perf_counter() - t
         cfg, sc = self.cfg, self.cfg.sparse
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype

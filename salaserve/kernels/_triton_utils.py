@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from salaserve.kernels.options import INTERPRET
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -86,7 +87,7 @@ def silu_mul_rounded(gate, up, ACT_DT: tl.constexpr, OUT_DT: tl.constexpr):
 def write_silu_tile(y, offs_m, m_mask, pid_n, F, out_ptr, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr):
     """A GEMV's silu_mul epilogue: y [BM, BN] (fp32) holds the tile's BN/2 gate columns, then the same
-    BN/2 columns' up values (the SILU_OUT column maps of gemv._gemv_kernel and the int4 dp2a GEMV) ->
+    BN/2 columns' up values (the SILU_OUT column maps of gemv/kernel.py and the int4 dp2a GEMV) ->
     silu(gate) * up for outputs [pid_n * BN/2, +BN/2) of [M, F], with fused.silu_mul's roundings on
     the linear's output rounded to Y_DT."""
     y = round_to(y, Y_DT)  # gate_up as x @ w.t() stores it
@@ -144,7 +145,7 @@ def set_pdl(enabled: bool) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device: str) -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if INTERPRET:
         return False
     dev = torch.device(device)
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9

@@ -13,8 +13,9 @@ and on leaving it every kernel sits in its JIT cache: the timing loop that follo
 
 The calibrated kernels' launches go through `launch_kernel`. A compile that fails inside precompile
 fails again, with its error, at the candidate's real launch. Without AsyncCompileMode (a Triton
-that lacks it), without a GPU, under the interpreter, or with SALASERVE_PARALLEL_COMPILE=0,
-precompile does nothing and the compiles happen one by one at the first launches, as before.
+that lacks it), without a GPU, under the interpreter, or with KernelOptions.parallel_compile off
+(`--no-parallel-compile`), precompile does nothing and the compiles happen one by one at the first
+launches.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from typing import Callable, Iterable
 
 import torch
 
-log = logging.getLogger(__name__)
+from salaserve.kernels.options import INTERPRET
 
-PARALLEL_COMPILE = os.environ.get("SALASERVE_PARALLEL_COMPILE", "1") != "0"
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+log = logging.getLogger(__name__)
 
 _COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("salaserve_compile_only", default=False)
 
@@ -52,10 +52,9 @@ def _async_compile_mode():
 
 
 def precompile_available() -> bool:
-    """Whether precompile compiles in parallel here (switch on, a CUDA GPU, no interpreter, and a
-    Triton with AsyncCompileMode)."""
-    return (PARALLEL_COMPILE and not _INTERPRET and torch.cuda.is_available()
-            and _async_compile_mode() is not None)
+    """Whether precompile can compile in parallel here (a CUDA GPU, no interpreter, and a Triton with
+    AsyncCompileMode)."""
+    return not INTERPRET and torch.cuda.is_available() and _async_compile_mode() is not None
 
 
 def workers() -> int:
@@ -63,13 +62,13 @@ def workers() -> int:
     return max(1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def precompile(launches: Iterable[Callable[[], object]]) -> int:
+def precompile(launches: Iterable[Callable[[], object]], parallel: bool = True) -> int:
     """Call each fn with `launch_kernel` in compile-only mode, the compiles spread over worker threads;
     returns when all have finished (their kernels in the JIT caches). Each fn should make exactly
     the launches its candidate's timing will make (the same call with the same arguments' shapes,
-    dtypes and alignment): then those launches compile nothing. Returns how many fns ran (0 where
-    precompile_available is false: nothing is done)."""
-    if not precompile_available():
+    dtypes and alignment): then those launches compile nothing. Returns how many fns ran (0 with
+    `parallel` off or where precompile_available is false: nothing is done)."""
+    if not (parallel and precompile_available()):
         return 0
     mode = _async_compile_mode()
     count = 0

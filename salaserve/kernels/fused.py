@@ -15,8 +15,6 @@ fused projection outputs). Outputs are new contiguous tensors. No host syncs: gr
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -24,10 +22,10 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import (NO_FMA, fp8_codes, fp8_row_scale, pdl_launch_kwargs, pdl_launch_next,
                                              pdl_wait, pdl_wait_first, promote, round_to, rsqrt_rn, silu_mul_rounded,
                                              tl_dtype)
+from salaserve.kernels.options import INTERPRET
 from salaserve.kernels.quant_gemm.w4_dp2a import X_TILE, store_x_int16
 from salaserve.quant.formats import FP8_MAX
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _FP8_MAX = tl.constexpr(FP8_MAX)  # a global the kernels may read
 _X_TILE = tl.constexpr(X_TILE)
 
@@ -159,7 +157,7 @@ def add_rms_norm(residual, update, scale, w, eps, *, num_warps: int | None = Non
         _add_rms_norm_kernel[(n_rows,)](
             r2, u2, w, h, out, sx, r2.stride(0), u2.stride(0), h.stride(0), out.stride(0), n_cols,
             float(scale), float(eps), BLOCK=block, U_DT=tl_dtype(update.dtype), H_DT=tl_dtype(h_dt),
-            OUT_DT=tl_dtype(out_dt), FP8_OUT=fp8_out, INT16_OUT=int16_out, INTERPRET=_INTERPRET,
+            OUT_DT=tl_dtype(out_dt), FP8_OUT=fp8_out, INT16_OUT=int16_out, INTERPRET=INTERPRET,
             num_warps=num_warps or _norm_warps(block), **NO_FMA, **pdl_launch_kwargs(r2.device))
     shape = (*residual.shape[:-1], n_cols)
     if fp8_out or int16_out:
@@ -211,7 +209,7 @@ def silu_mul(gate_up, *, block: int = 1024, num_warps: int = 4, int16_out: bool 
         block = min(block, triton.next_power_of_2(f))
         _silu_mul_kernel[(n_rows, triton.cdiv(f, block))](
             x2, out, out if sx is None else sx, x2.stride(0), out.stride(0), f, BLOCK=block, DT=tl_dtype(gate_up.dtype),
-            INT16_OUT=int16_out, INTERPRET=_INTERPRET, num_warps=num_warps, **NO_FMA, **pdl_launch_kwargs(x2.device))
+            INT16_OUT=int16_out, INTERPRET=INTERPRET, num_warps=num_warps, **NO_FMA, **pdl_launch_kwargs(x2.device))
     if int16_out:
         return out, sx
     return out.view(*gate_up.shape[:-1], f)

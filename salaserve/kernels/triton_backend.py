@@ -17,7 +17,6 @@ only identical kernel choices give identical results.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -28,8 +27,12 @@ from salaserve.kernels import sparse as sparse_ops
 from salaserve.kernels.fused import TritonFusedOps, add_rms_norm, silu_mul
 from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
+from salaserve.kernels.options import INTERPRET, KernelOptions
 from salaserve.kernels.torch_ops import TorchBackend
+from salaserve.kernels.tuning import m_bucket
 from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.formats.fp8 import FP8
+from salaserve.quant.formats.w4a16 import W4A16
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +84,28 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # the silu_mul kernel: silu_mul stays before down at one row too (set by prepare_weights)
     _silu_before_down = False
 
+    def __init__(self, options: KernelOptions | None = None):
+        self.options = options if options is not None else KernelOptions()
+
     # ---- linear layers -----------------------------------------------------------------------
-    def prepare_weights(self, params, device, w4a16_prefill: str = "fp8") -> None:
+    def prepare_weights(self, params, device) -> None:
         """At load, before the cache plan measures free memory: on the GPU, every int4 linear the
         wgmma decode kernel takes gets its repacked copy (quant_gemm.w4_wgmma, 4-16 rows; qweight's
         bytes again, ~1/8 more for the zero/scale words), so that the calibration can offer it.
-        SALASERVE_W4_WGMMA=0 skips the copies: memory for KV pages instead, and the FMA kernel up
-        to 4 rows and the tl.dot GEMV above. w4a16_prefill "fp8" (on GPUs with fp8 tensor cores,
-        sm_89+): every int4 linear also gets an fp8 copy (twice qweight's bytes) that prefill-sized
-        inputs meet through w8a8 (formats.fp8_prefill_copy); "bf16": prefill dequantizes the int4
-        weights for a bf16 GEMM."""
+        options.w4_wgmma False skips the copies: memory for KV pages instead, and the FMA kernel up
+        to 4 rows and the tl.dot GEMV above. options.w4a16_prefill "fp8" (on GPUs with fp8 tensor
+        cores, sm_89+): every int4 linear also gets an fp8 copy (twice qweight's bytes) that
+        prefill-sized inputs meet through w8a8 (formats.fp8_prefill_copy); "bf16": prefill
+        dequantizes the int4 weights for a bf16 GEMM."""
         if torch.device(device).type != "cuda":
             return
-        if w4a16_prefill == "fp8" and torch.cuda.get_device_capability(device) >= (8, 9):
+        if self.options.w4a16_prefill == "fp8" and torch.cuda.get_device_capability(device) >= (8, 9):
             self._attach_fp8_prefill_copies(params)
         from salaserve.kernels import quant_gemm as Q
 
         self._silu_before_down = self.keeps_silu_before_down(params["layers"])
 
-        if os.environ.get("SALASERVE_W4_WGMMA", "1") == "0":
+        if not self.options.w4_wgmma:
             return
         added = 0
         for w in _linear_weights(params):
@@ -110,7 +116,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
                 added += w.wgmma.qweight.nbytes + w.wgmma.zs.nbytes
         if added:
             torch.cuda.empty_cache()  # the repacking's temporaries would count as used memory in the plan
-            log.info("int4 weights: repacked copies for the wgmma decode GEMV, %.2f GiB (SALASERVE_W4_WGMMA=0 "
+            log.info("int4 weights: repacked copies for the wgmma decode GEMV, %.2f GiB (--no-w4-wgmma "
                      "skips them)", added / 2**30)
 
     @staticmethod
@@ -119,7 +125,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
         added = 0
         for w in _linear_weights(params):
-            if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16" and w.prefill is None:
+            if isinstance(w, QuantizedLinearWeights) and w.format == W4A16.name and w.prefill is None:
                 w.prefill = fp8_prefill_copy(w)
                 added += w.prefill.weight.nbytes + w.prefill.scale.nbytes
         if added:
@@ -147,32 +153,33 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         kernels' configs and splits among themselves; fp8 weights: the fp8 FMA GEMV's configs
         against w8a16. max_rows: the most rows a
         decode or verify step can have (buckets above it are not timed). The picks are kept on disk
-        (kernels/plan_cache.py, SALASERVE_PLAN_CACHE): a restart on the same GPU and code times only
+        (kernels/plan_cache.py, options.plan_cache_dir): a restart on the same GPU and code times only
         shapes it has not seen, and compiles only the picked kernels."""
-        from salaserve.kernels import plan_cache
+        from salaserve.kernels import plan_cache, quant_gemm  # noqa: F401 (quant_gemm: its pick tables join the plan)
 
-        plan_cache.load(device)  # picks of an earlier start-up: only shapes new to the plan get timed
+        plan_cache.load(device, self.options)  # picks of an earlier start-up: only shapes new to the plan get timed
         self._calibrate(cfg, device, params, max_rows)
-        plan_cache.save(device)
+        plan_cache.save(device, self.options)
 
-    def _calibrate(self, cfg, device, params, max_rows: int) -> None:
-        top = max(gemv_ops._bucket(max_rows), 16)
+    def _calibrate(self, cfg, device, params, max_rows: int, stopwatch=None) -> None:
+        """Each tuned kernel family over the weights it serves (kernels/tuning.py): the bf16 GEMV
+        against cuBLAS for the plain weights (every linear shape of cfg without params) at the
+        buckets up to max_rows (at least 16), the int4 decode kernels for w4a16 weights, the fp8 GEMV
+        against w8a16 for fp8 weights. stopwatch: the tuner's timer (tests fake one on the CPU)."""
+        from salaserve.kernels import quant_gemm
+
+        run = dict(parallel_compile=self.options.parallel_compile, stopwatch=stopwatch)
+        top = max(m_bucket(max_rows), 16)
         gemv_ops.calibrate(_plain_shapes(cfg, params), device,
-                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top))
+                           m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top), **run)
         quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
                      if isinstance(w, QuantizedLinearWeights)]
         if not quantized:
             return
-        from salaserve.kernels import quant_gemm
-
-        w4 = {(w.out_features, w.in_features, w.group_size): w for w in quantized if w.format == "w4a16"}
-        if w4:
-            quant_gemm.calibrate_w4(list(w4.values()), device)
-        fp8 = {(w.out_features, w.in_features): w for w in quantized if w.format == "fp8"}
-        if fp8:
-            # gate_up at one row runs through the silu_mul junction: timed that way
-            silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
-            quant_gemm.calibrate_fp8_gemv(list(fp8.values()), device, silu_shapes=silu)
+        quant_gemm.calibrate_w4(quantized, device, **run)
+        # gate_up at one row runs through the silu_mul junction: timed that way
+        silu = {(2 * cfg.intermediate_size, cfg.hidden_size)} if self.silu_after_gate_up(1) else set()
+        quant_gemm.calibrate_fp8_gemv(quantized, device, silu_shapes=silu, **run)
 
     def linear(self, x, weight):
         """Plain weights at decode sizes (M <= gemv.DOT_MAX_M = 128): the GEMV or cuBLAS
@@ -193,7 +200,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return (isinstance(w, torch.Tensor) and x.dim() == 2 and w.dtype == x.dtype
                 and min_rows <= x.shape[0] <= gemv_ops.GEMV_MAX_M
                 and gemv_ops.uses_gemv(x.shape[0], w.shape[0], w.shape[1], x.device)
-                and (x.is_cuda or gemv_ops._INTERPRET))
+                and (x.is_cuda or INTERPRET))
 
     def norm_linear(self, x, norm_w, eps, w):
         if self._gemv_fuses(x, w) and norm_w.dtype == x.dtype:
@@ -226,8 +233,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         """The fp8 GEMV config under which an fp8 [gate | up] weight takes the silu_mul epilogue
         (gemv_fp8(silu_out=True)), or None: the start-up calibration chose the GEMV for this shape
         and row count, with an even BLOCK_N; bf16 x."""
-        if not (isinstance(w, QuantizedLinearWeights) and w.format == "fp8" and x.dim() == 2
-                and x.dtype == torch.bfloat16 and (x.is_cuda or gemv_ops._INTERPRET)):
+        if not (isinstance(w, QuantizedLinearWeights) and w.format == FP8.name and x.dim() == 2
+                and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRET)):
             return None
         from salaserve.kernels import quant_gemm
 

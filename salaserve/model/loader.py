@@ -21,7 +21,7 @@ def load_state_dict(model_dir, cfg: ModelConfig, dtype=torch.bfloat16, device="c
                     quantize_lm_head: bool = False) -> dict:
     """All tensors of the checkpoint in `dtype` on `device`, keyed by their HF names. Quantized
     linears come as QuantizedLinearWeights: as the checkpoint stores them, or quantized on load
-    when `quantization` ("fp8" | "w4a16") is asked of an unquantized checkpoint (lm_head too with
+    when `quantization` (a quant/formats name: fp8, w4a16) is asked of an unquantized checkpoint (lm_head too with
     quantize_lm_head)."""
     from salaserve.quant.load import load_quantized, quantize_on_load, stored_as_on_load
     from salaserve.quant.scheme import QuantConfigError, resolve_scheme

@@ -1,8 +1,8 @@
 """Fusing the linears that read the same input (q/k/v/gate, gate/up) when some are quantized.
 
 Plain tensors concatenate as before. Quantized parts concatenate with
-`QuantizedLinearWeights.concat` when they can: same format and, for int4, the same group size and
-channel order (g_idx / act-order permutation). When they cannot, the parts are grouped into runs
+`QuantizedLinearWeights.concat` when they can: same format and what the format asks (Format.fusable:
+for int4, the same group size and channel order, g_idx / act-order permutation). When they cannot, the parts are grouped into runs
 that can and kept as a `SplitLinear`, which the backend runs as one matmul per run and
 concatenates. Two cases need that:
   - a GPTQModel checkpoint of MiniCPM-SALA leaves o_gate / z_proj in bf16 next to int4 q/k/v;
@@ -42,13 +42,7 @@ def _out_features(w) -> int:
 def _fusable(a: Weight, b: Weight) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    if a.format != b.format or a.in_features != b.in_features:
-        return False
-    if a.format != "w4a16":
-        return True
-    same_perm = (a.perm is None and b.perm is None) or (
-        a.perm is not None and b.perm is not None and torch.equal(a.perm, b.perm))
-    return a.group_size == b.group_size and same_perm and torch.equal(a.g_idx, b.g_idx)
+    return a.fusable_with(b)  # the same format and K, and the format takes them together
 
 
 def _concat(run: list) -> Weight:

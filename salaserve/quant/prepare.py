@@ -35,7 +35,8 @@ from tqdm import tqdm
 from salaserve.argparsing import ArgumentParser
 from salaserve.config import ModelConfig
 from salaserve.core.weights import expected_shapes, validate_names_and_shapes
-from salaserve.quant.formats import GPTQ_V1, GPTQ_V2, QuantizedLinearWeights, pack_zeros, unpack_zeros
+from salaserve.quant import formats
+from salaserve.quant.formats import GPTQ_V1, GPTQ_V2, QuantizedLinearWeights, QuantScheme, pack_zeros, unpack_zeros
 from salaserve.quant.gptq import HessianAccumulator, gptq_quantize
 from salaserve.quant.layerwise import LayerRunner, embed, layer_linears, layer_prefix
 from salaserve.quant.load import quantizable_linears
@@ -95,10 +96,9 @@ def _device(name: str) -> torch.device:
 
 
 def _linear_tensors(base: str, q: QuantizedLinearWeights, fmt: str) -> dict[str, torch.Tensor]:
-    """A quantized linear's tensors under their checkpoint names (quant/load.py reads them back)."""
-    if q.format == "fp8":
-        return {f"{base}.weight": q.weight, f"{base}.weight_scale": q.scale}
-    return {f"{base}.{k}": v for k, v in q.to_checkpoint(fmt).items()}
+    """A quantized linear's tensors under their checkpoint names (quant/load.py reads them back);
+    fmt: the int4 zero-point convention on disk."""
+    return formats.get(q.format).checkpoint_tensors(q, base, QuantScheme(q.format, checkpoint_format=fmt))
 
 
 class _Job:

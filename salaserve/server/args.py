@@ -14,8 +14,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from salaserve.argparsing import ArgumentParser
-from salaserve.config import EngineArgs
+from salaserve.config import EngineArgs, default_plan_cache_dir
 from salaserve.server.sglang_flags import add_ignored_flags, ignored_flag_notices
+
+
+def quantization_name(value: str) -> str:
+    """--quantization's check, run only when the flag is given: the format registry imports torch,
+    and `serve --help` (the SOAR launcher's too) must work without it."""
+    from salaserve.quant.formats import quantization_choices
+    if value not in quantization_choices():
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(quantization_choices())})")
+    return value
 
 
 @dataclass
@@ -88,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-cache-report", action="store_true",
       help="report the prompt tokens taken from the prefix cache in OpenAI usage.prompt_tokens_details")
     a("--skip-server-warmup", action="store_true", help="report ready without a warm-up generation")
-    a("--quantization", default=None,
-      help="fp8 | w4a16 | gptq (default: as the checkpoint says; fp8 / w4a16 on a bf16 checkpoint quantize on load)")
+    a("--quantization", default=None, type=quantization_name, metavar="{fp8,w4a16,gptq}",
+      help="default: as the checkpoint says; a format on a bf16 checkpoint quantizes on load")
     a("--quantize-lm-head", action="store_true",
       help="with --quantization fp8/w4a16 on a bf16 checkpoint: quantize lm_head on load too (default: bf16)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
@@ -121,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--w4a16-prefill", default=EngineArgs.w4a16_prefill, choices=["fp8", "bf16"],
       help="int4 weights at prefill sizes: fp8 (an fp8 copy of the weights, w8a8 on fp8 tensor cores, sm_89+) "
            "or bf16 (the int4 weights dequantized for a bf16 GEMM)")
+    a("--w4-wgmma", default=EngineArgs.w4_wgmma, action=argparse.BooleanOptionalAction,
+      help="int4 weights on the GPU: a repacked copy of each linear (qweight's bytes again, ~4.6 GB at full size) "
+           "for the wgmma decode GEMV at 4-16 rows; --no-w4-wgmma gives that memory to KV pages")
+    a("--plan-cache-dir", default=default_plan_cache_dir() or "off",
+      help="where the start-up calibration's picks are kept across restarts (default: $SALASERVE_PLAN_CACHE, "
+           "else ~/.cache/salaserve/plans); 'off': no plans, every start-up calibrates")
+    a("--parallel-compile", default=EngineArgs.parallel_compile, action=argparse.BooleanOptionalAction,
+      help="the start-up calibration compiles its candidate kernels in a thread pool before timing them; "
+           "--no-parallel-compile: one compile at a time (for a Triton whose async compile misbehaves)")
     a("--step-trace", default=None, help="append one JSON line per engine step to this file (scheduler trace)")
     # hardening: access and per-request limits
     a("--admin-api-key", default=None,
@@ -168,7 +186,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         prefix_cache_slots=0 if ns.disable_radix_cache else ns.prefix_cache_slots,
         prefix_cache_min_tokens=ns.prefix_cache_min_tokens, step_trace=ns.step_trace,
-        w4a16_prefill=ns.w4a16_prefill,
+        w4a16_prefill=ns.w4a16_prefill, w4_wgmma=ns.w4_wgmma, parallel_compile=ns.parallel_compile,
+        plan_cache_dir=None if ns.plan_cache_dir == "off" else ns.plan_cache_dir,
     )
     try:
         engine.validate()

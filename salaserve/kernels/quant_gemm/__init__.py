@@ -15,7 +15,7 @@
         `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
-      - M <= 8, where `calibrate_fp8_gemv` measured it faster than w8a16: gemv.py's FMA GEMV on
+      - M <= 8, where `calibrate_fp8_gemv` measured it faster than w8a16: gemv/'s FMA GEMV on
         the fp8 codes (`gemv_fp8`, cvt-converted in registers; with PDL and, at one row, the
         silu_mul epilogue on gate_up).
       - M <= GEMV_MAX_M otherwise: `w8a16_gemv`, split-K on tensor cores (x padded to 16 rows)
@@ -36,93 +36,53 @@ at group 128). Act-order checkpoints should go through formats.reorder_act_order
 kernels then gather x through perm and keep one scale row per K tile; the per-channel g_idx lookup
 (ACT_ORDER) stays correct but gathers scales and zeros per element.
 
-Modules: w4_decode.py (the int4 decode calibration and its dispatch), w4_fma.py (the int4 decode
-GEMV on FMAs), w4_dp2a.py (the int4 decode GEMV on integer dot products), w4_wgmma.py (the
-int4 decode GEMV on warpgroup MMAs, and its repacked weight layout), w4_dot.py (int4 on tensor cores,
-prefill), fp8.py (the w8a16 GEMV and the fp8 decode calibration), rowquant.py (per-token fp8 activations,
-w8a8 on cuBLAS), _common.py (split-K launch pieces); this file holds the dispatch. The
-submodules' names are re-exported here: callers (backend, tests) import the package.
+Modules: dispatch.py (quant_linear: each weight format's kernel route), w4_decode.py (the int4 decode
+calibration and its dispatch), w4_fma.py (the int4 decode GEMV on FMAs), w4_dp2a.py (the int4 decode
+GEMV on integer dot products), w4_wgmma.py (the int4 decode GEMV on warpgroup MMAs, and its repacked
+weight layout), w4_dot.py (int4 on tensor cores, prefill), fp8.py (the w8a16 GEMV and the fp8 decode
+calibration), rowquant.py (per-token fp8 activations, w8a8 on cuBLAS), _common.py (split-K launch
+pieces). This package exports the submodules' public names; their private helpers and the Triton
+kernels themselves are imported from the submodule that defines them.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
-# re-exports (see above)
-from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _INTERPRET, _WORKSPACE, GEMV_MAX_M, SPLIT_K_CTAS_PER_SM,
-                                                  SPLIT_K_MIN_CHANNELS, _check_x, _configs, _default_split_k,
-                                                  _device_key, _sm_count, _workspace)
-from salaserve.kernels.quant_gemm.fp8 import (_FP8_GEMV_TABLE, _fp8_candidates, _fp8_gemv_key, _w8a16_gemv_dot_tuned,
-                                              _w8a16_kernel, calibrate_fp8_gemv, fp8_gemv_choice, w8a16_gemv)
-from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, _quantize_rows_fp8_kernel,
-                                                   fp8_quantize_rows_ref, fp8_scaled_mm, fp8_scaled_mm_quantized,
-                                                   quantize_rows_fp8, rowquant_constexprs, rowquant_warps)
-from salaserve.kernels.quant_gemm.w4_dot import (_SCRATCH, _w4_dequant_kernel, _w4a16_gemm_tuned,
-                                                 _w4a16_gemv_dot_tuned, _w4a16_gemv_fma_tuned, _w4a16_heur,
-                                                 _w4a16_kernel, w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv)
-from salaserve.kernels.quant_gemm.w4_decode import (_W4_ROUNDED_TABLE, _W4_TABLE, _w4_candidates, _w4_key, _w4_splits, calibrate_w4, w4_decode_choice,
-                                                    w4_rounded_choice, w4_rounded_usable, w4_silu_out_usable,
-                                                    w4a16_decode, w4a16_decode_rounded)
-from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, W4_MAGIC_HI,
-                                                 W4_MAGIC_LO, _w4_gemv_fma_kernel, w4_fma_layout, w4a16_gemv_fma)
+from salaserve.kernels.quant_gemm._common import GEMV_MAX_M, SPLIT_K_CTAS_PER_SM, SPLIT_K_MIN_CHANNELS
+from salaserve.kernels.quant_gemm.dispatch import (LINEAR_KERNELS, fp8_linear, fp8_scaled_mm_takes, quant_linear,
+                                                   w4a16_linear)
+from salaserve.kernels.quant_gemm.fp8 import Fp8GemvTuning, calibrate_fp8_gemv, fp8_candidates, fp8_gemv_choice, w8a16_gemv
+from salaserve.kernels.quant_gemm.rowquant import (ROWQUANT_ONE_PASS_MAX, fp8_quantize_rows_ref, fp8_scaled_mm,
+                                                   fp8_scaled_mm_quantized, quantize_rows_fp8, rowquant_constexprs,
+                                                   rowquant_warps)
+from salaserve.kernels.quant_gemm.w4_decode import (W4DecodeTuning, calibrate_w4, rounded_choices, w4_candidates,
+                                                    w4_decode_choice, w4_rounded_choice, w4_rounded_usable, w4_shape,
+                                                    w4_silu_out_usable, w4a16_decode, w4a16_decode_rounded)
+from salaserve.kernels.quant_gemm.w4_dot import w4a16_dense_mm, w4a16_dequantize, w4a16_gemm, w4a16_gemv
 from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_GROUP_MULTIPLE, W4_DP2A_MAX_M,
-                                                  W4_DP2A_ROUNDED_CONFIGS,
-                                                  X_TILE, _w4_gemv_dp2a_kernel, round_x_int16, w4_dp2a_layout,
+                                                  W4_DP2A_ROUNDED_CONFIGS, X_TILE, round_x_int16, w4_dp2a_layout,
                                                   w4_dp2a_usable, w4a16_gemv_dp2a, w4a16_gemv_dp2a_rounded)
+from salaserve.kernels.quant_gemm.w4_fma import (W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4_fma_layout,
+                                                 w4a16_gemv_fma)
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4WgmmaWeights,
-                                                   _w4_gemv_wgmma_kernel, repack_w4_for_wgmma, w4_wgmma_usable,
-                                                   w4a16_gemv_wgmma, w4a16_wgmma_ref)
-from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.quant.matmul import fp8_matmul_ref, linear_ref
+                                                   repack_w4_for_wgmma, w4_wgmma_usable, w4a16_gemv_wgmma,
+                                                   w4a16_wgmma_ref)
 
-
-# ---------------------------------------------------------------- dispatch
-
-
-def fp8_scaled_mm_takes(M: int, w: QuantizedLinearWeights) -> bool:
-    """Whether quant_linear sends M rows through w8a8 on cuBLAS (prefill sizes; cuBLAS fp8
-    needs K and N multiples of 16) rather than a decode kernel."""
-    return w.format == "fp8" and M > GEMV_MAX_M and w.in_features % 16 == 0 and w.out_features % 16 == 0
-
-
-def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "auto") -> torch.Tensor:
-    """y = x @ W^T for x [..., K]. backend "auto": Triton/cuBLAS on CUDA, torch reference
-    elsewhere; "triton" forces the kernels (CPU works under TRITON_INTERPRET=1); "torch" the reference."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"unknown backend {backend!r}")
-    K, N = w.in_features, w.out_features
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    use_kernels = backend == "triton" or (backend == "auto" and x.is_cuda)
-    if w.prefill is not None and M > GEMV_MAX_M:  # int4 weights' fp8 copy: w8a8 at prefill sizes
-        return quant_linear(x, w.prefill, backend)
-    if M == 0:
-        y = x2.new_empty(0, N)
-    elif w.format == "bf16":
-        y = F.linear(x2, w.weight.to(x2.dtype))
-    elif not use_kernels:
-        y = linear_ref(x2, w)
-    elif w.format == "fp8":
-        if (cfg := fp8_gemv_choice(M, w, x2.device)) is not None:
-            from salaserve.kernels import gemv as G
-
-            y = G.gemv_fp8(x2, w.weight, w.scale, cfg)
-        elif not fp8_scaled_mm_takes(M, w):
-            y = w8a16_gemv(x2, w.weight, w.scale)
-        elif x2.is_cuda:
-            y = fp8_scaled_mm(x2, w.weight, w.scale)
-        else:  # interpreter: no cuBLAS fp8
-            y = fp8_matmul_ref(x2, w.weight, w.scale)
-    elif x2.is_cuda and (choice := w4_decode_choice(x2, w)) is not None:
-        y = w4a16_decode(x2, w, choice)  # decode: the kernel the start-up calibration picked
-    elif M <= W4_FMA_MAX_M and w.g_idx_trivial and w.group_size % W4_FMA_GROUP_MULTIPLE == 0:
-        y = w4a16_gemv_fma(x2, w)  # decode: the 1 + q/16 FMA kernel
-    elif M <= GEMV_MAX_M:
-        y = w4a16_gemv(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
-    elif w.g_idx_trivial and w.group_size % 8 == 0:
-        y = w4a16_dense_mm(x2, w)  # prefill: dequantize into scratch + cuBLAS
-    else:
-        y = w4a16_gemm(x2, w.qweight, w.qzeros, w.scales, w.g_idx, w.group_size, w.perm, act_order=not w.g_idx_trivial)
-    return y.reshape(*lead, N)
+__all__ = [
+    # dispatch
+    "quant_linear", "LINEAR_KERNELS", "fp8_linear", "w4a16_linear", "fp8_scaled_mm_takes", "GEMV_MAX_M",
+    "SPLIT_K_CTAS_PER_SM", "SPLIT_K_MIN_CHANNELS",
+    # fp8 weights
+    "w8a16_gemv", "fp8_gemv_choice", "fp8_candidates", "calibrate_fp8_gemv", "Fp8GemvTuning",
+    "quantize_rows_fp8", "fp8_quantize_rows_ref", "fp8_scaled_mm", "fp8_scaled_mm_quantized",
+    "rowquant_constexprs", "rowquant_warps", "ROWQUANT_ONE_PASS_MAX",
+    # int4 weights: the decode calibration and its dispatch
+    "calibrate_w4", "W4DecodeTuning", "w4_candidates", "rounded_choices", "w4_shape", "w4_decode_choice",
+    "w4_rounded_choice", "w4_rounded_usable", "w4_silu_out_usable", "w4a16_decode", "w4a16_decode_rounded",
+    # int4 weights: the kernels
+    "w4a16_gemv", "w4a16_gemm", "w4a16_dense_mm", "w4a16_dequantize",
+    "w4a16_gemv_fma", "w4_fma_layout", "W4_FMA_CONFIGS", "W4_FMA_GROUP_MULTIPLE", "W4_FMA_MAX_M",
+    "w4a16_gemv_dp2a", "w4a16_gemv_dp2a_rounded", "round_x_int16", "w4_dp2a_layout", "w4_dp2a_usable",
+    "W4_DP2A_CONFIGS", "W4_DP2A_ROUNDED_CONFIGS", "W4_DP2A_GROUP_MULTIPLE", "W4_DP2A_MAX_M", "X_TILE",
+    "w4a16_gemv_wgmma", "w4a16_wgmma_ref", "repack_w4_for_wgmma", "w4_wgmma_usable", "W4WgmmaWeights",
+    "W4_WGMMA_CONFIGS", "W4_WGMMA_MAX_M", "W4_WGMMA_MIN_M",
+]

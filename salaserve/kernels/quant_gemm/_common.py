@@ -1,9 +1,8 @@
 """Pieces shared by the quantized linear kernels: the split-K launch (ranges, the in-launch
-reduction, the shared workspace), config lists for the autotuner, the calibration tables' keys."""
+reduction, the shared workspace), config lists for the autotuner."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -12,17 +11,17 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import write_silu_tile
 from salaserve.kernels.device_buffers import Want, persistent_buffers
+from salaserve.kernels.options import INTERPRET
 from salaserve.quant.formats import is_trivial_g_idx
 
 GEMV_MAX_M = 64  # split-K GEMV kernels up to here; prefill paths above
 SPLIT_K_CTAS_PER_SM = 4  # split-K aims at this many CTAs per SM (enough loads in flight)
 SPLIT_K_MIN_CHANNELS = 256  # ...but never splits K finer than this
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _configs(configs: list) -> list:
     # the interpreter cannot benchmark; one config means the autotuner never times anything
-    return configs[:1] if _INTERPRET else configs
+    return configs[:1] if INTERPRET else configs
 
 
 _GEMV_KEY = ["BLOCK_M", "BLOCK_N", "N", "K", "SPLIT_K", "ACT_ORDER"]
@@ -167,25 +166,3 @@ def _act_order(g_idx: Optional[torch.Tensor], group_size: int, act_order: Option
     if act_order is not None:
         return act_order
     return not is_trivial_g_idx(g_idx, group_size)  # syncs; the container caches this instead
-
-
-def _device_key(device) -> str:
-    """The calibration tables' device name: "cuda" (the runner's device) and x.device ("cuda:0")
-    must meet."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return str(d)
-
-
-def _to_calibrate(weights, device, m_values, usable, key, table):
-    """The start-up calibrations' work list: (weight, its M values not yet in `table`) for each
-    weight `usable` accepts; nothing off the GPU. key(m, w, device) is the table's key."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    for w in weights:
-        if usable(w):
-            todo = [m for m in m_values if key(m, w, device) not in table]
-            if todo:
-                yield w, todo

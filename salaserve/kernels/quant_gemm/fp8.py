@@ -1,5 +1,5 @@
 """fp8 (e4m3) weights at decode sizes: `w8a16_gemv` (weights converted to bf16, tensor cores; x
-exact) and the start-up calibration that chooses between it and gemv.py's FMA GEMV on the fp8
+exact) and the start-up calibration that chooses between it and gemv/'s FMA GEMV on the fp8
 codes (`calibrate_fp8_gemv`, `fp8_gemv_choice`)."""
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from salaserve.kernels.compile_ahead import launch_kernel, precompile
+from salaserve.kernels.compile_ahead import launch_kernel
+from salaserve.kernels.options import INTERPRET
+from salaserve.kernels.quant_gemm._common import (_GEMV_KEY, _check_x, _configs, _default_split_k, _gemv_block_m,
+                                                  _split_range, _store_output, _tile_ids, _workspace)
+from salaserve.kernels.timing import l2_busting_count
+from salaserve.kernels.tuning import Family, PickTable, Stopwatch, Trial, m_bucket, tune
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _configs, _GEMV_KEY, _tile_ids, _store_output,
-                                                  _split_range, _workspace, _gemv_block_m, _default_split_k, _check_x,
-                                                  _device_key, _to_calibrate)
+from salaserve.quant.formats.fp8 import FP8
 
 
 # ---------------------------------------------------------------- w8a16 (fp8 weights)
@@ -86,7 +89,7 @@ def w8a16_gemv(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     args = (x, w_fp8, scale, out, ws, cnt, M, N, K, x.stride(0), w_fp8.stride(0), out.stride(0))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=_INTERPRET)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=1, DOT_FP32=INTERPRET)
     grid = (tiles, split)
     if block_k is None:
         _w8a16_gemv_dot_tuned[grid](*args, **meta)
@@ -95,15 +98,19 @@ def w8a16_gemv(
     return out
 
 
-# (M bucket, N, K, device) -> the gemv.FP8_FMA_CONFIGS / FP8_STREAM_CONFIGS config that beat
+def _config_encode(c):
+    return None if c is None else dataclasses.asdict(c)
+
+
+def _config_decode(d):
+    from salaserve.kernels.gemv import GemvConfig
+
+    return None if d is None else GemvConfig(**d)
+
+
+# (device, M bucket, N, K) -> the gemv.FP8_FMA_CONFIGS / FP8_STREAM_CONFIGS config that beat
 # w8a16_gemv at start-up, or None where w8a16 stayed faster; filled by calibrate_fp8_gemv
-_FP8_GEMV_TABLE: dict[tuple, object] = {}
-
-
-def _fp8_gemv_key(M: int, w: QuantizedLinearWeights, device) -> tuple:
-    from salaserve.kernels import gemv as G
-
-    return (G._bucket(M), w.out_features, w.in_features, _device_key(device))
+PICKS = PickTable("fp8_gemv", _config_encode, _config_decode)
 
 
 def fp8_gemv_choice(M: int, w: QuantizedLinearWeights, device):
@@ -112,61 +119,91 @@ def fp8_gemv_choice(M: int, w: QuantizedLinearWeights, device):
 
     if not 1 <= M <= G.FMA_MAX_M:
         return None
-    return _FP8_GEMV_TABLE.get(_fp8_gemv_key(M, w, device))
+    return PICKS.get(device, M, (w.out_features, w.in_features))
 
 
-def _fp8_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
+def fp8_candidates(M: int, w: QuantizedLinearWeights) -> tuple:
     """The gemv_fp8 configs the calibration times for this decode size and weight."""
     from salaserve.kernels import gemv as G
 
-    b = G._bucket(M)
+    b = m_bucket(M)
     return G.FP8_FMA_CONFIGS[b] + G.FP8_STREAM_CONFIGS.get(b, ())
 
 
-def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
-                       silu_shapes=frozenset()) -> dict:
-    """Per (M bucket, fp8 shape): time w8a16_gemv and every gemv.FP8_FMA_CONFIGS and
-    FP8_STREAM_CONFIGS config of the bucket (CUDA graphs of back-to-back calls over L2-busting
-    random weights) and record the fastest for quant_linear.
+class Fp8GemvTuning(Family):
+    """Per (M bucket, fp8 shape) (items: fp8 weights): w8a16_gemv against every gemv.FP8_FMA_CONFIGS
+    and FP8_STREAM_CONFIGS config of the bucket; the table keeps the config that beat w8a16, or None.
+    The GEMV reads the codes as int32 words: K a multiple of 4 (other shapes stay on w8a16).
     silu_shapes: (N, K) of [gate | up] weights, which one-row steps call through the silu_mul
     junction (TritonBackend.residual_norm_linear): at M = 1 those are timed as the junction runs
     them, w8a16 or an odd-BLOCK_N GEMV followed by the silu_mul kernel against the GEMV with its
-    silu_mul epilogue. Returns {(M, N, K): (config or None, its us, w8a16 us)}. GPU only."""
-    from salaserve.kernels import gemv as G
-    from salaserve.kernels.fused import silu_mul
-    from salaserve.kernels.timing import graph_time_us, l2_busting_count
+    silu_mul epilogue."""
 
-    device = torch.device(device)
-    result = {}
-    # (the GEMV reads the codes as int32 words: K a multiple of 4; other shapes stay on w8a16)
-    for w, todo in _to_calibrate(weights, device, m_values, lambda w: w.format == "fp8" and w.in_features % 4 == 0,
-                                 _fp8_gemv_key, _FP8_GEMV_TABLE):
-        N, K = w.out_features, w.in_features
+    table = PICKS
+
+    def __init__(self, silu_shapes=frozenset()):
+        self.silu_shapes = frozenset(silu_shapes)
+
+    def shape(self, w) -> tuple:
+        return (w.out_features, w.in_features)
+
+    def wants(self, w, m: int, device) -> bool:
+        return w.in_features % 4 == 0
+
+    def _junction(self, w, m: int) -> bool:
+        return m == 1 and self.shape(w) in self.silu_shapes
+
+    def candidates(self, w, m: int, device) -> list:
+        from salaserve.kernels import gemv as G
+
+        N, K = self.shape(w)
+        return [dataclasses.replace(c, split_k=c.split_k or G.auto_split(N, K, c, device))
+                for c in fp8_candidates(m, w)]
+
+    def launches(self, w, m: int, device):
+        from salaserve.kernels import gemv as G
+
+        x = torch.empty(m, w.in_features, device=device, dtype=torch.bfloat16)
+        junction = self._junction(w, m)
+        return ([functools.partial(w8a16_gemv, x, w.weight, w.scale)]
+                + [functools.partial(G.gemv_fp8, x, w.weight, w.scale, c, silu_out=junction and c.block_n % 2 == 0)
+                   for c in self.candidates(w, m, device)])
+
+    def operands(self, w, device):
         n = l2_busting_count(w.weight.nbytes)
-        copies = [torch.randn(N, K, device=device).to(torch.float8_e4m3fn) for _ in range(n)]
-        for m in todo:
-            x = torch.randn(G._bucket(m), K, device=device).to(torch.bfloat16)
-            junction = m == 1 and (N, K) in silu_shapes
-            after = silu_mul if junction else (lambda y: y)
-            cands = [dataclasses.replace(c, split_k=c.split_k or G._auto_split(N, K, c, device))
-                     for c in _fp8_candidates(m, w)]
-            precompile([functools.partial(w8a16_gemv, x, copies[0], w.scale)]
-                       + [functools.partial(G.gemv_fp8, x, copies[0], w.scale, c,
-                                            silu_out=junction and c.block_n % 2 == 0) for c in cands])
-            t_ref = graph_time_us(lambda i: after(w8a16_gemv(x, copies[i % n], w.scale)), calls=max(8, n))
-            best = (None, t_ref)
-            for cfg in cands:
-                if junction and cfg.block_n % 2 == 0:
-                    t = graph_time_us(lambda i: G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True),
-                                      calls=max(8, n))
-                else:
-                    t = graph_time_us(lambda i: after(G.gemv_fp8(x, copies[i % n], w.scale, cfg)), calls=max(8, n))
-                if verbose:
-                    print(f"  fp8 gemv M={m} N={N} K={K} {cfg}{' (silu_mul junction)' if junction else ''}: "
-                          f"{t:.1f} us (w8a16 {t_ref:.1f})")
-                if t < best[1]:
-                    best = (cfg, t)
-            _FP8_GEMV_TABLE[_fp8_gemv_key(m, w, device)] = best[0]
-            result[(m, N, K)] = (best[0], best[1], t_ref)
-        del copies
-    return result
+        return [torch.randn(w.out_features, w.in_features, device=device).to(torch.float8_e4m3fn) for _ in range(n)]
+
+    def tune_bucket(self, w, m: int, copies, device, stopwatch: Stopwatch) -> None:
+        from salaserve.kernels import gemv as G
+        from salaserve.kernels.fused import silu_mul
+
+        N, K = self.shape(w)
+        n = len(copies)
+        x = torch.randn(m, K, device=device).to(torch.bfloat16)
+        junction = self._junction(w, m)
+        after = silu_mul if junction else (lambda y: y)
+
+        def w8a16(i):
+            return after(w8a16_gemv(x, copies[i % n], w.scale))
+
+        def gemv_fp8(cfg, i):
+            if junction and cfg.block_n % 2 == 0:
+                return G.gemv_fp8(x, copies[i % n], w.scale, cfg, silu_out=True)
+            return after(G.gemv_fp8(x, copies[i % n], w.scale, cfg))
+
+        calls = max(8, n)
+        t_ref = stopwatch.time(w8a16, calls)
+        trials = [Trial(c, functools.partial(gemv_fp8, c), str(c)) for c in self.candidates(w, m, device)]
+        best = stopwatch.fastest(trials, calls, f"fp8 gemv M={m} N={N} K={K}"
+                                 + (" (silu_mul junction)" if junction else ""), f" (w8a16 {t_ref:.1f})")
+        # a config is kept only where it beat w8a16 (a tie stays on w8a16)
+        PICKS.put(device, m, (N, K), best[0].pick if best is not None and best[1] < t_ref else None)
+
+
+def calibrate_fp8_gemv(weights, device, m_values=(1, 2, 4, 8), verbose: bool = False,
+                       silu_shapes=frozenset(), parallel_compile: bool = True, stopwatch=None) -> dict:
+    """Tune the fp8 decode GEMV against w8a16 (Fp8GemvTuning, kernels/tuning.py's recipe) for the fp8
+    weights' shapes and record the picks for quant_linear. Returns {(bucket, N, K): config or None}.
+    GPU only."""
+    return tune(Fp8GemvTuning(silu_shapes), [w for w in weights if w.format == FP8.name], device, m_values,
+                parallel_compile=parallel_compile, verbose=verbose, stopwatch=stopwatch)

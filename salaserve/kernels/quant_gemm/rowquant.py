@@ -12,7 +12,7 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import fp8_codes, fp8_row_scale, silu_mul_rounded, tl_dtype
 from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.quant.formats import FP8_MAX
-from salaserve.kernels.quant_gemm._common import _INTERPRET
+from salaserve.kernels.options import INTERPRET
 
 @triton.jit
 def _rows_tile(x_rows, kk, mask, K, SILU: tl.constexpr, DT: tl.constexpr):
@@ -87,7 +87,7 @@ def quantize_rows_fp8(x: torch.Tensor, *, silu: bool = False, rows: Optional[int
             consts["ROWS"] = rows
         launch_kernel(_quantize_rows_fp8_kernel, (triton.cdiv(M, consts["ROWS"]),),
             x, q, sx, M, K, x.stride(0), FP8_MAX_C=FP8_MAX, **consts, SILU=silu, DT=tl_dtype(x.dtype),
-            INTERPRET=_INTERPRET, num_warps=num_warps or rowquant_warps(K, silu))
+            INTERPRET=INTERPRET, num_warps=num_warps or rowquant_warps(K, silu))
     return q, sx
 
 

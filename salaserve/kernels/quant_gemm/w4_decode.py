@@ -1,5 +1,6 @@
 """The int4 decode calibration and dispatch: `calibrate_w4` times, per shape and M bucket, the
-decode GEMVs that can run there and records the fastest (kernel, config, split) in _W4_TABLE;
+decode GEMVs that can run there and records the fastest (kernel, config, split) in PICKS
+(kernels/tuning.py's recipe);
 `w4_decode_choice` and `w4a16_decode` run that pick for quant_linear. The kernels: the dp2a GEMV
 (w4_dp2a.py, 1-2 rows), the FMA GEMV (w4_fma.py, up to 4 rows where dp2a cannot run) and the
 warpgroup-MMA GEMV (w4_wgmma.py, 4-16 rows, on a repacked copy of the weights). At 1-2 rows the
@@ -15,26 +16,38 @@ from typing import Optional
 import torch
 import triton
 
-from salaserve.kernels.compile_ahead import precompile
-from salaserve.kernels.quant_gemm._common import _device_key, _sm_count, _to_calibrate
+from salaserve.kernels.quant_gemm._common import _sm_count
 from salaserve.kernels.quant_gemm.w4_dp2a import (W4_DP2A_CONFIGS, W4_DP2A_MAX_M, W4_DP2A_ROUNDED_CONFIGS, X_TILE,
                                                   round_x_int16, w4_dp2a_usable, w4a16_gemv_dp2a,
                                                   w4a16_gemv_dp2a_rounded)
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_CONFIGS, W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
 from salaserve.kernels.quant_gemm.w4_wgmma import (W4_WGMMA_CONFIGS, W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, repack_w4_for_wgmma,
                                                    w4_wgmma_usable, w4a16_gemv_wgmma)
+from salaserve.kernels.timing import l2_busting_count
+from salaserve.kernels.tuning import Family, PickTable, Stopwatch, Trial, tune
 from salaserve.quant.formats import QuantizedLinearWeights
+from salaserve.quant.formats.w4a16 import W4A16
 
-# (bucket, N, K, group size, device) -> (kernel "dp2a", "fma" or "wgmma", config, split), filled by
+
+def _choice_encode(v: tuple) -> list:
+    return [v[0], list(v[1]), v[2]]
+
+
+def _choice_decode(v: list) -> tuple:
+    return (str(v[0]), tuple(v[1]), int(v[2]))
+
+
+# (device, bucket, N, K, group size) -> (kernel "dp2a", "fma" or "wgmma", config, split), filled by
 # calibrate_w4: the pick for bf16 x
-_W4_TABLE: dict[tuple, tuple] = {}
+PICKS = PickTable("w4", _choice_encode, _choice_decode)
 # the same keys -> (kernel "dp2a_rounded", config, split) for w4a16_decode_rounded, where it beat
-# _W4_TABLE's pick (1-2 rows)
-_W4_ROUNDED_TABLE: dict[tuple, tuple] = {}
+# PICKS' pick (1-2 rows)
+ROUNDED_PICKS = PickTable("w4_rounded", _choice_encode, _choice_decode)
 
 
-def _w4_key(bucket: int, w: QuantizedLinearWeights, device) -> tuple:
-    return (bucket, w.out_features, w.in_features, w.group_size, _device_key(device))
+def w4_shape(w: QuantizedLinearWeights) -> tuple:
+    """The int4 tables' shape key: (N, K, group size)."""
+    return (w.out_features, w.in_features, w.group_size)
 
 
 def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
@@ -51,7 +64,7 @@ def _w4_splits(N: int, K: int, block_n: int, block_r: int, device) -> list[int]:
     return out
 
 
-def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
+def w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
     """(kernel, config, split) candidates of the decode calibration at M bucket m: the dp2a
     kernel's configs (M <= 2, no act-order perm), else the FMA kernel's (M <= W4_FMA_MAX_M) and,
     where w carries its repacked copy, the wgmma kernel's (W4_WGMMA_MIN_M <= M <= 16, whole
@@ -72,16 +85,16 @@ def _w4_candidates(m: int, w: QuantizedLinearWeights, device) -> list[tuple]:
 
 def w4_rounded_usable(w: QuantizedLinearWeights) -> bool:
     """Whether the calibration times the rounded-x dp2a kernel for w (weights it takes)."""
-    return w.format == "w4a16" and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
+    return w.format == W4A16.name and w4_dp2a_usable(w) and w.in_features % X_TILE == 0
 
 
 def w4_rounded_choice(rows: int, w: QuantizedLinearWeights, device) -> Optional[tuple]:
     """(kernel, config, split) for w4a16_decode_rounded where the calibration found x rounded by its
     producer faster at this many rows and w's shape than the pick on bf16 x; else None (the producer
     writes bf16 x)."""
-    if not 1 <= rows <= W4_DP2A_MAX_M or getattr(w, "format", None) != "w4a16":
+    if not 1 <= rows <= W4_DP2A_MAX_M or getattr(w, "format", None) != W4A16.name:
         return None
-    return _W4_ROUNDED_TABLE.get(_w4_key(triton.next_power_of_2(rows), w, device))
+    return ROUNDED_PICKS.get(device, rows, w4_shape(w))
 
 
 def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tuple]:
@@ -89,7 +102,7 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
     or the wgmma kernel's pick with x not bf16 or w without its repacked copy: quant_linear's
     default route)."""
     M = x.shape[0]
-    hit = _W4_TABLE.get(_w4_key(triton.next_power_of_2(M), w, x.device)) if M <= W4_WGMMA_MAX_M else None
+    hit = PICKS.get(x.device, M, w4_shape(w)) if M <= W4_WGMMA_MAX_M else None
     if hit is not None and hit[0] != "fma" and (x.dtype != torch.bfloat16 or (hit[0] == "wgmma"
                                                                              and w.wgmma is None)):
         return None
@@ -99,7 +112,7 @@ def w4_decode_choice(x: torch.Tensor, w: QuantizedLinearWeights) -> Optional[tup
 def w4_silu_out_usable(w: QuantizedLinearWeights) -> bool:
     """Whether a [gate | up] int4 weight can take the dp2a GEMV's silu_mul epilogue (silu_out): the
     dp2a kernel takes it, and F = N/2 is a multiple of 4 (16-byte column vectors in each half)."""
-    return getattr(w, "format", None) == "w4a16" and w4_dp2a_usable(w) and w.out_features % 8 == 0
+    return getattr(w, "format", None) == W4A16.name and w4_dp2a_usable(w) and w.out_features % 8 == 0
 
 
 def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu_out: bool = False) -> torch.Tensor:
@@ -117,83 +130,83 @@ def w4a16_decode(x: torch.Tensor, w: QuantizedLinearWeights, choice: tuple, silu
     return w4a16_gemv_fma(x, w, config=cfg, split_k=split)
 
 
-def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False) -> dict:
-    """Time every (kernel, config, split) of the decode GEMVs (the dp2a or FMA kernel and, for
-    weights with their repacked copy, the wgmma kernel: _w4_candidates) per (M bucket, shape) in CUDA
-    graphs of
-    back-to-back calls over L2-busting random weights of the same layout, and keep the fastest
-    for quant_linear (before graph capture; GPU only). Seconds with Triton's kernel cache warm;
-    with an empty one the compiles of every candidate take minutes (precompile runs them in threads;
-    the plan cache keeps the picks across restarts). Returns {(m, N, K): (kernel, config, split, us)}."""
-    from salaserve.kernels.timing import l2_busting_count
+class W4DecodeTuning(Family):
+    """Per (M bucket, int4 shape) (items: w4a16 weights with trivial g_idx): every (kernel, config,
+    split) of the decode GEMVs that can run there (the dp2a or FMA kernel and, for weights with their
+    repacked copy, the wgmma kernel: w4_candidates), timed over L2-busting random weights of the
+    same layout; the fastest goes to PICKS. At 1-2 rows, for weights the rounded-x dp2a kernel takes,
+    its candidates are timed on x rounded beforehand (its producer does the rounding in the step, at
+    no extra kernel) and the fastest goes to ROUNDED_PICKS where it beat the pick on bf16 x."""
 
-    device = torch.device(device)
-    if device.type != "cuda":
-        return {}
-    result = {}
+    table = PICKS
 
-    def usable(w):
-        return w.format == "w4a16" and w.g_idx_trivial and any(_w4_candidates(m, w, device) for m in m_values)
+    @property
+    def tables(self) -> tuple:
+        return (PICKS, ROUNDED_PICKS)
 
-    work = list(_to_calibrate(weights, device, m_values, usable, _w4_key, _W4_TABLE))
-    precompile(_candidate_launches(work, device))  # every compile below in one batch across the threads
-    for w, todo in work:
-        N, K = w.out_features, w.in_features
+    def shape(self, w) -> tuple:
+        return w4_shape(w)
+
+    def wants(self, w, m: int, device) -> bool:
+        return w.format == W4A16.name and w.g_idx_trivial and bool(w4_candidates(m, w, device))
+
+    def _rounded(self, w, m: int) -> bool:
+        return m <= W4_DP2A_MAX_M and w4_rounded_usable(w)
+
+    def launches(self, w, m: int, device):
+        """Each candidate's launch, the rounded-x kernel's included: the whole start-up's compiles in
+        one batch, so the thread pool never waits on one bucket's slowest."""
+        x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
+        out = [functools.partial(w4a16_decode, x, w, c) for c in w4_candidates(m, w, device)]
+        if self._rounded(w, m):
+            xq, xs = round_x_int16(x)
+            out += [functools.partial(w4a16_decode_rounded, xq, xs, w, c) for c in rounded_choices(m, w, device)]
+        return out
+
+    def operands(self, w, device):
         n_copies = l2_busting_count(w.qweight.nbytes)
         copies = [dataclasses.replace(w, qweight=torch.randint_like(w.qweight, -2**31, 2**31 - 1), wgmma=None)
                   for _ in range(n_copies)]
         if w.wgmma is not None:
             copies = [dataclasses.replace(c, wgmma=repack_w4_for_wgmma(c)) for c in copies]
-        for m in todo:
-            candidates = _w4_candidates(m, w, device)
-            if not candidates:
-                continue
-            x = torch.randn(m, K, device=device).to(torch.bfloat16)
-            best = time_choices(candidates, lambda c, i: w4a16_decode(x, copies[i % n_copies], c), n_copies,
-                                f"w4 M={m} N={N} K={K}" if verbose else None)
-            _W4_TABLE[_w4_key(m, w, device)] = best[:3]
-            result[(m, N, K)] = best
-            if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
-                _calibrate_rounded(m, w, copies, x, best[3], device, verbose)
-        del copies
-    for w in weights:  # shapes calibrated before (or skipped above) report their recorded choice
-        for m in m_values:
-            hit = _W4_TABLE.get(_w4_key(m, w, device))
-            if hit is not None:
-                result.setdefault((m, w.out_features, w.in_features), (*hit, float("nan")))
-    return result
+        return copies
+
+    def tune_bucket(self, w, m: int, copies, device, stopwatch: Stopwatch) -> None:
+        calls = max(8, len(copies))
+        label = f"w4 M={m} N={w.out_features} K={w.in_features}"
+        x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
+        best = stopwatch.fastest([Trial(c, functools.partial(_decode_call, x, copies, c), _label(c))
+                                  for c in w4_candidates(m, w, device)], calls, label)
+        PICKS.put(device, m, w4_shape(w), best[0].pick)
+        if self._rounded(w, m):
+            xq, xs = round_x_int16(x)
+            rounded = stopwatch.fastest([Trial(c, functools.partial(_rounded_call, xq, xs, copies, c), _label(c))
+                                         for c in rounded_choices(m, w, device)], calls, label)
+            if rounded[1] < best[1]:
+                ROUNDED_PICKS.put(device, m, w4_shape(w), rounded[0].pick)
 
 
-def _candidate_launches(work, device):
-    """One launch of each (shape, M bucket, candidate) that calibrate_w4 will time for `work`
-    ((weight, M buckets) pairs), the rounded-x kernel's included, for precompile: the whole
-    start-up's compiles in one batch, so the thread pool never waits on one bucket's slowest."""
-    for w, todo in work:
-        for m in todo:
-            x = torch.randn(m, w.in_features, device=device).to(torch.bfloat16)
-            for c in _w4_candidates(m, w, device):
-                yield functools.partial(w4a16_decode, x, w, c)
-            if m <= W4_DP2A_MAX_M and w4_rounded_usable(w):
-                xq, xs = round_x_int16(x)
-                for c in rounded_choices(m, w, device):
-                    yield functools.partial(w4a16_decode_rounded, xq, xs, w, c)
+def _label(choice: tuple) -> str:
+    return f"{choice[0]} {choice[1]} split {choice[2]}"
 
 
-def time_choices(choices, run, n_copies: int, label: Optional[str] = None) -> tuple:
-    """(kernel, config, split, us) of the fastest of `choices` ((kernel, config, split) tuples), each timed
-    as run(choice, i) in a CUDA graph of back-to-back calls (i the call's index, for cycling through
-    n_copies L2-busting weight copies); label: print every time after it. Compiles are the caller's
-    to batch (calibrate_w4 precompiles all of its candidates before timing any)."""
-    from salaserve.kernels.timing import graph_time_us
+def _decode_call(x, copies, choice, i):
+    return w4a16_decode(x, copies[i % len(copies)], choice)
 
-    best = None
-    for choice in choices:
-        t = graph_time_us(lambda i: run(choice, i), calls=max(8, n_copies))
-        if label is not None:
-            print(f"  {label} {choice[0]} {choice[1]} split {choice[2]}: {t:.1f} us")
-        if best is None or t < best[3]:
-            best = (*choice, t)
-    return best
+
+def _rounded_call(xq, xs, copies, choice, i):
+    return w4a16_decode_rounded(xq, xs, copies[i % len(copies)], choice)
+
+
+def calibrate_w4(weights, device, m_values=(1, 2, 4, 8, 16), verbose: bool = False,
+                 parallel_compile: bool = True, stopwatch=None) -> dict:
+    """Tune the int4 decode GEMVs (W4DecodeTuning, kernels/tuning.py's recipe) for the w4a16 weights'
+    shapes and keep the fastest for quant_linear (before graph capture; GPU only). Seconds with
+    Triton's kernel cache warm; with an empty one the compiles of every candidate take minutes
+    (precompiled in threads; the plan cache keeps the picks across restarts). Returns
+    {(bucket, N, K, group size): (kernel, config, split)}."""
+    return tune(W4DecodeTuning(), [w for w in weights if w.format == W4A16.name], device, m_values,
+                parallel_compile=parallel_compile, verbose=verbose, stopwatch=stopwatch)
 
 
 def rounded_choices(m: int, w: QuantizedLinearWeights, device, configs=None) -> list[tuple]:
@@ -212,16 +225,3 @@ def w4a16_decode_rounded(xq: torch.Tensor, xs: torch.Tensor, w: QuantizedLinearW
     if kernel != "dp2a_rounded":
         raise ValueError(f"x rounded by its producer takes the dp2a_rounded kernel, not {kernel}")
     return w4a16_gemv_dp2a_rounded(xq, xs, w, config=cfg, split_k=split, out_dtype=out_dtype, silu_out=silu_out)
-
-
-def _calibrate_rounded(m: int, w: QuantizedLinearWeights, copies: list, x: torch.Tensor, best_us: float, device,
-                       verbose: bool) -> None:
-    """Time rounded_choices' candidates on x rounded beforehand (its producer does the rounding in the
-    step, at no extra kernel) and record the fastest in _W4_ROUNDED_TABLE if it beats best_us, the pick
-    on bf16 x."""
-    xq, xs = round_x_int16(x)
-    best = time_choices(rounded_choices(m, w, device),
-                        lambda c, i: w4a16_decode_rounded(xq, xs, copies[i % len(copies)], c),
-                        len(copies), f"w4 M={m} N={w.out_features} K={w.in_features}" if verbose else None)
-    if best[3] < best_us:
-        _W4_ROUNDED_TABLE[_w4_key(m, w, device)] = best[:3]

@@ -41,7 +41,8 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import bf16_pair, pdl_launch_kwargs, tl_dtype
 from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.kernels.device_buffers import Want, persistent_buffers
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_x, _default_split_k, _store_output,
+from salaserve.kernels.options import INTERPRET
+from salaserve.kernels.quant_gemm._common import (_check_x, _default_split_k, _store_output,
                                                   _store_silu_output, _workspace)
 from salaserve.quant.formats import QuantizedLinearWeights
 
@@ -570,7 +571,7 @@ def _launch(x, xq, xs, M, w, cfg, split_k, x_given: bool, out_dtype, sz_ahead: O
         M, N, K, x.stride(0), out.stride(0), w.qzeros.stride(0),
         GROUP_SIZE=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split,
         **w4_dp2a_layout(block_n, block_r, warps, slabs), EVEN=N % block_n == 0 and K % (8 * block_r) == 0,
-        ASM=not _INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
+        ASM=not INTERPRET, PREFETCH=prefetch, X_PREP=prep and not x_given, X_GIVEN=x_given,
         SZ_AHEAD=block_m == 1 if sz_ahead is None else bool(sz_ahead), SILU_OUT=silu_out,
         Y_DT=tl_dtype(out_dtype) if silu_out else None, num_warps=warps, **pdl_launch_kwargs(x.device))
     return out

@@ -35,10 +35,12 @@ import triton.language as tl
 
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, round_to
 from salaserve.kernels.compile_ahead import launch_kernel
-from salaserve.kernels.quant_gemm._common import (_INTERPRET, _check_decode_x, _default_split_k, _store_output,
+from salaserve.kernels.options import INTERPRET
+from salaserve.kernels.quant_gemm._common import (_check_decode_x, _default_split_k, _store_output,
                                                   _workspace)
-from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, _to_int32, dequantize_gptq, unpack_int4,
+from salaserve.quant.formats import (GPTQ_V2, QuantizedLinearWeights, dequantize_gptq, to_int32, unpack_int4,
                                      unpack_zeros)
+from salaserve.quant.formats.w4a16 import W4A16
 
 W4_WGMMA_MAX_M = 16  # x^T is padded to the dot's 16 columns
 W4_WGMMA_MIN_M = 4  # from here the calibration times it against the FMA kernel (w4_fma.py), which was
@@ -75,12 +77,12 @@ class W4WgmmaWeights:
 def _bf16x2_words(v: torch.Tensor) -> torch.Tensor:
     """bf16 values -> int32 words holding the value twice."""
     b = v.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    return _to_int32(b | (b << 16))
+    return to_int32(b | (b << 16))
 
 
 def repack_w4_for_wgmma(w: QuantizedLinearWeights) -> W4WgmmaWeights:
     """GPTQ-layout int4 weights (K a multiple of 128) -> the wgmma kernel's copy of them."""
-    if w.format != "w4a16":
+    if w.format != W4A16.name:
         raise ValueError(f"repack_w4_for_wgmma takes w4a16 weights, got {w.format}")
     K8, N = w.qweight.shape
     if K8 % W4_WGMMA_BLOCK_R:
@@ -93,7 +95,7 @@ def repack_w4_for_wgmma(w: QuantizedLinearWeights) -> W4WgmmaWeights:
     zeros = unpack_zeros(w.qzeros, N, GPTQ_V2)  # [G, N] true zero points
     zz = _bf16x2_words(zeros.float() + 128.0)
     s2 = _bf16x2_words(w.scales)
-    return W4WgmmaWeights(_to_int32(words).reshape(K8, N).t().contiguous(), torch.stack([zz, s2], dim=1).contiguous())
+    return W4WgmmaWeights(to_int32(words).reshape(K8, N).t().contiguous(), torch.stack([zz, s2], dim=1).contiguous())
 
 
 def w4a16_wgmma_ref(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:
@@ -200,7 +202,7 @@ def w4_wgmma_usable(w: QuantizedLinearWeights, config: tuple) -> bool:
     """Whether w4a16_gemv_wgmma takes these weights with this config (whole tiles, one group per
     K tile, trivial g_idx and no channel permutation)."""
     block_n, block_r = config[0], config[1]
-    return (w.format == "w4a16" and w.g_idx_trivial and w.perm is None and w.out_features % block_n == 0
+    return (w.format == W4A16.name and w.g_idx_trivial and w.perm is None and w.out_features % block_n == 0
             and block_r == W4_WGMMA_BLOCK_R and w.in_features % (8 * block_r) == 0
             and w.group_size % (8 * block_r) == 0
             and w.qweight.numel() < 2**31)
@@ -226,6 +228,6 @@ def w4a16_gemv_wgmma(x: torch.Tensor, w: QuantizedLinearWeights, packed: W4Wgmma
     ws, cnt = _workspace(x.device, split * M * N if split > 1 else 0, tiles)
     launch_kernel(_w4_gemv_wgmma_kernel, (tiles, split),
         x, packed.qweight, packed.zs, out, ws, cnt, M, N, K, x.stride(0), out.stride(0),
-        GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not _INTERPRET,
-        DOT_FP32=_INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))
+        GROUP_SIZE=w.group_size, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split, USE_ASM=not INTERPRET,
+        DOT_FP32=INTERPRET, num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device))
     return out

@@ -15,9 +15,11 @@ One module per stage:
                 sparse_attention (TorchBackend.sparse_attention's contract: selection + attention)
   _common.py    tiles of consecutive tokens, small helpers
 
-The modules' tuning constants are module globals read at call time. `set_knob` changes one (or a
-function that another module calls) for every module that reads it (tests); assigning to this
-package does not.
+The modules' tuning constants are module globals read at call time. `set_knob` / `knobs` change one
+(or a function that another module calls) for every module that reads it: the tests' seam for
+driving small inputs through the multi-split and multi-segment paths. The engine never changes them
+(they are constants, not user choices; those are KernelOptions, kernels/options.py); assigning to
+this package does not.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from salaserve.kernels.sparse._common import (LOG2E, _dot_precision, _pow2, _pre
 from salaserve.kernels.sparse.attention import (_PER_TOKEN_WARPS, SPARSE_FP8_STAGE_MAX_BYTES, SPARSE_WINDOW_LAUNCH,
                                                 SPARSE_WINDOW_TOKENS, _ascending_lists, _sparse_prefill_attn_kernel,
                                                 _sparse_window_attn_kernel, sparse_attention, sparse_prefill_attention)
-from salaserve.kernels.sparse.selection import (_INTERPRET, _SELECT_BUFFER_BYTES, FUSED_TOPK_MAX_BLOCKS,
+from salaserve.kernels.sparse.selection import (_SELECT_BUFFER_BYTES, FUSED_TOPK_MAX_BLOCKS,
                                                 STAGE1_PREFILL_LAUNCH, STAGE1_PREFILL_TILE, decode_select_meta,
                                                 prefill_width, select_blocks_decode, select_blocks_prefill)
 from salaserve.kernels.sparse.stage1 import (_LSE_BLOCK_N, _MAX_BLOCKS, _TARGET_PROGRAMS, _stage1_block_keys_kernel,

@@ -12,7 +12,8 @@ from salaserve.cache.pages import FP8_STAGE_MAX_BYTES, KVPool
 from salaserve.config import ModelConfig
 from salaserve.core.batch import ForwardBatch
 from salaserve.kernels._triton_utils import tl_dtype
-from salaserve.kernels.attention import _load_kv, _pool_args, dequantize_pages
+from salaserve.kernels.attention.common import _load_kv, _pool_args
+from salaserve.kernels.attention.kv_store import dequantize_pages
 from salaserve.kernels.sparse._common import LOG2E, _dot_precision, _load_q_rows, _pow2, _step_tiles, _tile_rows
 from salaserve.kernels.sparse.selection import select_blocks_prefill
 

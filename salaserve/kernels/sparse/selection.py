@@ -3,13 +3,12 @@ top-k (`topk.py`), for decode (one query per sequence) and for (chunked) prefill
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.config import SparseConfig
 from salaserve.core.batch import ForwardBatch
+from salaserve.kernels.options import INTERPRET
 from salaserve.kernels.sparse._common import _step_tiles
 from salaserve.kernels.sparse.stage1 import _LSE_BLOCK_N, _stage1_keys
 from salaserve.kernels.sparse.topk import _topk_blocks, topk_blocks, topk_pages, topk_pages_torch
@@ -30,7 +29,6 @@ FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
 # The prefill top-k (topk.topk_blocks) is one Triton kernel too, instead of _topk_blocks' torch ops
 # (topk, where, sort, where, pad; ~100 ms of a 128K prefill over 128 calls): 964 -> 263 us per 8K
 # chunk at 128K, the same blocks bit for bit. _topk_blocks stays as its reference and for CPU tensors.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU tensors run Triton kernels (tests)
 
 
 def decode_select_meta(seq_lens: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> tuple:
@@ -134,7 +132,7 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
                             (tile_seq[i:j], tile_tok0[i:j], tile_ntok[i:j]), hi - lo, lo, nb_out,
                             scale, block_t, bb, launch=STAGE1_PREFILL_LAUNCH, prompt_lens=batch.prompt_lens)
         lim = limit if isinstance(limit, int) else limit[lo:hi]
-        if keys.is_cuda or _INTERPRET:
+        if keys.is_cuda or INTERPRET:
             topk_blocks(keys, width, lim, qb[lo:hi], out=out[:, lo:hi])
         else:
             out[:, lo:hi] = _topk_blocks(keys, width, lim, qb[lo:hi])
