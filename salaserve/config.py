@@ -69,6 +69,20 @@ class SparseConfig:
         """C1 entries overlapping one block: indices [c1_per_block*b - pad, c1_per_block*(b+1) - 1]."""
         return self.c1_per_block + self.pool_padding
 
+    def prompt_class(self, prompt_len: int) -> int:
+        """What the values computed for a prompt's tokens depend on besides the tokens: the
+        stage-1 prompt rule (reference.visible_count) hides the newest C2 entry from every prompt
+        token when prompt_len = c2_kernel_stride - 1 (mod c2_kernel_stride), bit 0, and the newest
+        C1 entry when prompt_len = kernel_stride - 1 (mod kernel_stride), bit 1. Bit 1 is left
+        out (always 0) where it cannot change a selection: the hidden C1 entry's window ends in the
+        query's last kernel_stride tokens, so it pools into blocks qb-1 .. qb only, which are forced
+        (local window >= 1 block), when kernel_size + kernel_stride - 2 <= block_size (true for
+        the real and the preset configs). The prefix cache keys entries on it."""
+        c2 = int(prompt_len % self.c2_kernel_stride == self.c2_kernel_stride - 1)
+        c1 = int(prompt_len % self.kernel_stride == self.kernel_stride - 1)
+        c1_selects = self.kernel_size + self.kernel_stride - 2 > self.block_size
+        return c2 | (c1 << 1 if c1_selects else 0)
+
     def validate(self) -> None:
         s = self
         for name in ("kernel_size", "kernel_stride", "block_size", "topk", "window_size", "dense_len"):
@@ -462,7 +476,6 @@ class EngineArgs:
     plan_cache_dir: str | None = field(default_factory=default_plan_cache_dir)
     parallel_compile: bool = True  # the calibration compiles its candidates in a thread pool first
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
-    stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
     speculative_max_batch: int = 8  # no speculation when more requests decode at once

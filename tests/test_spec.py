@@ -94,6 +94,10 @@ def prompts():
             base = [rng.randrange(3, 8000) for _ in range(300)]
             L = rng.choice([5, 60, 100, 120, 127, 140, 260])
         out.append((base * 300)[:L])
+    # sparse prompts of 15 (mod 16) tokens: stage 1 hides a C2 entry from their prompt tokens (the
+    # prompt rule), never from verify or decode tokens, so verify still equals plain decoding
+    for L in (143, 271):
+        out.append(([rng.randrange(3, 8000) for _ in range(5)] * 60)[:L])
     return out
 
 

@@ -323,7 +323,8 @@ class Engine:
         prompts that start with them, if they are enough tokens, pages are to spare and a slot is
         free (the least recently used entry makes room)."""
         cache, sched = self.prefix_cache, self.scheduler
-        if not cache.wants(req.prompt_ids[:length]):
+        variant = self._prefix_variant(req, length)
+        if not cache.wants(req.prompt_ids[:length], variant):
             return
         pages = sched._pages_for(length)
         # only pages nobody needs soon: one per running request stays free for its next token
@@ -333,10 +334,28 @@ class Engine:
             self._drop_cached(cache.pop_lru())
         if not sched.states.num_free:
             return
-        entry = CachedPrompt(list(req.prompt_ids[:length]), sched.kv.allocator.alloc(pages), sched.states.alloc())
+        entry = CachedPrompt(list(req.prompt_ids[:length]), sched.kv.allocator.alloc(pages), sched.states.alloc(),
+                             variant=variant)
         self.runner.copy_caches(req.pages[:pages], req.state_slot, entry.pages, entry.state_slot)
         sched.compressed.on_extend(0, entry.length)
         cache.add(entry)
+
+    def _prefix_variant(self, req: Request, length: int) -> int | None:
+        """What req's caches after its first `length` tokens depend on besides the tokens: None
+        below dense_len (every chunk that computed them ended below it: dense attention), else its
+        prompt's stage-1 class (SparseConfig.prompt_class: whether stage 1 hid an entry from its
+        prompt tokens, reference.visible_count)."""
+        sc = self.cfg.sparse
+        return None if length < sc.dense_len else sc.prompt_class(req.num_prompt)
+
+    def _can_reuse(self, req: Request, entry: CachedPrompt) -> bool:
+        """Whether entry holds what req would compute for those tokens itself: the same prompt
+        class, and, where that class hides an entry, no token of req's output in it (req computes
+        its output tokens by the decode rule, the entry's prompt computed them as prompt tokens)."""
+        if entry.variant is None:
+            return True
+        return (entry.variant == self._prefix_variant(req, entry.length)
+                and (entry.variant == 0 or entry.length <= req.num_prompt))
 
     def _drop_cached(self, entry: CachedPrompt) -> None:
         self.scheduler.kv.allocator.free(entry.pages)
@@ -362,7 +381,7 @@ class Engine:
         for req in sched.waiting[:sched.max_running]:  # (those that could start soon)
             if not sched.reuses_prefix(req) or req.prefix_checked == cache.version:
                 continue
-            if (entry := cache.lookup(req.tokens)) is None:
+            if (entry := cache.lookup(req.tokens, lambda e: self._can_reuse(req, e))) is None:
                 # no entry is a prefix of it, but its common prefix with one may be long enough to
                 # keep: its prefill pauses there for a snapshot (the next such prompt reuses it)
                 if req.num_output == 0:

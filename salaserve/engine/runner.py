@@ -201,12 +201,16 @@ class ModelRunner:
                 real_rows.extend(range(base, base + len(ids)))
                 seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                     token_ids=ids + [ids[-1]] * pad, need_logits=True,
-                                    num_logits=len(ids) + pad, verify=True, pad_tokens=pad))
+                                    num_logits=len(ids) + pad, verify=True, pad_tokens=pad,
+                                    prompt_len=r.num_prompt))
                 continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
                                 need_logits=start + w.num_tokens == len(r.tokens) and not r.score_only,
-                                prompt_rows=prompt_logit_rows(r, start, w.num_tokens)))
+                                prompt_rows=prompt_logit_rows(r, start, w.num_tokens),
+                                # prompt tokens, the first time or recomputed after a preemption,
+                                # get the prompt's stage-1 rule; output tokens the decode rule
+                                prompt_len=r.num_prompt))
         sc = self.cfg.sparse
         padded = any(s.pad_tokens for s in seqs)
         pad_slot = self._scratch()[0] * sc.block_size if padded else None

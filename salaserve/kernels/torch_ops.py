@@ -185,7 +185,8 @@ class TorchBackend:
     def sparse_attention(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
                          cfg: ModelConfig):
         """Per sequence: dense causal attention while its total length < dense_len, else InfLLM-v2
-        (stage-1 scores with the C2 log-sum-exp, pooling, forced + top-k blocks, block-sparse
+        (stage-1 scores with the C2 log-sum-exp over the entries reference.visible_count shows each
+        token given its sequence's prompt length, pooling, forced + top-k blocks, block-sparse
         attention). q [N, Hq, d]; returns [N, Hq, d] in q.dtype."""
         sc = cfg.sparse
         scale = cfg.head_dim ** -0.5
@@ -206,8 +207,9 @@ class TorchBackend:
                 out[start:start + n] = spec.attention(qi, keys, values, causal[None], scale)
             else:
                 c1, c2 = comp.gather(layer, pages, L)
-                vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0])
-                vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0])
+                plen = batch.prompt_lens_host[i] if batch.prompt_lens_host else 0  # prompt tokens: prompt rule
+                vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0], plen)
+                vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], plen)
                 scores = spec.stage1_scores(qi, c1, c2, vis1, vis2, cfg.gqa_group_size, scale)
                 blocks = spec.select_blocks(scores, pos // sc.block_size, pages.numel(), sc)
                 allowed = blocks.repeat_interleave(sc.block_size, dim=-1)[..., :L] & causal[None]
