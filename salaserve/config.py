@@ -488,6 +488,10 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     warmup: bool = True  # on CUDA: run warm-up requests through the engine at start-up (engine/warmup.py)
     step_trace: str | None = None  # a file that gets one JSON line per engine step (scheduler trace)
+    # tensor parallelism: ranks that each hold 1/tp_size of the heads and MLP (one GPU each on CUDA,
+    # NCCL; processes on the CPU, gloo); rank 0 runs this engine, the others follow its steps
+    tp_size: int = 1
+    dist_timeout: float = 600.0  # seconds a rank waits for the others (rendezvous, collectives) before failing
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -525,5 +529,9 @@ class EngineArgs:
             raise ValueError(f"w4a16_prefill must be fp8 or bf16, got {self.w4a16_prefill!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout!r}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")

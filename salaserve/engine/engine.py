@@ -53,7 +53,12 @@ class Engine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         self.model_dir = args.model or default_model_dir()
-        self.runner = ModelRunner(args, self.model_dir)
+        if args.tp_size > 1:  # rank 0 here; ranks 1..N-1 in processes of their own
+            from salaserve.engine.tp_workers import start_runner
+
+            self.runner = start_runner(args, self.model_dir)
+        else:
+            self.runner = ModelRunner(args, self.model_dir)
         self.cfg = self.runner.cfg
         caches = self.runner.caches
         self.scheduler = Scheduler(caches.kv, caches.compressed, caches.states, args.max_running_requests,
@@ -87,6 +92,14 @@ class Engine:
         WATCH.mark_ready()  # from now on a kernel compile, autotune or graph capture is a cold path
         self._builds_seen = len(WATCH.events)
         self._trace = open(args.step_trace, "a", buffering=1) if args.step_trace else None
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their group (nothing to stop with one
+        rank). The engine takes no more steps afterwards."""
+        self.runner.shutdown()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids) -> list[int]:
