@@ -293,7 +293,8 @@ class ModelRunner:
     def _mirror(self, op: str, *args) -> None:
         """Rank 0: send `op` to the other ranks before running it (nothing elsewhere)."""
         if self.followers is not None:
-            zeroed, self._zeroed = self._zeroed, []
+            zeroed = list(self._zeroed)
+            self._zeroed.clear()  # in place: the state pool's on_alloc appends to this list
             self.followers.send((op, args, zeroed))
 
     def follow(self, op: str, args: tuple, zeroed: list[int]) -> None:

@@ -241,7 +241,9 @@ def start_runner(args: EngineArgs, model_dir: str):
         followers.stop()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        if failed and not isinstance(e, RankFailed):
+        # rank 0's own errors (a config or weights it cannot split) speak for themselves; a failed
+        # collective is explained by the rank that left it
+        if failed and isinstance(e, RuntimeError) and not isinstance(e, RankFailed):
             raise RankFailed(failed) from e
         raise
     import weakref

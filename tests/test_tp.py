@@ -1,0 +1,321 @@
+"""Tensor parallelism on the CPU (gloo): the sharding rules, the sharded model against the whole
+one, and --tp-size 2 engines (real processes) against --tp-size 1, token for token.
+
+Tolerances: sharding changes only the order of fp32 sums (the row-parallel linears' partial
+products, the Lightning o_norm's mean square), so TP=2 logits stay within LOGIT_ATOL of TP=1's
+(observed ~4e-6 on logits of magnitude ~13 for the default model). A wrong split (heads, slopes,
+groups) moves them by far more; test_rebuilt_slopes_would_be_caught shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.pages import KVPool
+from salaserve.cache.state import StatePool
+from salaserve.config import ModelConfig, alibi_slopes
+from salaserve.core.batch import ForwardBatch, SeqWork
+from salaserve.kernels.torch_ops import TorchBackend
+from salaserve.model.default import default_model_dir
+from salaserve.model.loader import load_state_dict
+from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
+from salaserve.parallel.ops import TensorParallelOps
+from salaserve.parallel.shard import (TPConfigError, check_tp, column_shard, row_shard,
+                                      shard_state_dict)
+from salaserve.quant.formats import QuantizedLinearWeights, QuantScheme, get, reorder_act_order
+
+LOGIT_ATOL = 1e-4  # fp32 logits, TP=2 vs TP=1 (module docstring)
+# one row-parallel linear: fp32 dot products of K = 256 terms summed in another order; outputs
+# reach ~20 here (randn x randn over 256 terms), so the bound is relative: ~80 ulp, plus 1e-5
+SUM_RTOL, SUM_ATOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def default_cfg():
+    return ModelConfig.from_pretrained(default_model_dir())
+
+
+# ---- one linear --------------------------------------------------------------------------------
+def _weights(fmt: str, n: int = 64, k: int = 256):
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    if fmt == "plain":
+        return w
+    return get(fmt).quantize(w, QuantScheme(fmt, group_size=64))
+
+
+def _dense(w):
+    return w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "bf16", "fp8", "w4a16"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_column_and_row_shards_are_the_whole_weight(fmt, size):
+    """Column shards are the weight's rows and row shards its columns, exactly (fp8 scales travel
+    with their rows, int4 groups with their columns); the row-parallel partial outputs add up to
+    the whole linear within SUM_RTOL / SUM_ATOL."""
+    w = _weights("plain") if fmt == "plain" else (
+        QuantizedLinearWeights.from_dense(_weights("plain")) if fmt == "bf16" else _weights(fmt))
+    full = _dense(w)
+    cols = [column_shard(w, r, size) for r in range(size)]
+    assert torch.equal(torch.cat([_dense(c) for c in cols]), full)
+    rows = [row_shard(w, r, size) for r in range(size)]
+    assert torch.equal(torch.cat([_dense(r) for r in rows], dim=1), full)
+    x = torch.randn(5, full.shape[1])
+    k = full.shape[1] // size
+    partial = sum(x[:, r * k:(r + 1) * k] @ _dense(rows[r]).t() for r in range(size))
+    torch.testing.assert_close(partial, x @ full.t(), atol=SUM_ATOL, rtol=SUM_RTOL)
+
+
+def test_w4a16_column_cut_inside_a_zero_word():
+    """Output cuts that are not multiples of 8 repack the int4 zero points."""
+    w = _weights("w4a16", n=24)
+    part = get("w4a16").slice_out(w, 4, 20)
+    assert torch.equal(part.dequantize(), w.dequantize()[4:20])
+
+
+def test_w4a16_row_shard_must_not_cut_a_group():
+    w = _weights("w4a16")  # K = 256 in groups of 64
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        row_shard(w, 1, 8)  # 32 columns a rank
+    act = reorder_act_order(QuantizedLinearWeights(
+        "w4a16", w.in_features, w.out_features, qweight=w.qweight, qzeros=w.qzeros, scales=w.scales,
+        g_idx=w.g_idx.flip(0).contiguous(), group_size=w.group_size, g_idx_trivial=False))
+    with pytest.raises(ValueError, match="act-order"):
+        row_shard(act, 0, 2)
+
+
+def test_state_dict_w4a16_group_error_names_the_linear(tiny_model_dir):
+    """The tiny preset's first o_proj has K = 128: 64 columns a rank at tp 2 cut its int4 groups of 128."""
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    w = load_state_dict(tiny_model_dir, cfg, dtype=torch.float32, quantization="w4a16")
+    with pytest.raises(TPConfigError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight.*group size"):
+        shard_state_dict(cfg, w, 0, 2)
+
+
+# ---- the model's splits --------------------------------------------------------------------------
+@pytest.mark.parametrize("size,field", [(3, "num_key_value_heads"), (4, "num_key_value_heads"),
+                                        (0, "positive integer")])
+def test_bad_tp_size_is_a_clear_error(default_cfg, size, field):
+    with pytest.raises(TPConfigError, match=field):
+        check_tp(default_cfg, size)
+
+
+def test_local_config_and_global_slopes(default_cfg):
+    """A rank's heads keep their global decay slopes (spec 4.3), not those of a 2-head model."""
+    cfg = default_cfg
+    assert cfg.lightning_nh == 4
+    slopes = torch.tensor(alibi_slopes(4), dtype=torch.float32)
+    for rank in range(2):
+        m = SalaModel(cfg, {}, None, torch.float32, "cpu", tp_rank=rank, tp_size=2)
+        assert torch.equal(m.log_decay, -slopes[2 * rank: 2 * rank + 2])
+        assert (m.cfg.num_attention_heads, m.cfg.num_key_value_heads, m.cfg.lightning_nh,
+                m.cfg.intermediate_size) == (2, 1, 2, cfg.intermediate_size // 2)
+        assert m.cfg.gqa_group_size == cfg.gqa_group_size and m.cfg.hidden_size == cfg.hidden_size
+    assert not torch.equal(SalaModel(cfg, {}, None, torch.float32, "cpu", 1, 2).log_decay,
+                           -torch.tensor(alibi_slopes(2)))
+
+
+# ---- the sharded model in one process: ranks as threads -------------------------------------------
+class ThreadGroup:
+    """A TPGroup stand-in for ranks that are threads of this process: all_reduce adds the ranks'
+    tensors in rank order (the same result on every rank, as a real all-reduce)."""
+
+    def __init__(self, shared: dict, rank: int, size: int):
+        self.shared, self.rank, self.size = shared, rank, size
+
+    def all_reduce(self, t):
+        s = self.shared
+        s["bufs"][self.rank] = t.clone()
+        s["barrier"].wait()
+        total = s["bufs"][0].clone()
+        for b in s["bufs"][1:]:
+            total += b
+        s["barrier"].wait()
+        return t.copy_(total)
+
+
+def _model(cfg, w, rank, size, group):
+    w = shard_state_dict(cfg, dict(w), rank, size)
+    ops = TorchBackend() if size == 1 else TensorParallelOps(TorchBackend(), group)
+    m = SalaModel(cfg, fuse_state_dict(cfg, w), ops, torch.float32, "cpu", rank, size)
+    lc, sc = m.cfg, cfg.sparse
+    ns, nl = len(cfg.sparse_layers), len(cfg.lightning_layers)
+    caches = Caches(kv=KVPool(ns, 64, sc.block_size, lc.num_key_value_heads, lc.head_dim, torch.float32, "cpu"),
+                    compressed=CompressedKeyPool(sc, ns, 64, lc.num_key_value_heads, lc.head_dim, torch.float32,
+                                                 "cpu"),
+                    states=StatePool(2, nl, lc.lightning_nh, lc.lightning_head_dim, torch.float32, "cpu"))
+    # the caches hold this rank's heads only
+    assert caches.kv.k.shape[3] == cfg.num_key_value_heads // size
+    assert caches.states.state.shape[2] == cfg.lightning_nh // size
+    return m, caches
+
+
+def _prefill_and_decode(m, caches, ids, steps):
+    sc = m.cfg.sparse
+    slot = caches.states.alloc()
+    pages = caches.kv.allocator.alloc(-(-(len(ids) + steps) // sc.block_size))
+    out = [m.forward(ForwardBatch.build([SeqWork(slot, pages, 0, ids, True)], sc.block_size, sc.dense_len, "cpu"),
+                     caches)]
+    for i in range(steps):  # fixed next tokens: every step compares the same inputs
+        work = [SeqWork(slot, pages, len(ids) + i, [5 + 37 * i], True)]
+        out.append(m.forward(ForwardBatch.build(work, sc.block_size, sc.dense_len, "cpu"), caches))
+    return torch.cat(out)
+
+
+def _sharded_logits(cfg, w, ids, steps, size=2):
+    shared = {"barrier": threading.Barrier(size, timeout=60), "bufs": [None] * size}
+    out, errors = [None] * size, []
+
+    def rank(r):
+        try:
+            m, caches = _model(cfg, w, r, size, ThreadGroup(shared, r, size))
+            out[r] = _prefill_and_decode(m, caches, ids, steps)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert all(torch.equal(out[0], o) for o in out[1:])  # every rank has the same logits
+    return out[0]
+
+
+# 600 tokens: past dense_len (256) and past the 13 blocks a query attends (1 init + 4 local + 8
+# top-k of 32 tokens), so the block selection really chooses
+LONG = [3 + (i * 7919) % 8000 for i in range(600)]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "w4a16"])
+def test_sharded_model_equals_whole_model(default_cfg, quantization):
+    cfg = default_cfg
+    w = load_state_dict(default_model_dir(), cfg, dtype=torch.float32, quantization=quantization)
+    for ids in (LONG, LONG[:40]):  # the sparse regime and a short dense prompt
+        whole = _prefill_and_decode(*_model(cfg, w, 0, 1, None), ids, 3)
+        sharded = _sharded_logits(cfg, w, ids, 3)
+        torch.testing.assert_close(sharded, whole, atol=LOGIT_ATOL, rtol=0)
+        assert torch.equal(sharded.argmax(-1), whole.argmax(-1))
+
+
+def test_rebuilt_slopes_would_be_caught(default_cfg, monkeypatch):
+    """The tolerance is tight enough to see the classic mistake: each rank's decay slopes rebuilt
+    for its local head count instead of sliced from the global heads."""
+    cfg = default_cfg
+    w = load_state_dict(default_model_dir(), cfg, dtype=torch.float32)
+    whole = _prefill_and_decode(*_model(cfg, w, 0, 1, None), LONG[:100], 0)
+    real_init = SalaModel.__init__
+
+    def rebuilt(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.log_decay = -torch.tensor(alibi_slopes(self.cfg.lightning_nh), dtype=torch.float32)
+
+    monkeypatch.setattr(SalaModel, "__init__", rebuilt)
+    wrong = _sharded_logits(cfg, w, LONG[:100], 0)
+    assert (wrong - whole).abs().max() > 100 * LOGIT_ATOL
+
+
+# ---- engines: real processes over gloo ------------------------------------------------------------
+PROMPTS = ["The quick brown fox", "Once upon a time, in a small village,", LONG]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("quantization", [None, "fp8", "w4a16"])
+def test_tp2_greedy_equals_tp1(quantization):
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    # a second round reuses state slots (zeroed on every rank) and starts from the prefix cache's
+    # copy of the long prompt (copied on every rank)
+    rounds = [PROMPTS, PROMPTS[:2] + [LONG + [11, 12, 13]]]
+    one = LLM(device="cpu", quantization=quantization, max_running_requests=4)
+    want = [[o.token_ids for o in one.generate(r, params)] for r in rounds]
+    with LLM(device="cpu", tp_size=2, quantization=quantization, max_running_requests=4, dist_timeout=60) as two:
+        pids = two.engine.runner.followers.pids
+        assert len(pids) == 1 and all(_alive(p) for p in pids)
+        got = [[o.token_ids for o in two.generate(r, params)] for r in rounds]
+        assert two.engine.stats["cached_prompt_tokens"] == len(LONG)
+    assert got == want
+    assert not any(_alive(p) for p in pids)  # shutdown leaves no process behind
+
+
+@pytest.mark.timeout(120)
+def test_tp2_speculative_verify_equals_tp1():
+    """NGRAM speculation: verify steps and the commit of accepted tokens run on every rank."""
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+
+    prompt = LONG[:64] * 3  # repeats, so prompt lookup finds drafts
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    kw = dict(device="cpu", speculative_algorithm="NGRAM", max_running_requests=2)
+    want = LLM(**kw).generate(prompt, params)[0].token_ids
+    with LLM(tp_size=2, dist_timeout=60, **kw) as two:
+        got = two.generate(prompt, params)[0].token_ids
+        assert two.engine.stats["spec_verify_steps"] > 0
+    assert got == want
+
+
+@pytest.mark.timeout(120)
+def test_bad_tp_size_refused_before_any_process():
+    from salaserve.engine.llm import LLM
+
+    import multiprocessing
+
+    before = set(p.pid for p in multiprocessing.active_children())
+    with pytest.raises(TPConfigError, match="tp_size 3 does not divide num_key_value_heads = 2"):
+        LLM(device="cpu", tp_size=3)
+    with pytest.raises(ValueError, match="tp_size must be a positive integer"):
+        LLM(device="cpu", tp_size=0)
+    assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+@pytest.mark.timeout(120)
+def test_quantization_that_cannot_split_is_reported_and_ranks_stop(tiny_model_dir):
+    """The tiny checkpoint's o_proj has K = 128: 64 a rank cuts int4 groups of 128. Rank 0 says
+    so itself, and its follower is gone afterwards."""
+    import multiprocessing
+
+    from salaserve.engine.llm import LLM
+
+    before = set(p.pid for p in multiprocessing.active_children())
+    with pytest.raises(TPConfigError, match="o_proj.*multiple of the group size"):
+        LLM(tiny_model_dir, device="cpu", tp_size=2, quantization="w4a16", dist_timeout=60)
+    assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_rank_is_reported_not_waited_for():
+    import signal
+
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+    from salaserve.engine.tp_workers import RankFailed
+
+    llm = LLM(device="cpu", tp_size=2, max_running_requests=2, dist_timeout=60)
+    try:
+        proc = llm.engine.runner.followers.procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        with pytest.raises(RankFailed, match="tensor-parallel rank 1 exited with code -9"):
+            llm.generate("Hello", SamplingParams(max_new_tokens=4))
+    finally:
+        llm.shutdown()
+    assert not _alive(proc.pid)
