@@ -229,10 +229,24 @@ PROMPTS = ["The quick brown fox", "Once upon a time, in a small village,", LONG]
 
 
 def _alive(pid: int) -> bool:
+    """pid runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
+
+
+def _all_gone(pids, wait_s: float = 10.0) -> bool:
+    """Whether every pid has exited, waiting up to wait_s for processes that are on their way out
+    (another process's helpers, e.g. multiprocessing's resource tracker, exit after their parent)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
     return True
 
 
@@ -319,3 +333,64 @@ def test_a_dead_rank_is_reported_not_waited_for():
     finally:
         llm.shutdown()
     assert not _alive(proc.pid)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_mid_step_is_reported_with_its_error():
+    """A follower that raises (here: an operation it does not know) sends its traceback and exits;
+    rank 0 reports it at its next send, or from the collective the rank left, never hangs."""
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+    from salaserve.engine.tp_workers import RankFailed
+
+    llm = LLM(device="cpu", tp_size=2, max_running_requests=2, dist_timeout=30)
+    try:
+        followers = llm.engine.runner.followers
+        followers.send(("no-such-op", (), []))
+        with pytest.raises(RankFailed, match="(?s)tensor-parallel rank 1.*unknown tensor-parallel operation"):
+            llm.generate("Hello", SamplingParams(max_new_tokens=4))
+    finally:
+        llm.shutdown()
+    assert not any(_alive(p) for p in followers.pids)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_serve_tp2_answers_as_tp1_and_leaves_no_process(tiny_model_dir, tmp_path):
+    import httpx
+    from server_utils import run_server, tiny_server_args
+
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+
+    prompt = list(range(5, 205))  # past the tiny preset's dense_len (128): sparse layers select blocks
+    want = LLM(tiny_model_dir, device="cpu", max_running_requests=2).generate(
+        prompt, SamplingParams(max_new_tokens=8, temperature=0.0))[0].token_ids
+    with run_server(tiny_server_args(tiny_model_dir, "--tp-size", "2", "--skip-server-warmup",
+                                     "--dist-timeout", "60"), str(tmp_path)) as server:
+        below = _descendants(server.proc.pid)
+        assert len(below) >= 2  # the engine process and tensor-parallel rank 1 (at least)
+        r = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0}}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()["output_ids"]
+    assert got == want
+    assert _all_gone(below)

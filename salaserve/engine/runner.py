@@ -259,7 +259,12 @@ class ModelRunner:
         if placeholders:
             batch.input_ids = resolve_placeholders(batch.input_ids, prev_tokens)
         self.last_batch = batch
-        logits = self.run_batch(batch)
+        try:
+            logits = self.run_batch(batch)
+        except RuntimeError as e:  # a collective that a dead rank left: say which rank
+            if self.followers is not None:
+                self.followers.raise_if_failed(e)
+            raise
         return logits if self.real_rows is None else logits[self.real_rows]
 
     def run_batch(self, batch: ForwardBatch) -> torch.Tensor:

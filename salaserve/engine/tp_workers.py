@@ -132,6 +132,18 @@ class Followers:
         bad = [self.describe(r) for r, p in enumerate(self.procs, start=1) if r in self.errors or p.exitcode is not None]
         return "; ".join(bad) or None
 
+    def raise_if_failed(self, error: BaseException, wait_s: float = 5.0) -> None:
+        """After a collective failed on rank 0: raise RankFailed naming the rank that left it (it
+        may take a moment to exit), or return if every follower is well."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = self.describe_failures()
+            if failed:
+                raise RankFailed(failed) from error
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every follower has built its runner (RankFailed if one fails or is silent)."""
         deadline = time.monotonic() + timeout_s
@@ -221,15 +233,22 @@ def follower_main(args: EngineArgs, model_dir: str, rank: int, init_method: str,
         conn.close()
 
 
+def check_layout(args: EngineArgs, model_dir: str) -> None:
+    """ValueError (TPConfigError for the model) unless tp_size ranks fit the device and the model."""
+    from salaserve.config import ModelConfig
+    from salaserve.parallel.shard import check_tp
+
+    rank_args(args, 0)
+    check_tp(ModelConfig.from_pretrained(model_dir), args.tp_size)
+
+
 def start_runner(args: EngineArgs, model_dir: str):
     """Rank 0's ModelRunner, with ranks 1..tp_size-1 started and ready (tp_size > 1). A model that
     does not split tp_size ways is refused before any process starts; a rank that fails at start-up
     is reported (RankFailed) and every rank is stopped."""
-    from salaserve.config import ModelConfig
     from salaserve.engine.runner import ModelRunner
-    from salaserve.parallel.shard import check_tp
 
-    check_tp(ModelConfig.from_pretrained(model_dir), args.tp_size)
+    check_layout(args, model_dir)
     args0 = rank_args(args, 0)
     threads = max(1, torch.get_num_threads() // args.tp_size) if args0.device == "cpu" else None
     followers = Followers.start(args, model_dir, threads)
