@@ -74,6 +74,8 @@ class ModelRunner:
         self._zeroed: list[int] = []  # state slots zeroed since the last message to the followers
         if args.tp_size > 1:
             check_tp(self.cfg, args.tp_size)
+            if self.device.type == "cuda":  # NCCL works on the current device: this rank's GPU
+                torch.cuda.set_device(self.device)
             self.tp = init_group(tp_rank, args.tp_size, backend_for(self.device), tp_init, args.dist_timeout)
         self.backend_name = resolve_backend_name(args.backend, self.device)
         backend = get_backend(self.backend_name, self.device, KernelOptions.from_engine_args(args))

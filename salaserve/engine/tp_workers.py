@@ -38,7 +38,7 @@ from salaserve.parallel.group import free_init_method
 
 log = logging.getLogger("salaserve")
 
-READY, ERROR, STOP = "ready", "error", "stop"
+STARTED, READY, ERROR, STOP = "started", "ready", "error", "stop"
 
 
 class RankFailed(RuntimeError):
@@ -144,15 +144,23 @@ class Followers:
                 return
             time.sleep(0.05)
 
+    def wait_started(self, timeout_s: float) -> None:
+        """Block until every follower is about to join the group: one that fails before (an import,
+        its arguments) is reported here instead of leaving rank 0 in the rendezvous until the timeout."""
+        self._wait_for(STARTED, timeout_s)
+
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every follower has built its runner (RankFailed if one fails or is silent)."""
+        self._wait_for(READY, timeout_s)
+
+    def _wait_for(self, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while True:
                 try:
                     if conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
                         kind, text = conn.recv()
-                        if kind == READY:
+                        if kind == what:
                             break
                         self.errors[rank] = text
                         raise RankFailed(self.describe(rank))
@@ -161,7 +169,7 @@ class Followers:
                 if p.exitcode is not None:
                     raise RankFailed(self.describe(rank))
                 if time.monotonic() >= deadline:
-                    raise RankFailed(f"tensor-parallel rank {rank} was not ready after {timeout_s:.0f} s")
+                    raise RankFailed(f"tensor-parallel rank {rank} was not {what} after {timeout_s:.0f} s")
 
     def send(self, msg) -> None:
         self.check()
@@ -208,6 +216,7 @@ def follower_main(args: EngineArgs, model_dir: str, rank: int, init_method: str,
     try:
         from salaserve.engine.runner import ModelRunner
 
+        conn.send((STARTED, None))
         runner = ModelRunner(args, model_dir, tp_rank=rank, tp_init=init_method)
         conn.send((READY, None))
         while True:
@@ -253,6 +262,7 @@ def start_runner(args: EngineArgs, model_dir: str):
     threads = max(1, torch.get_num_threads() // args.tp_size) if args0.device == "cpu" else None
     followers = Followers.start(args, model_dir, threads)
     try:
+        followers.wait_started(args.dist_timeout)
         runner = ModelRunner(args0, model_dir, tp_rank=0, tp_init=followers.init_method, followers=followers)
         followers.wait_ready(args.dist_timeout)
     except BaseException as e:
