@@ -140,13 +140,14 @@ class ThreadGroup:
         return t.copy_(total)
 
 
-def _model(cfg, w, rank, size, group):
+def _model(cfg, w, rank, size, group, kv_dtype=torch.float32):
     w = shard_state_dict(cfg, dict(w), rank, size)
     ops = TorchBackend() if size == 1 else TensorParallelOps(TorchBackend(), group)
     m = SalaModel(cfg, fuse_state_dict(cfg, w), ops, torch.float32, "cpu", rank, size)
     lc, sc = m.cfg, cfg.sparse
     ns, nl = len(cfg.sparse_layers), len(cfg.lightning_layers)
-    caches = Caches(kv=KVPool(ns, 64, sc.block_size, lc.num_key_value_heads, lc.head_dim, torch.float32, "cpu"),
+    caches = Caches(kv=KVPool(ns, 64, sc.block_size, lc.num_key_value_heads, lc.head_dim, kv_dtype, "cpu",
+                              compute_dtype=torch.float32),
                     compressed=CompressedKeyPool(sc, ns, 64, lc.num_key_value_heads, lc.head_dim, torch.float32,
                                                  "cpu"),
                     states=StatePool(2, nl, lc.lightning_nh, lc.lightning_head_dim, torch.float32, "cpu"))
@@ -168,13 +169,13 @@ def _prefill_and_decode(m, caches, ids, steps):
     return torch.cat(out)
 
 
-def _sharded_logits(cfg, w, ids, steps, size=2):
+def _sharded_logits(cfg, w, ids, steps, size=2, kv_dtype=torch.float32):
     shared = {"barrier": threading.Barrier(size, timeout=60), "bufs": [None] * size}
     out, errors = [None] * size, []
 
     def rank(r):
         try:
-            m, caches = _model(cfg, w, r, size, ThreadGroup(shared, r, size))
+            m, caches = _model(cfg, w, r, size, ThreadGroup(shared, r, size), kv_dtype)
             out[r] = _prefill_and_decode(m, caches, ids, steps)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -196,13 +197,17 @@ def _sharded_logits(cfg, w, ids, steps, size=2):
 LONG = [3 + (i * 7919) % 8000 for i in range(600)]
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8", "w4a16"])
-def test_sharded_model_equals_whole_model(default_cfg, quantization):
+@pytest.mark.parametrize("quantization,kv_dtype", [(None, torch.float32), ("fp8", torch.float32),
+                                                   ("w4a16", torch.float32), (None, torch.float8_e4m3fn)],
+                         ids=["fp32", "fp8-weights", "w4a16-weights", "fp8-kv"])
+def test_sharded_model_equals_whole_model(default_cfg, quantization, kv_dtype):
+    """fp32 on the CPU; weights unquantized or quantized on load; K/V pages in fp32 or fp8 (whose
+    scales are per page and KV head, so each rank's are the TP=1 scales of its heads)."""
     cfg = default_cfg
     w = load_state_dict(default_model_dir(), cfg, dtype=torch.float32, quantization=quantization)
     for ids in (LONG, LONG[:40]):  # the sparse regime and a short dense prompt
-        whole = _prefill_and_decode(*_model(cfg, w, 0, 1, None), ids, 3)
-        sharded = _sharded_logits(cfg, w, ids, 3)
+        whole = _prefill_and_decode(*_model(cfg, w, 0, 1, None, kv_dtype), ids, 3)
+        sharded = _sharded_logits(cfg, w, ids, 3, kv_dtype=kv_dtype)
         torch.testing.assert_close(sharded, whole, atol=LOGIT_ATOL, rtol=0)
         assert torch.equal(sharded.argmax(-1), whole.argmax(-1))
 
@@ -258,11 +263,14 @@ def test_tp2_greedy_equals_tp1(quantization):
 
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     # a second round reuses state slots (zeroed on every rank) and starts from the prefix cache's
-    # copy of the long prompt (copied on every rank)
+    # copy of the long prompt (copied on every rank). Unquantized, prefill chunks of 200 tokens make
+    # steps that mix the long prompt's chunks with the short prompts' decodes.
     rounds = [PROMPTS, PROMPTS[:2] + [LONG + [11, 12, 13]]]
-    one = LLM(device="cpu", quantization=quantization, max_running_requests=4)
+    kw = dict(device="cpu", quantization=quantization, max_running_requests=4,
+              chunked_prefill_size=200 if quantization is None else 8192)
+    one = LLM(**kw)
     want = [[o.token_ids for o in one.generate(r, params)] for r in rounds]
-    with LLM(device="cpu", tp_size=2, quantization=quantization, max_running_requests=4, dist_timeout=60) as two:
+    with LLM(tp_size=2, dist_timeout=60, **kw) as two:
         pids = two.engine.runner.followers.pids
         assert len(pids) == 1 and all(_alive(p) for p in pids)
         got = [[o.token_ids for o in two.generate(r, params)] for r in rounds]
@@ -285,6 +293,20 @@ def test_tp2_speculative_verify_equals_tp1():
         got = two.generate(prompt, params)[0].token_ids
         assert two.engine.stats["spec_verify_steps"] > 0
     assert got == want
+
+
+def test_rank_devices():
+    """Rank i on cuda:i; refused: more ranks than GPUs, one named GPU; the CPU when there is none."""
+    from salaserve.config import EngineArgs
+    from salaserve.engine.tp_workers import rank_args
+
+    args = EngineArgs(tp_size=2, device="cuda")
+    assert [rank_args(args, r, cuda_count=2).device for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_args(EngineArgs(tp_size=2, device="auto"), 1, cuda_count=0).device == "cpu"
+    with pytest.raises(ValueError, match="one GPU per rank, but 1 GPU"):
+        rank_args(args, 0, cuda_count=1)
+    with pytest.raises(ValueError, match="names one GPU"):
+        rank_args(EngineArgs(tp_size=2, device="cuda:1"), 0, cuda_count=2)
 
 
 @pytest.mark.timeout(120)

@@ -75,6 +75,9 @@ def init_group(rank: int, size: int, backend: str, init_method: str, timeout_s: 
         return SINGLE
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} outside [0, {size})")
+    if torch.distributed.is_initialized():  # the group is the process's default one
+        raise RuntimeError("a tensor-parallel engine is already running in this process (one per process): "
+                           "shut it down first (LLM.shutdown / Engine.shutdown)")
     torch.distributed.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                                          timeout=timedelta(seconds=timeout_s))
     return TPGroup(rank, size, backend, torch.distributed.group.WORLD)
