@@ -416,3 +416,29 @@ def test_serve_tp2_answers_as_tp1_and_leaves_no_process(tiny_model_dir, tmp_path
         got = r.json()["output_ids"]
     assert got == want
     assert _all_gone(below)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_exit_when_rank_0_is_killed(tmp_path):
+    """No orphans even when rank 0 cannot shut down: a follower sees its pipe close and exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leader.py"
+    script.write_text(
+        "import sys, time\n"
+        "from salaserve.engine.llm import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(device='cpu', tp_size=2, max_running_requests=1, dist_timeout=60)\n"
+        "    print(*llm.engine.runner.followers.pids, flush=True)\n"
+        "    time.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _all_gone(pids, wait_s=30)
