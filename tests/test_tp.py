@@ -309,6 +309,34 @@ def test_rank_devices():
         rank_args(EngineArgs(tp_size=2, device="cuda:1"), 0, cuda_count=2)
 
 
+def test_page_lists_travel_as_deltas():
+    """Rank 0 sends each slot's new pages only; a follower rebuilds the same lists, and starts over
+    for a new list object or a shorter list (a request that freed its pages)."""
+    from salaserve.engine.tp_workers import PageLists, PageSync
+
+    sync, lists = PageSync(), PageLists()
+
+    def step(*pairs):
+        seqs = [SeqWork(slot, pages, 0, [1], True) for slot, pages in pairs]
+        sent, starts = sync.encode(seqs)
+        got = lists.decode(sent, starts)
+        assert [w.pages for w in got] == [pages for _, pages in pairs]
+        return [len(w.pages) for w in sent], starts
+
+    a, b = [1, 2], [7]
+    assert step((0, a), (1, b)) == ([2, 1], [0, 0])
+    assert step((0, a), (1, b)) == ([0, 0], [2, 1])  # nothing new
+    a.extend([3, 4])
+    assert step((0, a)) == ([2], [2])
+    assert step((0, [9, 8])) == ([2], [0])  # a new list: from scratch
+    c = [5, 6, 7]
+    assert step((1, c)) == ([3], [0])
+    del c[1:]  # shorter (never done by the scheduler, but handled)
+    assert step((1, c)) == ([1], [0])
+    with pytest.raises(RuntimeError, match="out of step"):
+        PageLists().decode([SeqWork(3, [1], 0, [1], True)], [4])
+
+
 @pytest.mark.timeout(120)
 def test_bad_tp_size_refused_before_any_process():
     from salaserve.engine.llm import LLM

@@ -318,7 +318,8 @@ class ModelRunner:
 
     def _follow_forward(self, seqs: list[SeqWork], pad_slot: int | None, num_prev: int | None) -> None:
         sc = self.cfg.sparse
-        batch = ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot)
+        batch = ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
+                                   pages=self.page_mirror)
         if num_prev is not None:  # overlap scheduling: rank 0's sampled tokens, still on its device
             prev = self.tp.broadcast(torch.empty(num_prev, dtype=torch.int64, device=self.device))
             batch.input_ids = resolve_placeholders(batch.input_ids, prev)

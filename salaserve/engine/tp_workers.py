@@ -34,6 +34,7 @@ import traceback
 import torch
 
 from salaserve.config import EngineArgs
+from salaserve.core.batch import SeqWork
 from salaserve.parallel.group import free_init_method
 
 log = logging.getLogger("salaserve")
@@ -67,6 +68,54 @@ def rank_args(args: EngineArgs, rank: int, cuda_count: int | None = None) -> Eng
     return dataclasses.replace(args, device=f"cuda:{rank}")
 
 
+class PageSync:
+    """Rank 0's side of the page lists: per state slot, the list the followers hold and how much of
+    it, so that a step's message carries only the pages appended since (none for most decode steps;
+    a 128K-token sequence has 2048 pages, which pickled whole for a batch of 32 cost ~1 ms to send
+    and ~3 ms to read on the CPU). As PageTableMirror, it relies on a request's page list only
+    growing, and a request that frees its pages getting a new list: a different list object, or a
+    shorter one, is sent again from the start."""
+
+    def __init__(self):
+        self.owner: dict[int, list] = {}  # slot -> the list object last sent (held: its id is not reused)
+        self.synced: dict[int, int] = {}
+
+    def encode(self, seqs: list[SeqWork]) -> tuple[list[SeqWork], list[int]]:
+        """seqs with only their new pages, and where each one's new pages start (0: from scratch)."""
+        out, starts = [], []
+        for w in seqs:
+            s, pages = w.state_slot, w.pages
+            if self.owner.get(s) is not pages or self.synced[s] > len(pages):
+                self.owner[s], self.synced[s] = pages, 0
+            k = self.synced[s]
+            self.synced[s] = len(pages)
+            out.append(dataclasses.replace(w, pages=pages[k:]))
+            starts.append(k)
+        return out, starts
+
+
+class PageLists:
+    """A follower's side: every slot's page list, rebuilt from PageSync's deltas (extended in place,
+    so the runner's PageTableMirror copies only the new entries)."""
+
+    def __init__(self):
+        self.lists: dict[int, list] = {}
+
+    def decode(self, seqs: list[SeqWork], starts: list[int]) -> list[SeqWork]:
+        out = []
+        for w, start in zip(seqs, starts):
+            if start == 0:
+                self.lists[w.state_slot] = list(w.pages)
+            else:
+                held = self.lists.get(w.state_slot)
+                if held is None or len(held) != start:
+                    raise RuntimeError(f"slot {w.state_slot}: page list out of step with rank 0 "
+                                       f"({None if held is None else len(held)} pages held, delta from {start})")
+                held.extend(w.pages)
+            out.append(dataclasses.replace(w, pages=self.lists[w.state_slot]))
+        return out
+
+
 class Followers:
     """Ranks 1..N-1 as seen from rank 0: start, send, check, stop."""
 
@@ -75,6 +124,7 @@ class Followers:
         self.conns = conns
         self.init_method = init_method
         self.errors: dict[int, str] = {}  # rank -> what it reported before it died
+        self.pages = PageSync()
 
     @classmethod
     def start(cls, args: EngineArgs, model_dir: str, num_threads: int | None = None) -> "Followers":
@@ -172,7 +222,15 @@ class Followers:
                     raise RankFailed(f"tensor-parallel rank {rank} was not {what} after {timeout_s:.0f} s")
 
     def send(self, msg) -> None:
+        """One operation (op, args, zeroed slots) to every follower; a forward's page lists go as deltas."""
         self.check()
+        op, args, zeroed = msg
+        starts = None
+        if op == "forward":
+            seqs, *rest = args
+            seqs, starts = self.pages.encode(seqs)
+            args = (seqs, *rest)
+        msg = (op, args, zeroed, starts)
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns, start=1):
             try:
@@ -182,7 +240,7 @@ class Followers:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every follower and wait for it: politely, then terminate, then kill."""
-        data = pickle.dumps((STOP, (), []))
+        data = pickle.dumps((STOP, (), [], None))
         for conn in self.conns:
             try:
                 conn.send_bytes(data)
@@ -218,15 +276,19 @@ def follower_main(args: EngineArgs, model_dir: str, rank: int, init_method: str,
 
         conn.send((STARTED, None))
         runner = ModelRunner(args, model_dir, tp_rank=rank, tp_init=init_method)
+        pages = PageLists()
         conn.send((READY, None))
         while True:
             try:
-                op, op_args, zeroed = pickle.loads(conn.recv_bytes())
+                op, op_args, zeroed, starts = pickle.loads(conn.recv_bytes())
             except EOFError:  # rank 0 is gone
                 log.warning("rank 0 closed the pipe; rank %d exits", rank)
                 return
             if op == STOP:
                 return
+            if op == "forward":
+                seqs, *rest = op_args
+                op_args = (pages.decode(seqs, starts), *rest)
             runner.follow(op, op_args, zeroed)
     except BaseException:
         text = traceback.format_exc()
