@@ -470,3 +470,24 @@ def test_ranks_exit_when_rank_0_is_killed(tmp_path):
         proc.kill()
         proc.wait()
     assert _all_gone(pids, wait_s=30)
+
+
+@pytest.mark.timeout(180)
+def test_generate_cli_tp2():
+    import subprocess
+    import sys
+
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "salaserve.cli", "generate", "--device", "cpu", "--prompt", "Once upon a time",
+           "--max-new-tokens", "8"]
+    want = LLM(device="cpu", max_running_requests=1).generate("Once upon a time", SamplingParams(
+        max_new_tokens=8, temperature=0.0))[0].text
+    out = subprocess.run(cmd + ["--tp-size", "2"], capture_output=True, text=True, env=env, cwd=root, timeout=150)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "Once upon a time" + want + "\n"
+    bad = subprocess.run(cmd + ["--tp-size", "3"], capture_output=True, text=True, env=env, cwd=root, timeout=150)
+    assert bad.returncode == 2 and "tp_size 3 does not divide num_key_value_heads" in bad.stderr

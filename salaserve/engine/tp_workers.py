@@ -3,8 +3,8 @@
 Rank 0 is the engine's own process: it schedules, samples, and owns the page and slot allocators.
 Before each operation on the device caches (a forward, a cache copy, a verify commit) its runner
 sends the operation to every other rank: the step's SeqWork list (host data, from which each rank
-builds the same ForwardBatch) and the state slots it zeroed for new sequences since its last
-message. Each follower runs the operation on its shard, so all ranks join the same collectives in
+builds the same ForwardBatch; page lists as deltas, PageSync) and the state slots it zeroed for new
+sequences since its last message. Each follower runs the operation on its shard, so all ranks join the same collectives in
 the same order. Only rank 0 samples: after the all-reduces every rank has the same logits, so
 there is nothing for the others to decide; sampled tokens reach them in the next step's SeqWork,
 or (overlap scheduling) by a broadcast of rank 0's device tensor (runner.forward).
