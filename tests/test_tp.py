@@ -491,3 +491,18 @@ def test_generate_cli_tp2():
     assert out.stdout == "Once upon a time" + want + "\n"
     bad = subprocess.run(cmd + ["--tp-size", "3"], capture_output=True, text=True, env=env, cwd=root, timeout=150)
     assert bad.returncode == 2 and "tp_size 3 does not divide num_key_value_heads" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_the_main_guard_is_told_why(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("from salaserve.engine.llm import LLM\nLLM(device='cpu', tp_size=2, dist_timeout=30)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=100)
+    assert out.returncode != 0
+    assert "RankFailed: tensor-parallel rank 1" in out.stderr and "__main__" in out.stderr

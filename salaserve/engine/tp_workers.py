@@ -215,11 +215,18 @@ class Followers:
                         self.errors[rank] = text
                         raise RankFailed(self.describe(rank))
                 except (EOFError, OSError):
-                    raise RankFailed(self.describe(rank)) from None
+                    raise RankFailed(self._died_before(rank, what)) from None
                 if p.exitcode is not None:
-                    raise RankFailed(self.describe(rank))
+                    raise RankFailed(self._died_before(rank, what))
                 if time.monotonic() >= deadline:
                     raise RankFailed(f"tensor-parallel rank {rank} was not {what} after {timeout_s:.0f} s")
+
+    def _died_before(self, rank: int, what: str) -> str:
+        text = self.describe(rank)
+        if what == STARTED and rank not in self.errors:  # it never reached follower_main's first line
+            text += (" before it started: a script that makes LLM(tp_size=N) needs the `if __name__ == "
+                     "'__main__':` guard ('spawn' imports the main module again in each rank)")
+        return text
 
     def send(self, msg) -> None:
         """One operation (op, args, zeroed slots) to every follower; a forward's page lists go as deltas."""
