@@ -9,12 +9,16 @@ What each layer needs from this metadata:
   - positions: cache_len + depth (siblings share a position);
   - sparse layers: candidate i attends to the cache and to its ancestors only (`ancestor_mask`),
     and selects blocks as a decode query at its position;
-  - Lightning layers: o_i = gamma^(depth_i) q_i S0 + sum over ancestors j (and i) of
-    gamma^(depth_i - depth_j) (q_i . k_j) v_j: the chunk form of `lightning_verify` with the
-    causal mask replaced by `ancestor_mask` and t by the depth;
-  - commit: replay the accepted path's rows (`accept_greedy_tree` returns them), not a prefix.
-A backend that verifies trees says so (`supports_tree_verify`: the torch backend); on the others
-the engine verifies a tree drafter's `first_path()`, a chain. Chains always take the chain path.
+  - Lightning layers (root depth 0): o_i = scale (gamma^(depth_i + 1) q_i S0 + sum over j on
+    its path (the root, its ancestors, i) of gamma^(depth_i - depth_j) (q_i . k_j) v_j): the
+    chunk form of `lightning_verify` with the causal mask replaced by `ancestor_mask` and t by
+    the depth (its `tree` argument);
+  - commit: replay the accepted path's rows (`accept_greedy_tree` / `accept_sampling_tree` return
+    them), not a prefix: Lightning states and, since siblings share a position, the sparse
+    layers' K/V and compressed keys of the path.
+A backend that verifies trees says so (`supports_tree_verify`; the torch backend's ground truth is
+kernels/tree_verify.py); on the others the engine verifies a tree drafter's `first_path()`, a
+chain. Chains always take the chain path.
 """
 
 from __future__ import annotations
