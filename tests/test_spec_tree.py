@@ -318,3 +318,22 @@ def test_tree_pruning_and_paths():
     p1 = tree.pruned(1)
     assert p1.tokens == (5, 8, 6) and p1.parents == (-1, -1, -1)
     assert tree.pruned(0).tokens == () and tree.pruned(5) == tree
+
+
+def test_forward_batch_of_a_tree_verify():
+    """Tree rows sit at cache_len + depth (siblings share a position and its slot), the sequence
+    reaches the deepest candidate; chains build as before; trees are never padded."""
+    pages = [7, 3]  # block 16: positions 0-15 on page 7, 16-31 on page 3
+    tree = SeqWork(0, pages, 14, [1, 2, 3, 4, 5], need_logits=True, num_logits=5, verify=True,
+                   tree_parents=(-1, -1, 0, 2))
+    chain = SeqWork(1, pages, 10, [1, 2, 3], need_logits=True, num_logits=3, verify=True)
+    b = ForwardBatch.build([tree, chain], 16, 128, "cpu")
+    assert b.positions.tolist() == [14, 15, 15, 16, 17, 10, 11, 12]
+    assert b.slot_mapping.tolist()[:5] == [7 * 16 + 14, 7 * 16 + 15, 7 * 16 + 15, 3 * 16, 3 * 16 + 1]
+    assert b.seq_lens_host == [18, 13] and b.trees == [(-1, -1, 0, 2), None]
+    assert b.logits_indices.tolist() == list(range(8))
+    assert ForwardBatch.build([chain], 16, 128, "cpu").trees is None
+    bad = SeqWork(0, pages, 14, [1, 2, 3, 9], need_logits=True, num_logits=4, verify=True, pad_tokens=1,
+                  tree_parents=(-1, -1))
+    with pytest.raises(ValueError, match="draft tree"):
+        ForwardBatch.build([bad], 16, 128, "cpu", pad_slot=0)
