@@ -2,6 +2,7 @@
 plain decode of its path, the commit leaves the caches a decode of the accepted path would,
 greedy output equals plain decoding, tree sampling acceptance is exact, chains are unchanged."""
 
+import copy
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
 from salaserve.engine.runner import ModelRunner
 from salaserve.kernels import tree_verify
+from salaserve.model.reference import ReferenceModel
 from salaserve.spec.accept import accept_sampling_tree, target_probs
 from salaserve.spec.oracle import OracleDrafter, TreeOracleDrafter
 from salaserve.spec.tree import DraftTree
@@ -44,6 +46,11 @@ def runner(tiny_model_dir):
     args = EngineArgs(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch",
                       chunked_prefill_size=64, max_running_requests=4)
     return ModelRunner(args, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return ReferenceModel.from_pretrained(tiny_model_dir, dtype=torch.float32)
 
 
 def _forward(runner, work):
@@ -82,11 +89,12 @@ def _decode(runner, pages, slot, start, tokens, prompt_len):
 
 
 @pytest.mark.parametrize("prompt_len", [40, 125, 252], ids=["dense", "crosses-dense_len", "sparse"])
-def test_tree_rows_equal_decoding_their_paths(runner, prompt_len):
+def test_tree_rows_equal_decoding_their_paths(runner, reference, prompt_len):
     """Every row of a tree verify equals the plain decode of its root-to-row path. 40: dense;
     125: rows on both sides of dense_len (128) and a C2 entry born at depth 2; 252: top-k selects
-    8 of up to 17 blocks, and a C2 entry and a block are born at depth 3. Then the commit of a
-    path leaves the caches a decode of it would: the next token's logits and the states agree."""
+    8 of up to 17 blocks, and a C2 entry and a block are born at depth 3. The reference model
+    (the executable spec) decoding each path agrees too. Then the commit of a path leaves the
+    caches a decode of it would: the next token's logits and the states agree."""
     cfg = runner.cfg
     rng = random.Random(prompt_len)
     prompt = [rng.randrange(3, cfg.vocab_size) for _ in range(prompt_len)]
@@ -120,6 +128,17 @@ def test_tree_rows_equal_decoding_their_paths(runner, prompt_len):
                 p = torch.tensor(pages)[: -(-L // sc.block_size)]
                 for a, b in zip(got, (*kv.gather(layer, p, L), *comp.gather(layer, p, L))):
                     assert a.shape == b.shape and (a - b).abs().max().item() <= CACHE_ATOL
+
+        # and the executable spec agrees: ReferenceModel decoding each path after the whole prompt
+        state = reference.new_state()
+        reference.forward(prompt, state)
+        for r in range(len(tree) + 1):
+            st = copy.deepcopy(state)
+            path = [root] + [tree.tokens[j - 1] for j in tree.path_rows(r)[1:]]
+            for t in path:
+                want = reference.forward([t], st)[-1]
+            diff = (tree_logits[r] - want).abs().max().item()
+            assert diff <= LOGIT_ATOL, ("reference", r, diff)
 
         # commit the path root -> 1 -> 5 -> 8 (rows 0, 2, 6, 9), then decode one more token
         rows = tree.path_rows(9)
