@@ -92,7 +92,7 @@ def _decode(runner, pages, slot, start, tokens, prompt_len):
 def test_tree_rows_equal_decoding_their_paths(runner, reference, prompt_len):
     """Every row of a tree verify equals the plain decode of its root-to-row path. 40: dense;
     125: rows on both sides of dense_len (128) and a C2 entry born at depth 2; 252: top-k selects
-    8 of up to 17 blocks, and a C2 entry and a block are born at depth 3. The reference model
+    8 of up to 17 blocks, a C2 entry is born at depth 3 and a new block starts at depth 4. The reference model
     (the executable spec) decoding each path agrees too. Then the commit of a path leaves the
     caches a decode of it would: the next token's logits and the states agree."""
     cfg = runner.cfg
