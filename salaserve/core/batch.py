@@ -84,9 +84,22 @@ class SeqWork:
     # the request's prompt length: tokens at positions below it are prompt tokens, whose stage-1
     # visibility is the official single-shot prefill's (reference.visible_count); 0: none are
     prompt_len: int = 0
+    # verify of a draft tree (spec/tree.py): token_ids are the root (the pending token) and the
+    # candidates, tree_parents[i] the parent candidate of candidate i (-1: the root). Row r sits at
+    # position cache_len + its depth (siblings share one). None: a chain (rows in order).
+    tree_parents: tuple[int, ...] | None = None
+
+    def tree_depths(self) -> list[int]:
+        """Depth of every row of a tree verify (root 0)."""
+        out = [0]
+        for p in self.tree_parents:
+            out.append(out[p + 1] + 1)
+        return out
 
     @property
     def seq_len(self) -> int:
+        if self.tree_parents is not None:  # the positions reach the deepest candidate's
+            return self.cache_len + 1 + max(self.tree_depths())
         return self.cache_len + len(self.token_ids) - self.pad_tokens
 
 
@@ -129,6 +142,9 @@ class ForwardBatch:
     # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
     # dense_len / block_size wide; "sparse": any mix, page_table spans the context length.
     decode_mode: str | None = None
+    # per sequence: SeqWork.tree_parents (None: not a tree verify); None when no sequence is one.
+    # Only backends with supports_tree_verify get such batches.
+    trees: list | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -166,8 +182,14 @@ class ForwardBatch:
         else:
             ids_l, pos_l, slot_l, rows_l = [], [], [], []
             for i, w in enumerate(work):
+                if w.tree_parents is not None and (w.pad_tokens or not w.verify):
+                    raise ValueError("a draft tree is a verify sequence without filler tokens")
                 ids_l.extend(w.token_ids)
-                for p in range(w.cache_len, w.seq_len):
+                # a tree's rows sit at cache_len + depth: siblings share a position (and its slot,
+                # which the backend writes only for the accepted path, at the commit)
+                rows_pos = (range(w.cache_len, w.seq_len) if w.tree_parents is None
+                            else [w.cache_len + d for d in w.tree_depths()])
+                for p in rows_pos:
                     pos_l.append(p)
                     slot_l.append(w.pages[p // block_size] * block_size + p % block_size)
                 if w.pad_tokens:
@@ -202,6 +224,7 @@ class ForwardBatch:
             q_lens_host=q_lens, seq_lens_host=seq_lens, cache_lens_host=cache_lens, is_sparse_host=sparse,
             is_decode=is_decode, verify_host=[w.verify for w in work], spec_kv={}, derived={},
             token_seq=token_seq, seq_modes=seq_modes, prompt_lens=out[10], prompt_lens_host=prompt_lens,
+            trees=[w.tree_parents for w in work] if any(w.tree_parents is not None for w in work) else None,
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
@@ -230,5 +253,6 @@ class ForwardBatch:
             spec_kv=self.spec_kv, derived={},
             prompt_lens=self.prompt_lens[idx] if self.prompt_lens is not None else None,
             prompt_lens_host=[self.prompt_lens_host[i] for i in seqs] if self.prompt_lens_host else None,
+            trees=[self.trees[i] for i in seqs] if self.trees else None,
         )
         return sub, rows

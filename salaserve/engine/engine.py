@@ -29,9 +29,9 @@ from salaserve.engine.scheduler import Scheduler, ScheduledWork
 from salaserve.engine.warmup import warm_up_engine
 from salaserve.kernels.compile_watch import WATCH
 from salaserve.model.default import default_model_dir
-from salaserve.spec.accept import accept_greedy, accept_sampling, spec_generator
+from salaserve.spec.accept import accept_greedy, accept_sampling, accept_sampling_tree, spec_generator
 from salaserve.spec.ngram import NgramDrafter
-from salaserve.spec.tree import DraftTree
+from salaserve.spec.tree import DraftTree, accept_greedy_tree
 
 log = logging.getLogger("salaserve")
 
@@ -74,6 +74,8 @@ class Engine:
                       "shared_prefill_tokens": 0, "cached_prompt_tokens": 0}
         if args.speculative_algorithm == "NGRAM":
             self.scheduler.propose = self._propose_draft
+        # whether the backend verifies a drafter's DraftTree whole (else its first path)
+        self.tree_verify = bool(getattr(self.runner.model.ops, "supports_tree_verify", False))
         self.prefix_cache = PrefixCache(args.prefix_cache_slots, args.prefix_cache_min_tokens)
         self.scheduler.reclaim = self._reclaim_pages
         # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are
@@ -190,9 +192,11 @@ class Engine:
                           num_preemptions=req.num_preemptions)
 
     # ---- speculative decoding ----------------------------------------------------------------
-    def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
+    def _propose_draft(self, req: Request, n_decoding: int) -> list[int] | DraftTree:
         """N-gram draft for a decoding request; none for large batches, penalised or biased
-        sampling (the verify reads the raw logits), or where it would overshoot max_new_tokens."""
+        sampling (the verify reads the raw logits), or where it would overshoot max_new_tokens.
+        A drafter's DraftTree stays a tree where the backend verifies trees (cut to the depth that
+        cannot overshoot), else it becomes its first path; a chain always becomes a list."""
         args = self.args
         p = req.params
         if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
@@ -203,32 +207,40 @@ class Engine:
             req.spec_k = args.speculative_num_draft_tokens
         room = self._max_new_tokens(req) - req.num_output - 1
         draft = req.drafter.propose(req.tokens, min(req.spec_k, room))
-        if isinstance(draft, DraftTree):  # the kernels verify chains: a tree's first path
-            draft = draft.first_path()[:max(0, room)]
+        if isinstance(draft, DraftTree):
+            if self.tree_verify and not draft.is_chain:
+                tree = draft.pruned(max(0, room))
+                return list(tree.tokens) if tree.is_chain else tree
+            draft = draft.first_path()[:max(0, room)]  # (a chain's first path is the chain)
         return draft
 
     def make_drafter(self, req: Request):
         """The drafter of a request (replaceable, e.g. by an oracle in benchmarks and tests)."""
         return NgramDrafter(self.args.speculative_ngram_max, self.args.speculative_ngram_min)
 
-    def _verify(self, req: Request, logits, draft: list[int]) -> list[int]:
-        """Accepted drafts + the target's next token, and the adaptive draft length update."""
+    def _verify(self, req: Request, logits, draft: list[int],
+                tree: DraftTree | None = None) -> tuple[list[int], list[int] | None]:
+        """Accepted drafts + the target's next token, and the adaptive draft length update; for a
+        tree also the accepted path's verify rows (the commit replays them; None for a chain)."""
         p = req.params
-        if p.is_greedy:
-            new = accept_greedy(logits, draft)
+        gen = None if p.is_greedy else spec_generator(p, req.sampling.num_generated, logits.device,
+                                                      self.sampler._global_generator(logits.device))
+        rows = None
+        if tree is not None:
+            new, rows = accept_greedy_tree(logits, tree) if p.is_greedy else accept_sampling_tree(logits, tree, p, gen)
         else:
-            gen = spec_generator(p, req.sampling.num_generated, logits.device, self.sampler._global_generator(logits.device))
-            new = accept_sampling(logits, draft, p, gen)
+            new = accept_greedy(logits, draft) if p.is_greedy else accept_sampling(logits, draft, p, gen)
         accepted = len(new) - 1
         # adaptive depth: grow after a fully accepted draft, shrink towards what was accepted
         k_max = self.args.speculative_num_draft_tokens
-        req.spec_k = min(k_max, req.spec_k + 1) if accepted == len(draft) else max(1, accepted + 1)
+        full = tree.max_depth if tree is not None else len(draft)
+        req.spec_k = min(k_max, req.spec_k + 1) if accepted == full else max(1, accepted + 1)
         req.spec_verify_ct += 1
         req.spec_accepted += accepted
         self.stats["spec_verify_steps"] += 1
         self.stats["spec_draft_tokens"] += len(draft)
         self.stats["spec_accepted_tokens"] += accepted
-        return new
+        return new, rows
 
     @property
     def avg_spec_accept_length(self) -> float | None:
@@ -260,11 +272,11 @@ class Engine:
         row = 0
         for i, w in enumerate(work):
             req = w.req
-            if w.draft:  # verify: accept a prefix (the pending token + the accepted drafts)
-                new = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft)
+            if w.draft:  # verify: accept a prefix or a tree's path (the pending token + the accepted drafts)
+                new, path = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft, w.tree)
                 row += 1 + len(w.draft)
                 verified.append((req, new))
-                commits.append((i, req.state_slot, len(new)))
+                commits.append((i, req.state_slot, len(new) if path is None else path))
                 continue
             lo, hi = prompt_logit_rows(req, req.num_computed, w.num_tokens)
             if hi > lo:

@@ -206,8 +206,8 @@ class ModelRunner:
     def _verify_length(self, work: list[ScheduledWork]) -> int | None:
         """Tokens per sequence to pad an all-verify step to: the smallest bucket that holds its
         longest draft (None: no padding)."""
-        if not self.verify_buckets or not all(w.draft for w in work):
-            return None
+        if not self.verify_buckets or not all(w.draft for w in work) or any(w.tree for w in work):
+            return None  # (trees run eagerly: the verify graphs take chains)
         longest = max(1 + len(w.draft) for w in work)
         return next((n for n in self.verify_buckets if n >= longest), None)
 
@@ -226,7 +226,8 @@ class ModelRunner:
                 seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                     token_ids=ids + [ids[-1]] * pad, need_logits=True,
                                     num_logits=len(ids) + pad, verify=True, pad_tokens=pad,
-                                    prompt_len=r.num_prompt))
+                                    prompt_len=r.num_prompt,
+                                    tree_parents=w.tree.parents if w.tree is not None else None))
                 continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
@@ -289,12 +290,17 @@ class ModelRunner:
             t[:, b] = t[:, a]
         states.state[dst_slot] = states.state[src_slot]
 
-    def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
+    def commit_verified(self, commits: list[tuple]) -> None:
         """After a verify step (before the next forward): advance the Lightning states of the
         verified sequences by their accepted tokens. commits: (index in the step's work, state
-        slot, number of tokens)."""
+        slot, number of tokens), or for a tree verify (..., the accepted path's verify rows), whose
+        sparse-layer K/V and compressed keys are written now too."""
         self._mirror("commit_verified", commits)
-        self.model.ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
+        ops = self.model.ops
+        ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
+        trees = [c for c in commits if not isinstance(c[2], int)]
+        if trees:
+            ops.commit_tree_kv(self.caches.kv, self.caches.compressed, self.last_batch, trees)
 
     # ---- tensor parallelism: rank 0 sends each operation on the caches to the other ranks ------
     def _mirror(self, op: str, *args) -> None:

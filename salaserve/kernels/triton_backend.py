@@ -83,6 +83,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # int4 MLPs with a gate_up the dp2a epilogue cannot take whose down linear may take x rounded by
     # the silu_mul kernel: silu_mul stays before down at one row too (set by prepare_weights)
     _silu_before_down = False
+    # its verify kernels take chains (causal rows, prefix commits): the engine verifies a draft
+    # tree's first path here
+    supports_tree_verify = False
 
     def __init__(self, options: KernelOptions | None = None):
         self.options = options if options is not None else KernelOptions()
