@@ -506,3 +506,51 @@ def test_a_script_without_the_main_guard_is_told_why(tmp_path):
                          timeout=100)
     assert out.returncode != 0
     assert "RankFailed: tensor-parallel rank 1" in out.stderr and "__main__" in out.stderr
+
+
+@pytest.mark.timeout(180)
+def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir):
+    """Draft trees (spec/tree.py) verified on two ranks: the tree oracle hides the plain output among
+    wrong siblings, so greedy output must equal plain TP=1 decoding; each accepted path's commit
+    (Lightning states, sparse K/V, compressed keys) runs on every rank."""
+    import random
+
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.engine import Engine
+    from salaserve.spec.oracle import TreeOracleDrafter
+
+    rng = random.Random(5)
+    prompts = [([rng.randrange(3, 8000) for _ in range(7)] * 60)[:n] for n in (60, 140, 260)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    kw = dict(model=tiny_model_dir, device="cpu", dtype="float32", backend="torch", chunked_prefill_size=64,
+              max_running_requests=4)
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        outs = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs.setdefault(o.rid, []).extend(o.new_token_ids)
+        return outs
+
+    plain = run(Engine(**kw))
+    eng = Engine(tp_size=2, dist_timeout=60, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
+                 speculative_max_batch=8, **kw)
+    try:
+        assert eng.tree_verify
+        eng.make_drafter = lambda req: TreeOracleDrafter(req.num_prompt, plain[req.rid], eng.cfg.vocab_size,
+                                                         depth=4, width=3, miss_every=3, seed=0)
+        trees, build = [], eng.runner.build_batch
+
+        def spy(work):
+            batch = build(work)
+            trees.append(batch.trees)
+            return batch
+
+        eng.runner.build_batch = spy
+        assert run(eng) == plain
+        assert any(t is not None for t in trees)  # whole trees went to both ranks
+        assert eng.stats["spec_accepted_tokens"] > eng.stats["spec_verify_steps"] > 0
+    finally:
+        eng.shutdown()
