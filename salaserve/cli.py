@@ -40,6 +40,8 @@ def _cmd_generate(argv: list[str]) -> int:
     p.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor parallelism over N ranks (rank i on cuda:i, or CPU processes); must divide the KV heads")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights from config.json")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -59,9 +61,11 @@ def _cmd_generate(argv: list[str]) -> int:
     from salaserve.core.sampling_params import SamplingParams
     from salaserve.engine.llm import LLM
 
+    llm = None
     try:
         llm = LLM(a.model, device=a.device, backend=a.backend, load_format=a.load_format, dtype=a.dtype,
-                  quantization=a.quantization, max_running_requests=1, speculative_algorithm=a.speculative_algorithm,
+                  quantization=a.quantization, max_running_requests=1, tp_size=a.tp_size,
+                  speculative_algorithm=a.speculative_algorithm,
                   speculative_draft_model_path=a.speculative_draft_model_path,
                   speculative_num_draft_tokens=a.speculative_num_draft_tokens,
                   speculative_eagle_topk=a.speculative_eagle_topk)
@@ -77,6 +81,9 @@ def _cmd_generate(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         print(f"salaserve generate: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.shutdown()  # the tensor-parallel ranks (--tp-size > 1)
     print(a.prompt if not a.chat else "", end="")
     print(out.text)
     accept = llm.engine.avg_spec_accept_length

@@ -69,6 +69,20 @@ class SparseConfig:
         """C1 entries overlapping one block: indices [c1_per_block*b - pad, c1_per_block*(b+1) - 1]."""
         return self.c1_per_block + self.pool_padding
 
+    def prompt_class(self, prompt_len: int) -> int:
+        """What the values computed for a prompt's tokens depend on besides the tokens: the
+        stage-1 prompt rule (reference.visible_count) hides the newest C2 entry from every prompt
+        token when prompt_len = c2_kernel_stride - 1 (mod c2_kernel_stride), bit 0, and the newest
+        C1 entry when prompt_len = kernel_stride - 1 (mod kernel_stride), bit 1. Bit 1 is left
+        out (always 0) where it cannot change a selection: the hidden C1 entry's window ends in the
+        query's last kernel_stride tokens, so it pools into blocks qb-1 .. qb only, which are forced
+        (local window >= 1 block), when kernel_size + kernel_stride - 2 <= block_size (true for
+        the real and the preset configs). The prefix cache keys entries on it."""
+        c2 = int(prompt_len % self.c2_kernel_stride == self.c2_kernel_stride - 1)
+        c1 = int(prompt_len % self.kernel_stride == self.kernel_stride - 1)
+        c1_selects = self.kernel_size + self.kernel_stride - 2 > self.block_size
+        return c2 | (c1 << 1 if c1_selects else 0)
+
     def validate(self) -> None:
         s = self
         for name in ("kernel_size", "kernel_stride", "block_size", "topk", "window_size", "dense_len"):
@@ -462,7 +476,6 @@ class EngineArgs:
     plan_cache_dir: str | None = field(default_factory=default_plan_cache_dir)
     parallel_compile: bool = True  # the calibration compiles its candidates in a thread pool first
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
-    stage1_visibility: str = "causal"
     speculative_algorithm: str | None = None  # None | "NGRAM" | "EAGLE3"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step
     speculative_draft_model_path: str | None = None  # EAGLE3: the head's directory
@@ -479,6 +492,10 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     warmup: bool = True  # on CUDA: run warm-up requests through the engine at start-up (engine/warmup.py)
     step_trace: str | None = None  # a file that gets one JSON line per engine step (scheduler trace)
+    # tensor parallelism: ranks that each hold 1/tp_size of the heads and MLP (one GPU each on CUDA,
+    # NCCL; processes on the CPU, gloo); rank 0 runs this engine, the others follow its steps
+    tp_size: int = 1
+    dist_timeout: float = 600.0  # seconds a rank waits for the others (rendezvous, collectives) before failing
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -525,5 +542,9 @@ class EngineArgs:
             raise ValueError(f"w4a16_prefill must be fp8 or bf16, got {self.w4a16_prefill!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout!r}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")

@@ -28,22 +28,23 @@ def tiny_cfg(**sparse) -> ModelConfig:
     return dataclasses.replace(cfg, sparse=dataclasses.replace(cfg.sparse, **sparse)) if sparse else cfg
 
 
-def make_case(cfg: ModelConfig, seqs: list[tuple[int, int]], seed: int, dtype=torch.float32, device="cpu",
+def make_case(cfg: ModelConfig, seqs: list[tuple[int, ...]], seed: int, dtype=torch.float32, device="cpu",
               structured: bool = True, spare_pages: int = 3) -> dict:
     """Random K/V for every position of each sequence (cache_len + q_len tokens), C1/C2 built
     from them as the engine would, pages scattered randomly over the pool, and random queries
     for the q_len new tokens. `structured` adds a random per-block offset to the keys so that block
-    scores spread out (pure noise gives mostly tied bf16 scores, also worth testing)."""
+    scores spread out (pure noise gives mostly tied bf16 scores, also worth testing). A third
+    number in a sequence's tuple is its prompt length (SeqWork.prompt_len; default 0)."""
     sc = cfg.sparse
     g = torch.Generator().manual_seed(seed)
     bs, hkv, d = sc.block_size, cfg.num_key_value_heads, cfg.head_dim
-    need = [-(-(c + n) // bs) for c, n in seqs]
+    need = [-(-(c + n) // bs) for c, n, *_ in seqs]
     num_pages = sum(need) + spare_pages
     kv = KVPool(2, num_pages, bs, hkv, d, dtype, device)
     comp = CompressedKeyPool(sc, 2, num_pages, hkv, d, dtype, device)
     perm = torch.randperm(num_pages, generator=g).tolist()
     work, start = [], 0
-    for i, ((cache_len, q_len), n_pages) in enumerate(zip(seqs, need)):
+    for i, ((cache_len, q_len, *prompt_len), n_pages) in enumerate(zip(seqs, need)):
         pages = perm[start:start + n_pages]
         start += n_pages
         L = cache_len + q_len
@@ -64,7 +65,7 @@ def make_case(cfg: ModelConfig, seqs: list[tuple[int, int]], seed: int, dtype=to
                 j = torch.arange(c.shape[0])
                 pool[layer, pt[j // per_page].to(device), (j % per_page).to(device)] = c.to(device, dtype)
         work.append(SeqWork(state_slot=i, pages=pages, cache_len=cache_len, token_ids=[5] * q_len,
-                            need_logits=True))
+                            need_logits=True, prompt_len=prompt_len[0] if prompt_len else 0))
     batch = ForwardBatch.build(work, bs, sc.dense_len, device)
     n = batch.num_tokens
     q = torch.randn(n, cfg.num_attention_heads, d, generator=g)
@@ -80,9 +81,10 @@ def _seq_slices(batch: ForwardBatch):
         start += n
 
 
-def reference_block_scores(case: dict, decode: bool = False):
+def reference_block_scores(case: dict, decode: bool = False, natural: bool = False):
     """Per sequence: the reference block scores [G, T, nb] and selection mask [G, T, nb]
-    (decode=True: one query per sequence at its last position)."""
+    (decode=True: one query per sequence at its last position; natural=True: prompt tokens by
+    the decode rule, ignoring the sequence's prompt length, as a contrast)."""
     cfg, comp, batch, q = case["cfg"], case["comp"], case["batch"], case["q"]
     sc, scale, bs = cfg.sparse, cfg.head_dim ** -0.5, cfg.sparse.block_size
     out = []
@@ -92,8 +94,9 @@ def reference_block_scores(case: dict, decode: bool = False):
         c1, c2 = comp.gather(LAYER, pages, L)
         qi = q[i:i + 1] if decode else q[sl]
         pos = torch.tensor([L - 1], device=q.device) if decode else batch.positions[sl]
-        vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0])
-        vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0])
+        plen = 0 if natural else batch.prompt_lens_host[i]
+        vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0], plen)
+        vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], plen)
         scores = spec.stage1_scores(qi.float(), c1.float(), c2.float(), vis1, vis2, cfg.gqa_group_size, scale)
         bscores = spec.block_scores(scores, pos // bs, nb, sc)
         out.append((bscores, spec.select_from_block_scores(bscores, pos // bs, sc)))
@@ -158,11 +161,17 @@ def check_prefill_selection(case: dict, block_t: int = 4, bb: int = 32) -> dict:
     nb_out = max(-(-L // sc.block_size) for L in batch.seq_lens_host)
     tiles = ks.tile_tensors(ks._prefill_tiles(batch, block_t), q.device)
     keys = ks._stage1_keys(q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles,
-                           batch.num_tokens, 0, nb_out, scale, block_t, bb)
+                           batch.num_tokens, 0, nb_out, scale, block_t, bb, prompt_lens=batch.prompt_lens)
     kscores, kblocks = ks.unpack_keys(keys)
     stats = _new_stats()
-    stats.update(sorted_ok=True, width=idx.shape[-1], dense_rows_ok=True)
+    # natural_differ / natural_scores_differ: rows whose selection / block scores the natural rule
+    # (prompt lengths ignored) would change
+    stats.update(sorted_ok=True, width=idx.shape[-1], dense_rows_ok=True, natural_differ=0, natural_scores_differ=0)
+    naturals = reference_block_scores(case, natural=True) if any(batch.prompt_lens_host) else None
     for (i, sl, L), (bref, mref) in zip(_seq_slices(batch), reference_block_scores(case)):
+        if naturals is not None:
+            stats["natural_differ"] += int((naturals[i][1] != mref).any(-1).sum())
+            stats["natural_scores_differ"] += int((naturals[i][0] != bref).any(-1).sum())
         nb = bref.shape[-1]
         assert torch.equal(kblocks[:, sl, :nb].long(), torch.arange(nb, device=q.device).expand_as(bref))
         mine = _mask_from_idx(idx[:, sl], nb)
@@ -188,18 +197,23 @@ def check_decode_selection(case: dict, max_sel: int, bb: int = 16) -> dict:
     sc, scale = cfg.sparse, cfg.head_dim ** -0.5
     B, hkv = batch.num_seqs, cfg.num_key_value_heads
     table, count = ks.select_blocks_decode(q[:B], comp, LAYER, batch.page_table, batch.seq_lens, sc, scale,
-                                           max_sel, bb=bb)
+                                           max_sel, bb=bb, prompt_lens=batch.prompt_lens)
     ar = torch.arange(B, device=q.device, dtype=torch.int32)
     keys = ks._stage1_keys(q[:B], comp, LAYER, batch.page_table, batch.seq_lens, (batch.seq_lens - 1).long(),
                            (ar, ar, torch.ones_like(ar)), B, 0, batch.page_table.shape[1], scale, 1, bb,
-                           lse_per_split=ks._LSE_BLOCK_N)  # the partition select_blocks_decode uses
+                           lse_per_split=ks._LSE_BLOCK_N,  # the partition select_blocks_decode uses
+                           prompt_lens=batch.prompt_lens)
     kscores, _ = ks.unpack_keys(keys)
     stats = _new_stats()
     stats.update(layout_ok=(tuple(table.shape) == (B, hkv, max_sel) and table.dtype == torch.int32
                             and tuple(count.shape) == (B, hkv) and count.dtype == torch.int32),
-                 dense_rows_ok=True)
+                 dense_rows_ok=True, natural_differ=0, natural_scores_differ=0)
     table, count = table.cpu(), count.cpu()
+    naturals = reference_block_scores(case, decode=True, natural=True) if any(batch.prompt_lens_host) else None
     for (i, sl, L), (bref, mref) in zip(_seq_slices(batch), reference_block_scores(case, decode=True)):
+        if naturals is not None:
+            stats["natural_differ"] += int((naturals[i][1] != mref).any(-1).sum())
+            stats["natural_scores_differ"] += int((naturals[i][0] != bref).any(-1).sum())
         nb = bref.shape[-1]
         inv = {p: b for b, p in enumerate(batch.page_table[i, :nb].tolist())}  # page -> block
         mine = torch.zeros(hkv, 1, nb, dtype=torch.bool)
@@ -534,6 +548,64 @@ def check_prefill_topk_fused_vs_torch(case: dict, block_t: int = 8, bb: int = 4)
     return {"equal": bool(torch.equal(out["fused"], out["torch"])), "width": out["fused"].shape[-1], **calls}
 
 
+def check_overflow(cfg: ModelConfig, seed: int, block_t: int = 8, bb: int = 4) -> dict:
+    """D4: one sequence of 200 tokens whose C1 entry 9 (block 2, pooled into no other block) is a
+    spike along the queries' shared direction, so that for every query exp(s*q.C1 - lse) overflows
+    fp32 while the C2 entries (left as they are) keep lse small. check_prefill_selection's stats
+    (the kernel against the reference, +inf == +inf), plus: inf_rows, the (group, token) rows that
+    see the entry and whose kernel block-2 score is +inf, of `eligible`; chosen_rows, of those
+    with block 2 not forced (qb > 2 + local_blocks), the rows whose kernel selection has it."""
+    from salaserve.kernels import sparse as ks
+
+    case = make_case(cfg, [(0, 200)], seed=seed)
+    comp, batch, q = case["comp"], case["batch"], case["q"]
+    sc = cfg.sparse
+    page = int(batch.page_table[0, 2])
+    comp.c1[LAYER, page, 1] = 0.0
+    comp.c1[LAYER, page, 1, :, 0] = 60.0  # entry 9 = page 2's slot 1 (4 entries per 16-token page)
+    q[:, :, 0] += 10.0  # s * q.C1 ~ 0.25 * 10 * 60 = 150 > 88.7 + lse
+    stats = check_prefill_selection(case, block_t=block_t, bb=bb)
+    nb = -(-200 // sc.block_size)
+    tiles = ks.tile_tensors(ks._prefill_tiles(batch, block_t), q.device)
+    keys = ks._stage1_keys(q, comp, LAYER, batch.page_table, batch.seq_lens, batch.positions, tiles,
+                           batch.num_tokens, 0, nb, cfg.head_dim ** -0.5, block_t, bb)
+    kscores, _ = ks.unpack_keys(keys)
+    pos = batch.positions
+    sees = pos >= 9 * sc.kernel_stride + sc.kernel_size - 1  # entry 9's window ends at 43
+    idx = ks.select_blocks_prefill(q, comp, LAYER, batch, sc, cfg.head_dim ** -0.5, block_t=block_t, bb=bb)
+    free = pos // sc.block_size > 2 + sc.local_blocks
+    stats.update(eligible=int(sees.sum()) * kscores.shape[0],
+                 inf_rows=int((kscores[:, sees, 2] == float("inf")).sum()),
+                 free_rows=int(free.sum()) * kscores.shape[0],
+                 chosen_rows=int((idx[:, free] == 2).any(-1).sum()))
+    return stats
+
+
+def _part_prompt() -> dict:
+    """Stage-1 prompt rule (D1) and overflow (D4) cases. Tiny config: C1 stride 4, C2 stride 16,
+    so prompts of 15 (mod 16) tokens hide the newest C2 entry from their prompt tokens and
+    3 (mod 4) the newest C1 entry. (cache_len, q_len, prompt_len) per sequence."""
+    cfg = tiny_cfg()
+    res = {}
+    with _knobs(_TARGET_PROGRAMS=1):
+        # one-shot prompts at the C2 residue (143, 207) and a C1-only one (147)
+        res["prompt_oneshot"] = check_prefill_selection(
+            make_case(cfg, [(0, 143, 143), (0, 207, 207), (0, 147, 147)], seed=21), block_t=8, bb=4)
+        # chunks: ending at the prompt's end; inside a prompt, mid-page; one that crosses the prompt's
+        # end (a recompute: prompt tokens, then output tokens by the decode rule); a prompt of no lag
+        res["prompt_chunked"] = check_prefill_selection(
+            make_case(cfg, [(131, 12, 143), (250, 13, 271), (190, 20, 207), (127, 9, 136)], seed=22),
+            block_t=4, bb=8)
+        res["prompt_overflow"] = check_overflow(cfg, seed=23)
+        # selection + attention against TorchBackend.sparse_attention (which reads the host prompt lengths)
+        res["prompt_full"] = check_full(make_case(cfg, [(131, 12, 143), (190, 20, 207)], seed=25), block_t=8, bb=8)
+    # one-token rows: a prompt's last token alone in a step (prompt rule), decode rows (no lag)
+    with _knobs(_TARGET_PROGRAMS=48, _LSE_BLOCK_N=16):
+        rows = [(L - 1, 1, L) for L in range(143, 400, 32)] + [(300, 1, 143), (150, 1, 151), (146, 1, 147)]
+        res["prompt_decode"] = check_decode_selection(make_case(cfg, rows, seed=24), max_sel=16, bb=4)
+    return res
+
+
 def _part_topk() -> dict:
     res = {f"topk_pages_{s}": check_topk_pages(s) for s in range(3)}
     # 3 score levels over 40 blocks: the threshold score is shared by many blocks in most rows
@@ -588,7 +660,7 @@ def _torch_prefill_topk(part):
 
 
 PARTS = {"select": _torch_prefill_topk(_part_select), "attention": _torch_prefill_topk(_part_attention),
-         "topk": _part_topk, "topk_blocks": _part_topk_blocks}
+         "topk": _part_topk, "topk_blocks": _part_topk_blocks, "prompt": _torch_prefill_topk(_part_prompt)}
 
 if __name__ == "__main__":
     torch.manual_seed(0)

@@ -356,3 +356,56 @@ def test_verify_chunk_form_bounds_tokens():
     assert torch.equal(auto, loop)
     with pytest.raises(ValueError, match="at most 16"):
         lightning_verify(*args, keep[0], keep[1], impl="chunk")
+
+
+def test_verify_chunk_form_takes_draft_trees():
+    """The chunk form with a tree mask (lightning_verify's `tree`): every row of a draft tree equals
+    the recurrence along its root-to-row path from the live state (kernels/tree_verify.tree_gla,
+    the torch backend's ground truth), beside a chain verify and a plain decode in the same launch
+    whose results are those of the maskless form; the kept k/v replayed along the accepted path
+    (gathered to the front) equal the torch commit of those rows. fp32 at 1e-5."""
+    from salaserve.kernels.lightning_verify import (DECODE, VERIFY, lightning_commit, lightning_verify,
+                                                    tree_rows_meta)
+    from salaserve.kernels.tree_verify import tree_gla
+
+    gen = torch.Generator().manual_seed(14)
+    parents = (-1, -1, -1, 0, 0, 1, 3, 3, 5, 6)  # 11 rows, depth 4
+    lens, modes = [11, 4, 1], [VERIFY, VERIFY, DECODE]
+    trees = [parents, None, None]
+    pool, batch, q, k, v, qw, kw = _verify_setup(torch.float32, gen, lens)
+    depths = [0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]  # the tree's rows sit at cache_len + depth
+    positions = batch.positions.clone()
+    positions[:11] = positions[0] + torch.tensor(depths)
+    before = pool.state.clone()
+    scale, layer, log_decay = D ** -0.5, 1, _log_decay()
+    N = q.shape[0]
+    keep = [torch.zeros(2, N, H, D) for _ in range(2)]
+    mode_t = torch.tensor(modes, dtype=torch.int32)
+    args = (q, k, v, qw, kw, positions, batch.cu_seqlens_q)
+    o = lightning_verify(*args, mode_t, pool.state, batch.state_slots, layer, log_decay, scale, EPS, THETA,
+                         keep[0][layer], keep[1][layer], block_v=8, impl="chunk",
+                         tree=tree_rows_meta(lens, trees, "cpu"))
+    decoded = pool.state.clone()
+    qr, kr = TB.lightning_qk_norm_rope(q, k, qw, kw, positions, EPS, THETA)
+    slot0 = int(batch.state_slots[0])
+    o_ref = tree_gla(qr[:11].float(), kr[:11].float(), v[:11].float(), parents, log_decay, before[slot0, layer], scale)
+    assert max_err(o[:11], o_ref) < 1e-5
+    # the chain and the decode: what the maskless chunk form gives (state restored for the decode)
+    pool.state.copy_(before)
+    plain_keep = [torch.zeros(N, H, D) for _ in range(2)]
+    o_plain = lightning_verify(*args, mode_t, pool.state, batch.state_slots, layer, log_decay, scale, EPS, THETA,
+                               plain_keep[0], plain_keep[1], block_v=8, impl="chunk")
+    assert torch.equal(o[11:], o_plain[11:]) and torch.equal(decoded, pool.state)
+    # commit the path root -> 1 -> 5 -> 8 (rows 0, 2, 6, 9) of the tree, 2 tokens of the chain
+    rows = [0, 2, 6, 9]
+    pool.state.copy_(before)
+    for t in keep:
+        t[0] = t[layer]
+        t[:, :len(rows)] = t[:, rows].clone()  # the accepted path first, in order
+    counts = torch.tensor([len(rows), 2, 0], dtype=torch.int32)
+    lightning_commit(pool.state, batch.state_slots, batch.cu_seqlens_q, counts, keep[0], keep[1], log_decay, block_v=8)
+    ref = StatePool(1, 1, H, D, torch.float32, "cpu")
+    for lay in (0, 1):
+        ref.state[0, 0] = before[slot0, lay]
+        TB.gla_commit(ref, 0, 0, kr[rows].float(), v[rows].float(), log_decay, len(rows))
+        assert max_err(pool.state[slot0, lay], ref.state[0, 0]) < 1e-5

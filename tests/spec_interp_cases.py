@@ -67,13 +67,15 @@ def test_triton_verify_equals_plain_decoding(tmp_path, verify_kernels_only, kv_c
     with model-dtype and with fp8 KV pages (the verify tokens' K/V stored through the fp8 store
     kernel, filler tokens included).
     One prompt crosses dense_len inside a draft window, one is already sparse (5+ blocks, 3
-    selected), and the 70-token one is still prefilling (chunks of 64) while the others verify, so
+    selected), and the 95-token one is still prefilling (chunks of 64) while the others verify, so
     steps mix verify, decode and prefill sequences; all-verify steps are padded with filler tokens
-    to 2, 3, 5 or 7 tokens per sequence, as for the verify CUDA graphs."""
+    to 2, 3, 5 or 7 tokens per sequence, as for the verify CUDA graphs. The sparse prompts (79 and
+    95 tokens, = 15 mod 16) are where stage 1 hides the newest C2 entry from prompt tokens (the
+    prompt rule), which verify and decode tokens after them do not."""
     model_dir = _small_sparse_model(str(tmp_path / "model"))
     rng = random.Random(7)
     base = [rng.randrange(3, 8000) for _ in range(200)]
-    prompts = [([5, 9, 11] * 20)[:44], base[:66], base[80:150]]
+    prompts = [([5, 9, 11] * 20)[:44], base[:79], base[80:175]]
     plain, _ = _run(model_dir, "torch", prompts, 14, kv_cache_dtype=kv_cache_dtype)
     spec, eng = _run(model_dir, "triton", prompts, 14, conts=plain, pad_buckets=[2, 3, 5, 7],
                      kv_cache_dtype=kv_cache_dtype)

@@ -39,3 +39,13 @@ def test_append_keeps_other_configurations_of_the_same_workload(tmp_path):
     assert previous_configs(out, "soar", 0) == {}
     out.write_text("{not json")
     assert previous_configs(out, "soar-quick", 0) == {}
+
+
+def test_table_shows_what_was_built_after_ready():
+    from salaserve.bench.e2e import table
+
+    tier = {"duration_s": 10.0, "floor_s": 8.0, "floor_over_achieved": 0.8, "ttft_ms": {"p50": 1.0, "p90": 2.0},
+            "itl_ms": {"p50": 5.0, "p99": 9.0}, "max_ttft_excess_s": 0.5}
+    summary = {"configs": {"bf16": {"startup_s": 99.0, "cold_builds_after_ready": 0, "tiers": {"S1": tier}}}}
+    row = table(summary).splitlines()[-1]
+    assert row == "| bf16 | S1 | 10.0 | 8.0 | 0.80 | 1 / 2 | 5.0 / 9 | 0.5 | 99 | 0 |"

@@ -47,8 +47,10 @@ def capture_logits(engine):
     return seen
 
 
-def reference_greedy(ref, prompt, n):
-    state = ref.new_state()
+def reference_greedy(ref, prompt, n, prompt_len=None):
+    """Greedy decoding of the reference: the prompt in one call, then token by token (prompt_len=0:
+    the prompt's tokens by the decode rule of stage 1, as a contrast)."""
+    state = ref.new_state(prompt_len=prompt_len)
     logits = ref.forward(prompt, state)[-1]
     toks, rows = [], []
     for _ in range(n):
@@ -99,6 +101,69 @@ def test_greedy_matches_reference_staggered_batch(tiny_model_dir, reference):
             for a, b in zip(logits[f"r{i}"], want_rows):
                 assert (a - b).abs().max().item() <= LOGIT_TOL
     assert engine.resource_counters()["pages_used"] == 0
+
+
+# Tiny config: C2 stride 16, dense_len 128. Sparse prompts of 15 (mod 16) tokens are where stage 1
+# hides the newest C2 entry from every prompt token (the official single-shot prefill's mask, D1);
+# 131 = 3 (mod 4) only hides a C1 entry, which changes no selection.
+RESIDUE_PROMPTS = [143, 207, 271, 399, 131]
+
+
+@pytest.mark.parametrize("chunk", [1000, 64, 37])
+def test_prompt_rule_matches_reference_one_shot_and_chunked(tiny_model_dir, reference, chunk):
+    """D1 through the engine (torch backend): prompts at the residues, prefilled in one step, in
+    block-aligned chunks and in chunks of 37 (ends off the block grid), then decoded: the greedy
+    tokens and every sampled logits row equal the reference's one-shot prompt + decode. The
+    reference with the decode rule for the prompt (prompt_len=0) differs, so the rule is live."""
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=chunk, max_running_requests=8)
+    rng = random.Random(7)
+    prompts = random_prompts(len(RESIDUE_PROMPTS), engine.cfg.vocab_size, rng, RESIDUE_PROMPTS)
+    logits = capture_logits(engine)
+    n = 6
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+    outs = run_to_completion(engine)
+    natural_differs = 0
+    for i, prompt in enumerate(prompts):
+        want, want_rows = reference_greedy(reference, prompt, n)
+        assert [t for o in outs[f"r{i}"] for t in o.new_token_ids] == want, i
+        for a, b in zip(logits[f"r{i}"], want_rows, strict=True):
+            assert (a - b).abs().max().item() <= LOGIT_TOL, i
+        if chunk == 1000:
+            _, natural_rows = reference_greedy(reference, prompt, 1, prompt_len=0)
+            natural_differs += (natural_rows[0] - want_rows[0]).abs().max().item() > LOGIT_TOL
+    assert chunk != 1000 or natural_differs >= 3  # the C2 residues (the C1-only 131 gives equal logits)
+
+
+@pytest.mark.parametrize("cache_slots", [0, 4])
+def test_prompt_rule_survives_preemption(tiny_model_dir, reference, cache_slots):
+    """Requests with residue prompts preempted after a few output tokens recompute prompt + output
+    (prompt tokens by the prompt's rule, output tokens by the decode rule; with the prefix cache,
+    from their own cached prompt): the greedy tokens and their logprobs stay the reference's."""
+    rng = random.Random(8)
+    eng = make_engine(tiny_model_dir, chunked_prefill_size=64, overlap_schedule=False, prefix_cache_slots=cache_slots,
+                      prefix_cache_min_tokens=40)
+    prompts = random_prompts(3, eng.cfg.vocab_size, rng, [143, 207, 271])
+    n = 12
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, logprobs=True))
+    outs, lps = {}, {}
+    preempted = set()
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.rid, []).extend(o.new_token_ids)
+            lps.setdefault(o.rid, []).extend(lp for lp, _ in o.logprobs or [])
+        for rid, toks in outs.items():  # each request once, 3 to 5 tokens in: recomputed past its prompt
+            if rid not in preempted and len(toks) >= 3 + len(preempted) and rid in eng.requests:
+                eng.scheduler._preempt(eng.requests[rid])
+                preempted.add(rid)
+    assert len(preempted) == 3
+    assert (eng.stats["cached_prompt_tokens"] > 0) == bool(cache_slots)
+    for i, prompt in enumerate(prompts):
+        want, rows = reference_greedy(reference, prompt, n)
+        assert outs[f"r{i}"] == want, i
+        want_lps = [torch.log_softmax(r, -1)[t].item() for r, t in zip(rows, want)]
+        assert max(abs(a - b) for a, b in zip(lps[f"r{i}"], want_lps, strict=True)) <= LOGIT_TOL, i
 
 
 def test_preemption_keeps_outputs(tiny_model_dir):

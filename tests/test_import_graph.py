@@ -28,8 +28,9 @@ OUTSIDE = ("tools", "benchmarks")  # top-level packages of the repository, not i
 # (the bare "salaserve" entry matches the package's own __init__ only).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("salaserve._version", "salaserve.config", "salaserve.core")),
-    # siblings on core: the caches, the weight formats, speculative decoding's token logic
-    ("state", ("salaserve.cache", "salaserve.quant", "salaserve.spec")),
+    # siblings on core: the caches, the weight formats, speculative decoding's token logic,
+    # tensor parallelism's process group and sharding rules (parallel imports quant)
+    ("state", ("salaserve.cache", "salaserve.quant", "salaserve.spec", "salaserve.parallel")),
     ("model", ("salaserve.model",)),
     ("kernels", ("salaserve.kernels",)),
     ("engine", ("salaserve.engine",)),

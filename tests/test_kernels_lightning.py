@@ -535,9 +535,12 @@ def _verify_compile_cases():
 
     bf, i32, i64 = "*bf16", "*i32", "*i64"
     meta = dict(cu_ptr=i32, mode_ptr=i32, slot_ptr=i64)
+    chunk_ptrs = dict(meta, v_ptr=bf, ks_ptr=bf, vs_ptr=bf, depth_ptr=i32, anc_ptr=i32)
     return {
-        "verify_chunk": (LV._verify_chunk_kernel, dict(meta, v_ptr=bf, ks_ptr=bf, vs_ptr=bf),
-                         dict(D=128, BLOCK_V=32, BLOCK_T=16), 8, True),
+        "verify_chunk": (LV._verify_chunk_kernel, chunk_ptrs, dict(D=128, BLOCK_V=32, BLOCK_T=16, TREE=False), 8, True),
+        # with a draft tree's mask (depth and ancestor bits per row)
+        "verify_chunk_tree": (LV._verify_chunk_kernel, chunk_ptrs, dict(D=128, BLOCK_V=32, BLOCK_T=16, TREE=True), 8,
+                              True),
         "verify_loop": (LV._verify_kernel, dict(meta, q_ptr=bf, k_ptr=bf, v_ptr=bf, qw_ptr=bf, kw_ptr=bf, pos_ptr=i64,
                                                 ks_ptr=bf, vs_ptr=bf),
                         dict(HALF=64, BLOCK_V=32, X_DT=tl.bfloat16, QN_DT=tl.bfloat16, KN_DT=tl.bfloat16), 8, False),
@@ -546,7 +549,7 @@ def _verify_compile_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["verify_chunk", "verify_loop", "commit"])
+@pytest.mark.parametrize("name", ["verify_chunk", "verify_chunk_tree", "verify_loop", "commit"])
 def test_verify_kernels_compile_for_sm90_without_spills(name):
     """The speculative-verify kernels at the real shapes, compiled ahead of time for sm_90."""
     from kernel_checks import compile_sm90_without_spills

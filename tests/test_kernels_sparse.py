@@ -43,7 +43,7 @@ def interp():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     procs = {part: subprocess.Popen([sys.executable, os.path.join(HERE, "_sparse_kernel_cases.py"), part],
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for part in ("select", "attention", "topk", "topk_blocks")}
+             for part in ("select", "attention", "topk", "topk_blocks", "prompt")}
     results = {}
     for part, p in procs.items():
         out, err = p.communicate(timeout=600)
@@ -81,6 +81,35 @@ def test_decode_selection_of_long_sequences_matches_reference(interp):
     assert r["layout_ok"] and r["dense_rows_ok"], r
 
 
+@pytest.mark.parametrize("name", ["prompt_oneshot", "prompt_chunked"])
+def test_prefill_selection_follows_the_prompt_rule(interp, name):
+    """Stage 1 with each sequence's prompt length (D1): prompts at the C2 residue (15 mod 16 in the
+    tiny config) in one shot and in chunks, one crossing the prompt's end (a recompute). The kernel
+    equals the reference's prompt rule; the natural rule would give other block scores and other
+    selections in these rows, so the lag is exercised."""
+    r = interp[name]
+    _assert_selection(r, name)
+    assert r["rows_differ"] == 0 and r["score_exact"] == r["scores"], r
+    assert r["natural_scores_differ"] > 0 and r["natural_differ"] > 0, r
+
+
+def test_decode_selection_follows_the_prompt_rule(interp):
+    """One-token rows that are a prompt's last token (a one-token prefill chunk, possibly in a
+    CUDA-graph decode step) see the prompt rule; decode rows past the prompt see every entry."""
+    r = interp["prompt_decode"]
+    _assert_selection(r, "prompt_decode")
+    assert r["layout_ok"] and r["rows_differ"] == 0 and r["natural_scores_differ"] >= 18, r
+
+
+def test_stage1_overflow_stays_inf(interp):
+    """D4: a C1 entry whose exp(s*q.C1 - lse) overflows fp32 scores +inf in the kernel, as in the
+    reference (the official wrapper keeps +inf), so its block is chosen in every row where it is
+    not forced anyway."""
+    r = interp["prompt_overflow"]
+    _assert_selection(r, "prompt_overflow")
+    assert r["inf_rows"] == r["eligible"] > 0 and r["chosen_rows"] == r["free_rows"] > 0, r
+
+
 def test_prefill_selection_width_grows_for_dense_sequences(interp):
     assert interp["select_small_topk"]["width"] == 5  # topk 3 + 2 local blocks
     assert interp["select_chunked_struct"]["width"] == 8  # every sequence sparse: topk_eff
@@ -115,7 +144,7 @@ def test_sparse_prefill_attention_matches_twin(interp, name):
     assert r["dtype_ok"] and r["max_abs"] < 1e-5 and r["rel"] < 1e-5, r
 
 
-@pytest.mark.parametrize("name", ["full_chunked", "full_mixed", "full_oneshot", "full_mixed_window"])
+@pytest.mark.parametrize("name", ["full_chunked", "full_mixed", "full_oneshot", "full_mixed_window", "prompt_full"])
 def test_sparse_attention_matches_torch_backend(interp, name):
     r = interp[name]
     assert r["dtype_ok"], r
@@ -221,6 +250,22 @@ def test_gpu_prefill_selection_chunk_2048_at_16k():
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_selection_follows_the_prompt_rule():
+    """D1 at the real geometry: the last chunk of a 9023-token prompt (= 63 mod 64: stage 1 hides
+    the newest C2 entry from its tokens) and, as a one-token step, its last token."""
+    C, case = _real_case([(8192, 831, 9023)], seed=25)
+    r = C.check_prefill_selection(case)
+    assert r["sorted_ok"] and r["rule_mismatch"] == 0 and r["rows_unexplained"] == 0, r
+    assert r["score_exact"] >= 0.99 * r["scores"] and r["blocks_common"] >= 0.99 * r["blocks"], r
+    assert r["natural_scores_differ"] > 0, r
+    C, case = _real_case([(9022, 1, 9023), (9100, 1, 9023)], seed=26)
+    d = C.check_decode_selection(case, max_sel=128)
+    assert d["layout_ok"] and d["rule_mismatch"] == 0 and d["rows_unexplained"] == 0, d
+    assert d["score_exact"] >= 0.99 * d["scores"] and d["natural_scores_differ"] == 2, d  # the prompt row only
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_sparse_attention_chunk_2048_at_16k():
     C, case = _real_case([(16384, 2048), (9000, 300)], seed=23)
     r = C.check_attention(case)  # kernel vs torch twin on the same selection
@@ -322,7 +367,7 @@ def test_stage1_kernels_compile_for_sm90_without_spills(block_t, bb, warps, maxn
 
     i32 = "*i32"
     ptrs = dict(q_ptr="*bf16", c1_ptr="*bf16", c2_ptr="*bf16", page_table_ptr=i32, seq_lens_ptr=i32,
-                positions_ptr="*i64", tile_seq_ptr=i32, tile_tok0_ptr=i32, tile_ntok_ptr=i32, m_part_ptr="*fp32",
+                positions_ptr="*i64", prompt_lens_ptr=i32, tile_seq_ptr=i32, tile_tok0_ptr=i32, tile_ntok_ptr=i32, m_part_ptr="*fp32",
                 l_part_ptr="*fp32", keys_ptr=i32)
     keys = compile_sm90_without_spills(
         S._stage1_block_keys_kernel, ptrs, dict(GROUP=16, GP=16, D=128, BLOCK_T=block_t, BB=bb, C1PB=4, PAD=1, K1=32,

@@ -78,7 +78,13 @@ def test_cached_prefixes_give_the_uncached_outputs(tiny_model_dir):
         saved.append(cached.stats["cached_prompt_tokens"] - before)
         if i == 0:
             answer = got[0]
-    assert saved[:2] == [0, 0] and saved[2] >= len(system) and saved[3] >= len(system)
+    # the shared snapshot (150 tokens >= dense_len 128) was computed under the second prompt's
+    # stage-1 class (SparseConfig.prompt_class): the fourth prompt, 159 = 15 (mod 16) tokens, is of
+    # another one, computes its whole prompt and makes a snapshot of its own
+    sc = cached.cfg.sparse
+    assert [sc.prompt_class(len(p)) for p in prompts] == [0, 0, 0, 1]
+    assert saved[:2] == [0, 0] and saved[2] >= len(system) and saved[3] == 0
+    assert sorted(e.variant for e in cached.prefix_cache.entries if e.tokens == system) == [0, 1]
     second_turn = prompts[0] + answer + [rng.randrange(3, vocab - 8) for _ in range(20)]
     before = cached.stats["cached_prompt_tokens"]
     got, want = run(cached, "turn2", second_turn, 12), run(plain, "turn2", second_turn, 12)
@@ -91,6 +97,48 @@ def test_cached_prefixes_give_the_uncached_outputs(tiny_model_dir):
     assert cached.flush_cache() and not cached.prefix_cache.entries
     assert c.kv.allocator.num_used == 0 and c.compressed.entries_in_use == 0
     assert c.states.num_free == c.states.num_slots
+
+
+def test_entries_are_reused_within_a_prompt_class(tiny_model_dir):
+    """The stage-1 prompt rule hides a C2 entry from the prompt tokens of a prompt of 15 (mod 16)
+    tokens (tiny config), so cached values past dense_len (128) depend on the prompt's class: a
+    prompt reuses only an entry of its own class (or one shorter than dense_len, computed densely,
+    which fits any), and each class gets its snapshot of a shared prefix. Every output equals the
+    uncached engine's."""
+    cached, plain = make_engine(tiny_model_dir, prefix_cache_slots=16), make_engine(tiny_model_dir, prefix_cache_slots=0)
+    sc = cached.cfg.sparse
+    rng = random.Random(7)
+    vocab = cached.cfg.vocab_size
+
+    def tokens(n):
+        return [rng.randrange(3, vocab - 8) for _ in range(n)]
+
+    def check(rid, prompt, want_class, want_saved):
+        before = cached.stats["cached_prompt_tokens"]
+        got, want = run(cached, rid, prompt, 6), run(plain, rid, prompt, 6)
+        assert sc.prompt_class(len(prompt)) == want_class, rid
+        assert got[0] == want[0] and max(abs(a - b) for a, b in zip(got[1], want[1])) < LOGPROB_TOL, rid
+        assert cached.stats["cached_prompt_tokens"] - before == want_saved, rid
+        return got[0]
+
+    system = tokens(150)
+    check("a", system + tokens(9), 1, 0)  # 159: class 1, cached whole
+    check("b", system + tokens(20), 0, 0)  # 170: pauses at 150 for a class-0 snapshot
+    check("c", system + tokens(24), 0, 150)
+    check("d", system + tokens(41), 1, 0)  # 191: the class-0 snapshot does not fit; a class-1 one
+    check("e", system + tokens(57), 1, 150)
+    assert sorted(e.variant for e in cached.prefix_cache.entries if e.tokens == system) == [0, 1]
+    # a next turn of "a" in another class reuses the class-0 snapshot only; one in the same class
+    # reuses the whole of "a"
+    first = [e for e in cached.prefix_cache.entries if e.length == 159][0].tokens
+    check("a2", first + tokens(11), 0, 150)  # 170
+    check("a3", first + tokens(16), 1, 159)  # 175
+    # entries shorter than dense_len were computed densely and fit every class
+    short = tokens(100)
+    check("f", short + tokens(40), 0, 0)
+    check("g", short + tokens(30), 0, 0)  # pauses at 100: a snapshot with no class
+    check("h", short + tokens(43), 1, 100)
+    check("i", short + tokens(44), 0, 100)
 
 
 @pytest.mark.parametrize("spec", [False, True])

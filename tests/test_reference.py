@@ -21,8 +21,10 @@ def tiny_model(seed=0, **sparse_overrides) -> ReferenceModel:
     return ReferenceModel(cfg, w, dtype=torch.float32)
 
 
-def run_chunks(model, ids, bounds):
-    state = model.new_state()
+def run_chunks(model, ids, bounds, prompt_len=None):
+    """ids fed in the calls bounds[i]:bounds[i+1]; all of them are the prompt unless prompt_len
+    says where it ends (the rest are then output tokens, as in a recompute after a preemption)."""
+    state = model.new_state(prompt_len=bounds[-1] if prompt_len is None else prompt_len)
     return torch.cat([model.forward(ids[a:b], state) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
@@ -178,31 +180,128 @@ def test_stage1_normaliser_is_lse_over_c2():
         assert torch.allclose(s[kv, 0], want.to(torch.bfloat16).float())
 
 
-def test_kernel_visibility_quirk_option():
-    """Q3: the CUDA kernel's stage-1 mask lags by one entry when the call length is = stride-1
-    (mod stride); otherwise it equals the natural causal rule."""
-    S, K = 16, 32
-    for L in range(32, 300):
-        n = (L - K) // S + 1
-        natural = ref.visible_count(torch.arange(L), K, S, n)
-        kernel = ref.kernel_visible_count(L, K, S, n, "cpu")
-        if L % S == S - 1:
-            lag = natural - kernel
-            assert lag.min().item() == 0 and lag.max().item() == 1
-        else:
-            assert torch.equal(natural, kernel)
+# (kernel, stride) of C1 and C2: real (32/16, 128/64), tiny (8/4, 32/16), small (16/8, 64/32)
+GEOMETRIES = [(32, 16), (128, 64), (8, 4), (16, 8), (64, 32)]
 
+
+def entries(L, kernel, stride):
+    return max(0, (L - kernel) // stride + 1)
+
+
+@pytest.mark.parametrize("kernel,stride", GEOMETRIES)
+def test_prompt_rule_is_the_official_single_shot_mask(kernel, stride):
+    """D1: a prompt token sees what the official kernel's mask (mask.h, transcribed in
+    kernel_visible_count) shows it in ONE stage-1 call over the whole prompt (T = L), for every
+    prompt length: the natural rule, one entry fewer when L = stride - 1 (mod stride). Short
+    prompts included, where C truncation (T <= stride - 2) differs from Python's floor."""
+    for L in range(1, 6 * kernel + 3):
+        n = entries(L, kernel, stride)
+        pos = torch.arange(L)
+        mine = ref.visible_count(pos, kernel, stride, n, prompt_len=L)
+        assert torch.equal(mine, ref.kernel_visible_count(L, kernel, stride, n, "cpu")), L
+        natural = ref.visible_count(pos, kernel, stride, n)
+        lag = natural - mine
+        assert lag.max().item() == (1 if L % stride == stride - 1 and n > 0 else 0), L
+        # after the prompt (decode, verify, recomputed output) every complete entry is visible
+        after = torch.arange(L, L + 3 * stride)
+        n_after = entries(L + 3 * stride, kernel, stride)
+        assert torch.equal(ref.visible_count(after, kernel, stride, n_after, prompt_len=L),
+                           ref.visible_count(after, kernel, stride, n_after))
+        assert ref.visible_count(torch.tensor([L - 1]), kernel, stride, n).item() == n  # decode: all of them
+
+
+def test_kernel_visible_count_truncates_like_c():
+    """mask.h divides (T - S + 1) / S in C, toward zero: a call of 4 queries on top of a cache of
+    100 C1 entries shows 99 of them (Python's floor division would show all 100)."""
+    assert ref.kernel_visible_count(4, 32, 16, 100, "cpu").tolist() == [99] * 4
+    assert ref.kernel_visible_count(62, 128, 64, 10, "cpu").tolist() == [9] * 62
+    assert ref.kernel_visible_count(63, 128, 64, 10, "cpu").tolist() == [9] * 63  # (63 - 63) / 64 = 0
+
+
+def _stage1_case(L, seed):
+    """Random q / structured keys of a tiny-config sequence of L tokens: C1, C2, q, its blocks."""
+    sc = preset_config("tiny").sparse
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-L // sc.block_size)
+    keys = torch.randn(L, 2, 16, generator=g) + 2 * torch.randn(nb, 2, 16, generator=g).repeat_interleave(
+        sc.block_size, 0)[:L]
+    q = torch.randn(L, 8, 16, generator=g) + 1.5 * torch.randn(1, 8, 16, generator=g)
+    c1 = ref.compress_keys(keys, sc.kernel_size, sc.kernel_stride)
+    c2 = ref.compress_keys(keys, sc.c2_kernel_size, sc.c2_kernel_stride)
+    return sc, q, c1, c2, nb
+
+
+def _selection(L, seed, prompt_len):
+    sc, q, c1, c2, nb = _stage1_case(L, seed)
+    pos = torch.arange(L)
+    vis1 = ref.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0], prompt_len)
+    vis2 = ref.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], prompt_len)
+    scores = ref.stage1_scores(q, c1, c2, vis1, vis2, group=4, scale=0.25)
+    return scores, ref.select_blocks(scores, pos // sc.block_size, nb, sc)
+
+
+def test_prompt_rule_changes_selection_only_at_the_c2_residue():
+    """Tiny config (C1 stride 4, C2 stride 16): a prompt of L = 15 (mod 16) tokens hides the
+    newest C2 entry from every prompt token, which changes the C2 normaliser and so selections;
+    L = 3 (mod 4) alone hides the newest C1 entry, which lies in forced blocks: the stage-1 scores
+    change, the selection never does (SparseConfig.prompt_class leaves that bit out)."""
+    L = 399  # = 15 (mod 16), = 3 (mod 4)
+    s_prompt, sel_prompt = _selection(L, 1, prompt_len=L)
+    s_nat, sel_nat = _selection(L, 1, prompt_len=0)  # prompt_len 0: the natural rule everywhere
+    assert (sel_prompt != sel_nat).any(-1).sum().item() > 10
+    for L in (395, 391, 403):  # = 3 (mod 4), not 15 (mod 16)
+        s_prompt, sel_prompt = _selection(L, 2, prompt_len=L)
+        s_nat, sel_nat = _selection(L, 2, prompt_len=0)
+        assert not torch.equal(s_prompt, s_nat) and torch.equal(sel_prompt, sel_nat), L
+    sc = preset_config("tiny").sparse
+    assert [sc.prompt_class(L) for L in (399, 395, 400, 15)] == [1, 0, 0, 1]
+    full = preset_config("full").sparse
+    assert [full.prompt_class(L) for L in (9023, 9007, 9024, 63)] == [1, 0, 0, 1]
+
+
+def test_model_follows_the_prompt_rule_in_chunks_and_after_the_prompt():
+    """The model at a C2 residue (399 = 15 mod 16, sparse): the prompt rule changes the logits
+    against the natural rule (prompt_len=0); the prompt in uneven chunks, or token by token, gives
+    the one-shot logits; output tokens after it (decode, or recomputed with the prompt in one
+    call after a preemption) see every entry, so both schedules agree. At L = 3 (mod 4) only the
+    C1 lag applies and the logits are exactly the natural rule's."""
     base = tiny_model(seed=3)
-    quirk = ReferenceModel(base.config, base.w, stage1_visibility="kernel")
     vocab = base.config.vocab_size
-    # tiny strides are 4 (C1) and 16 (C2): lengths avoiding residues 3 mod 4 and 15 mod 16 agree
-    ids = torch.randint(3, vocab, (400,), generator=torch.Generator().manual_seed(6))
-    assert (base.forward(ids, base.new_state()) - quirk.forward(ids, quirk.new_state())).abs().max() <= TOL
-    ids = torch.randint(3, vocab, (399,), generator=torch.Generator().manual_seed(6))  # 399 = 15 mod 16
-    diff = (base.forward(ids, base.new_state()) - quirk.forward(ids, quirk.new_state())).abs().max()
-    assert diff > TOL  # the quirk changes block selection somewhere
-    with pytest.raises(ValueError):
-        ReferenceModel(base.config, base.w, stage1_visibility="nope")
+    ids = torch.randint(3, vocab, (399 + 6,), generator=torch.Generator().manual_seed(6))
+    prompt = ids[:399]
+    one_shot = run_chunks(base, prompt, [0, 399])
+    natural = run_chunks(base, prompt, [0, 399], prompt_len=0)
+    assert (one_shot - natural).abs().max() > TOL
+    for cuts in ([0, 131, 250, 251, 399], [0, 127, 128, 300, 398, 399]):  # chunk ends off the block grid
+        assert (run_chunks(base, prompt, cuts) - one_shot).abs().max() <= TOL, cuts
+    # decode after the prompt vs a recompute of prompt + output in one call (prompt_len = 399)
+    decoded = run_chunks(base, ids, [0, 399] + list(range(400, 406)), prompt_len=399)
+    recomputed = run_chunks(base, ids, [0, 405], prompt_len=399)
+    assert (decoded - recomputed).abs().max() <= TOL
+    assert (decoded[:399] - one_shot).abs().max() <= TOL
+    ids = torch.randint(3, vocab, (395,), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(run_chunks(base, ids, [0, 395]), run_chunks(base, ids, [0, 395], prompt_len=0))
+
+
+def test_stage1_overflow_stays_inf_and_rows_without_c2_are_zero():
+    """D4: an fp32 overflow of exp(a - lse) stays +inf (the official wrapper maps only NaN to 0),
+    a row that sees no C2 entry scores 0 everywhere (the kernel returns before writing)."""
+    q = torch.zeros(2, 4, 8)
+    q[:, :, 0] = 10.0
+    c1 = torch.zeros(3, 2, 8)
+    c1[1, :, 0] = 100.0  # s*q.c1 = 0.5 * 10 * 100 = 500 >> 88.7 + lse
+    c2 = torch.zeros(2, 2, 8)
+    s = ref.stage1_scores(q, c1, c2, torch.tensor([3, 3]), torch.tensor([2, 0]), group=2, scale=0.5)
+    assert s[:, 0, 1].isinf().all() and (s[:, 0, 1] > 0).all()
+    assert torch.equal(s[:, 0, [0, 2]], torch.full((2, 2), 2 * 0.5).to(torch.bfloat16).float())  # exp(0 - log 2) x 2 heads
+    assert (s[:, 1] == 0).all()  # no visible C2 entry
+    # a +inf block is selected like a forced one, before any finite score
+    sc = dataclasses.replace(preset_config("full").sparse, topk=3, window_size=64)  # forced 0, 8, 9; topk_eff 4
+    scores = torch.zeros(1, 1, 4 * 10)
+    scores[0, 0, 4 * 3] = float("inf")
+    scores[0, 0, 4 * 5 + 1] = 7.0
+    chosen = ref.select_blocks(scores, torch.tensor([9]), 10, sc)[0, 0]
+    assert set(torch.nonzero(chosen).flatten().tolist()) == {0, 3, 8, 9}
 
 
 def test_bf16_reference_tracks_fp32():

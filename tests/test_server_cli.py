@@ -64,7 +64,8 @@ def test_kernel_option_flags_become_kernel_options():
     assert opts.plan_dir() is None and opts.w4_wgmma and opts.parallel_compile and opts.w4a16_prefill == "fp8"
 
 
-@pytest.mark.parametrize("argv", [["--tp-size", "2"], ["--max-running-requests", "0"], ["--backend", "cuda"],
+@pytest.mark.parametrize("argv", [["--tp-size", "0"], ["--tp-size", "2", "--dp-size", "2"],
+                                  ["--max-running-requests", "0"], ["--backend", "cuda"],
                                   ["--port", "http"], ["--quantize-lm-head"], ["--dp-size", "0"]])
 def test_unservable_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -87,7 +87,9 @@ def summarize_config(name: str, result: dict, cfg: ModelConfig, ceil: Ceilings, 
     s1 = [r for r in tiers.get("S1", {}).get("per_request", []) if r["success"]]
     # the measured single-request prefill rate (S1: nothing else queued or decoding beside it)
     rate = (sum(r["ttft_s"] for r in s1) / sum(r["prompt_len"] for r in s1)) if s1 else None
-    out = {"server_args": result.get("server_args"), "startup_s": result.get("startup_s"), "tiers": {}}
+    after = result.get("server_info_after") or {}
+    out = {"server_args": result.get("server_args"), "startup_s": result.get("startup_s"),
+           "cold_builds_after_ready": after.get("cold_builds_after_ready"), "tiers": {}}
     for tier, t in tiers.items():
         recs = t["per_request"]
         shapes = [Shape(r["prompt_len"], r["output_len"]) for r in recs]
@@ -159,7 +161,7 @@ def previous_configs(out_json: Path, workload: str, seed: int) -> dict:
 def table(summary: dict) -> str:
     """Markdown: per configuration and tier, seconds beside the floor, TTFT / ITL tails."""
     lines = ["| config | tier | duration s | floor s | floor/achieved | TTFT p50 / p90 ms | ITL p50 / p99 ms | "
-             "max TTFT excess s | start-up s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "max TTFT excess s | start-up s | built after ready |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, c in summary["configs"].items():
         for tier, t in c["tiers"].items():
             ttft, itl = t["ttft_ms"] or {}, t["itl_ms"] or {}
@@ -168,5 +170,6 @@ def table(summary: dict) -> str:
                 f"{t['floor_over_achieved'] or 0:.2f} | {ttft.get('p50', 0):.0f} / {ttft.get('p90', 0):.0f} | "
                 f"{itl.get('p50', 0):.1f} / {itl.get('p99', 0):.0f} | "
                 f"{'-' if t['max_ttft_excess_s'] is None else format(t['max_ttft_excess_s'], '.1f')} | "
-                f"{'-' if c['startup_s'] is None else format(c['startup_s'], '.0f')} |")
+                f"{'-' if c['startup_s'] is None else format(c['startup_s'], '.0f')} | "
+                f"{'-' if c.get('cold_builds_after_ready') is None else c['cold_builds_after_ready']} |")
     return "\n".join(lines)

@@ -119,6 +119,8 @@ def run_bench(cfg: RunConfig, argv: list[str]) -> dict:
             print(f"{tier}: {s['successes']}/{s['requests']} ok, duration {s['duration_s']:.2f} s, "
                   f"{'-' if tput is None else f'{tput:.1f}'} output tok/s, "
                   f"lengths exact: {s['length_check']['ok']}", flush=True)
+        # what the server built after it reported ready (a cold path the tiers hit; 0 expected)
+        result["server_info_after"] = _server_config(url)
     finally:
         if server is not None:
             server.stop()

@@ -16,6 +16,9 @@ class StatePool:
         self.num_slots = num_slots
         self.state = torch.zeros(num_slots, n_layers, heads, head_dim, head_dim, dtype=dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
+        # called with each slot alloc() zeroes (tensor parallelism: rank 0 tells the other ranks,
+        # whose pools are not allocated from)
+        self.on_alloc = None
 
     @staticmethod
     def bytes_per_slot(n_layers, heads, head_dim, dtype) -> int:
@@ -34,6 +37,8 @@ class StatePool:
             return None
         slot = self._free.pop()
         self.state[slot].zero_()  # a new sequence starts from S = 0
+        if self.on_alloc is not None:
+            self.on_alloc(slot)
         return slot
 
     def free(self, slot: int) -> None:

@@ -81,9 +81,25 @@ class SeqWork:
     # verify the same number of tokens (one CUDA graph); they repeat the last real position, store
     # their k/v on the batch's pad slot, and are not part of the sequence
     pad_tokens: int = 0
+    # the request's prompt length: tokens at positions below it are prompt tokens, whose stage-1
+    # visibility is the official single-shot prefill's (reference.visible_count); 0: none are
+    prompt_len: int = 0
+    # verify of a draft tree (spec/tree.py): token_ids are the root (the pending token) and the
+    # candidates, tree_parents[i] the parent candidate of candidate i (-1: the root). Row r sits at
+    # position cache_len + its depth (siblings share one). None: a chain (rows in order).
+    tree_parents: tuple[int, ...] | None = None
+
+    def tree_depths(self) -> list[int]:
+        """Depth of every row of a tree verify (root 0)."""
+        out = [0]
+        for p in self.tree_parents:
+            out.append(out[p + 1] + 1)
+        return out
 
     @property
     def seq_len(self) -> int:
+        if self.tree_parents is not None:  # the positions reach the deepest candidate's
+            return self.cache_len + 1 + max(self.tree_depths())
         return self.cache_len + len(self.token_ids) - self.pad_tokens
 
 
@@ -117,10 +133,18 @@ class ForwardBatch:
     token_seq: torch.Tensor | None = None
     seq_modes: torch.Tensor | None = None
     derived: dict = None  # per-step tensors kernels derive once and share across layers
+    # [B] int32 (and its host mirror): each sequence's prompt length (SeqWork.prompt_len). Stage 1
+    # shows its tokens below it the official single-shot prefill's entries, one fewer than the
+    # natural rule when it is = stride - 1 (mod stride) (reference.visible_count); None: 0.
+    prompt_lens: torch.Tensor | None = None
+    prompt_lens_host: list[int] | None = None
     # Set only for CUDA-graph decode batches, whose host mirrors are placeholders: kernels must then
     # read the device tensors alone. "dense": every sequence is below dense_len and page_table is
     # dense_len / block_size wide; "sparse": any mix, page_table spans the context length.
     decode_mode: str | None = None
+    # per sequence: SeqWork.tree_parents (None: not a tree verify); None when no sequence is one.
+    # Only backends with supports_tree_verify get such batches.
+    trees: list | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -158,8 +182,14 @@ class ForwardBatch:
         else:
             ids_l, pos_l, slot_l, rows_l = [], [], [], []
             for i, w in enumerate(work):
+                if w.tree_parents is not None and (w.pad_tokens or not w.verify):
+                    raise ValueError("a draft tree is a verify sequence without filler tokens")
                 ids_l.extend(w.token_ids)
-                for p in range(w.cache_len, w.seq_len):
+                # a tree's rows sit at cache_len + depth: siblings share a position (and its slot,
+                # which the backend writes only for the accepted path, at the commit)
+                rows_pos = (range(w.cache_len, w.seq_len) if w.tree_parents is None
+                            else [w.cache_len + d for d in w.tree_depths()])
+                for p in rows_pos:
                     pos_l.append(p)
                     slot_l.append(w.pages[p // block_size] * block_size + p % block_size)
                 if w.pad_tokens:
@@ -174,9 +204,10 @@ class ForwardBatch:
             ids, pos = np.array(ids_l, dtype=np.int64), np.array(pos_l, dtype=np.int64)
             slot_map, logit_rows = np.array(slot_l, dtype=np.int64), np.array(rows_l, dtype=np.int64)
         sparse = [L >= dense_len for L in seq_lens]
+        prompt_lens = [w.prompt_len for w in work]
         fields = [ids, pos, cu, np.array(seq_lens, dtype=np.int32), np.array(cache_lens, dtype=np.int32), table,
                   slot_map, np.array([w.state_slot for w in work], dtype=np.int64), np.array(sparse, dtype=np.bool_),
-                  logit_rows]
+                  logit_rows, np.array(prompt_lens, dtype=np.int32)]
         token_seq = seq_modes = None
         verify = any(w.verify for w in work)
         if verify:
@@ -186,13 +217,14 @@ class ForwardBatch:
                                    dtype=np.int32))
         out = to_device(fields, device)
         if verify:
-            token_seq, seq_modes = out[10], out[11]
+            token_seq, seq_modes = out[11], out[12]
         return cls(
             input_ids=out[0], positions=out[1], cu_seqlens_q=out[2], seq_lens=out[3], cache_lens=out[4],
             page_table=out[5], slot_mapping=out[6], state_slots=out[7], is_sparse=out[8], logits_indices=out[9],
             q_lens_host=q_lens, seq_lens_host=seq_lens, cache_lens_host=cache_lens, is_sparse_host=sparse,
             is_decode=is_decode, verify_host=[w.verify for w in work], spec_kv={}, derived={},
-            token_seq=token_seq, seq_modes=seq_modes,
+            token_seq=token_seq, seq_modes=seq_modes, prompt_lens=out[10], prompt_lens_host=prompt_lens,
+            trees=[w.tree_parents for w in work] if any(w.tree_parents is not None for w in work) else None,
         )
 
     def subset(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
@@ -219,5 +251,8 @@ class ForwardBatch:
             is_decode=all(n == 1 for n in q_lens),
             verify_host=[self.verify_host[i] for i in seqs] if self.verify_host else None,
             spec_kv=self.spec_kv, derived={},
+            prompt_lens=self.prompt_lens[idx] if self.prompt_lens is not None else None,
+            prompt_lens_host=[self.prompt_lens_host[i] for i in seqs] if self.prompt_lens_host else None,
+            trees=[self.trees[i] for i in seqs] if self.trees else None,
         )
         return sub, rows

@@ -29,7 +29,9 @@ from salaserve.kernels.compile_watch import WATCH
 log = logging.getLogger("salaserve")
 
 BUFFERS_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
-BUFFERS_PER_SEQ = ("seq_lens", "cache_lens", "state_slots", "is_sparse")
+# prompt_lens: a graph step's token is a prompt token when it is a one-token prefill chunk, whose
+# stage-1 rule needs its prompt's length (decode and verify tokens lie past it: the decode rule)
+BUFFERS_PER_SEQ = ("seq_lens", "cache_lens", "state_slots", "is_sparse", "prompt_lens")
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -86,6 +88,7 @@ class StepGraphs:
             "cache_lens": torch.zeros(n, dtype=i32, device=device),
             "state_slots": torch.zeros(n, dtype=i64, device=device),
             "is_sparse": torch.zeros(n, dtype=torch.bool, device=device),
+            "prompt_lens": torch.zeros(n, dtype=i32, device=device),
         }
         # per tokens-per-sequence layouts (constant): offsets, the sequence of each row, logit rows
         self.layouts = {}
@@ -121,6 +124,7 @@ class StepGraphs:
             q_lens_host=[tokens] * bs, seq_lens_host=[1] * bs, cache_lens_host=[0] * bs, is_sparse_host=[False] * bs,
             is_decode=not verify, decode_mode="dense" if mode == "dense" else "sparse", verify_host=[verify] * bs, spec_kv={}, derived={},
             token_seq=lay["token_seq"][:nt] if verify else None, seq_modes=self.verify_modes[:bs] if verify else None,
+            prompt_lens=b["prompt_lens"][:bs], prompt_lens_host=[0] * bs,
         )
 
     def _fill_padding(self, start: int, end: int, tokens: int = 1) -> None:
@@ -136,6 +140,7 @@ class StepGraphs:
         b["cache_lens"][start:end] = 0
         b["state_slots"][start:end] = self.scratch_slot
         b["is_sparse"][start:end] = False
+        b["prompt_lens"][start:end] = 0
         for t in self.tables.values():
             t[start:end] = 0
             t[start:end, 0] = self.scratch_page

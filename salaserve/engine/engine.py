@@ -31,9 +31,9 @@ from salaserve.kernels.compile_watch import WATCH
 from salaserve.model.default import default_model_dir
 from salaserve.model.eagle3 import load_eagle3
 from salaserve.model.eagle3_drafter import Eagle3Drafter
-from salaserve.spec.accept import accept_greedy, accept_sampling, spec_generator
+from salaserve.spec.accept import accept_greedy, accept_sampling, accept_sampling_tree, spec_generator
 from salaserve.spec.ngram import NgramDrafter
-from salaserve.spec.tree import DraftTree
+from salaserve.spec.tree import DraftTree, accept_greedy_tree
 
 log = logging.getLogger("salaserve")
 
@@ -55,7 +55,12 @@ class Engine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         self.model_dir = args.model or default_model_dir()
-        self.runner = ModelRunner(args, self.model_dir)
+        if args.tp_size > 1:  # rank 0 here; ranks 1..N-1 in processes of their own
+            from salaserve.engine.tp_workers import start_runner
+
+            self.runner = start_runner(args, self.model_dir)
+        else:
+            self.runner = ModelRunner(args, self.model_dir)
         self.cfg = self.runner.cfg
         caches = self.runner.caches
         self.scheduler = Scheduler(caches.kv, caches.compressed, caches.states, args.max_running_requests,
@@ -74,6 +79,8 @@ class Engine:
             self.eagle_head = self._load_eagle_head()
         if args.speculative_algorithm in ("NGRAM", "EAGLE3"):
             self.scheduler.propose = self._propose_draft
+        # whether the backend verifies a drafter's DraftTree whole (else its first path)
+        self.tree_verify = bool(getattr(self.runner.model.ops, "supports_tree_verify", False))
         self.prefix_cache = PrefixCache(args.prefix_cache_slots, args.prefix_cache_min_tokens)
         self.scheduler.reclaim = self._reclaim_pages
         # Overlap scheduling: step N+1 is scheduled, built and launched before step N's tokens are
@@ -92,6 +99,14 @@ class Engine:
         WATCH.mark_ready()  # from now on a kernel compile, autotune or graph capture is a cold path
         self._builds_seen = len(WATCH.events)
         self._trace = open(args.step_trace, "a", buffering=1) if args.step_trace else None
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their group (nothing to stop with one
+        rank). The engine takes no more steps afterwards."""
+        self.runner.shutdown()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_prompt(self, prompt_ids) -> list[int]:
@@ -183,9 +198,11 @@ class Engine:
                           num_preemptions=req.num_preemptions)
 
     # ---- speculative decoding ----------------------------------------------------------------
-    def _propose_draft(self, req: Request, n_decoding: int) -> list[int]:
+    def _propose_draft(self, req: Request, n_decoding: int) -> list[int] | DraftTree:
         """N-gram draft for a decoding request; none for large batches, penalised or biased
-        sampling (the verify reads the raw logits), or where it would overshoot max_new_tokens."""
+        sampling (the verify reads the raw logits), or where it would overshoot max_new_tokens.
+        A drafter's DraftTree stays a tree where the backend verifies trees (cut to the depth that
+        cannot overshoot), else it becomes its first path; a chain always becomes a list."""
         args = self.args
         p = req.params
         if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
@@ -194,8 +211,11 @@ class Engine:
         self._ensure_drafter(req)
         room = self._max_new_tokens(req) - req.num_output - 1
         draft = req.drafter.propose(req.tokens, min(req.spec_k, room))
-        if isinstance(draft, DraftTree):  # the kernels verify chains: a tree's first path
-            draft = draft.first_path()[:max(0, room)]
+        if isinstance(draft, DraftTree):
+            if self.tree_verify and not draft.is_chain:
+                tree = draft.pruned(max(0, room))
+                return list(tree.tokens) if tree.is_chain else tree
+            draft = draft.first_path()[:max(0, room)]  # (a chain's first path is the chain)
         return draft
 
     def _ensure_drafter(self, req: Request):
@@ -231,26 +251,31 @@ class Engine:
             if req.status != Status.FINISHED:
                 self._ensure_drafter(req).observe(pos, aux[row])
 
-    def _verify(self, req: Request, logits, draft: list[int]) -> list[int]:
-        """Accepted drafts + the target's next token, and the adaptive draft length update."""
+    def _verify(self, req: Request, logits, draft: list[int],
+                tree: DraftTree | None = None) -> tuple[list[int], list[int] | None]:
+        """Accepted drafts + the target's next token, and the adaptive draft length update; for a
+        tree also the accepted path's verify rows (the commit replays them; None for a chain)."""
         p = req.params
-        if p.is_greedy:
-            new = accept_greedy(logits, draft)
+        gen = None if p.is_greedy else spec_generator(p, req.sampling.num_generated, logits.device,
+                                                      self.sampler._global_generator(logits.device))
+        rows = None
+        if tree is not None:
+            new, rows = accept_greedy_tree(logits, tree) if p.is_greedy else accept_sampling_tree(logits, tree, p, gen)
         else:
-            gen = spec_generator(p, req.sampling.num_generated, logits.device, self.sampler._global_generator(logits.device))
-            new = accept_sampling(logits, draft, p, gen)
+            new = accept_greedy(logits, draft) if p.is_greedy else accept_sampling(logits, draft, p, gen)
         accepted = len(new) - 1
         # NGRAM's adaptive depth: grow after a fully accepted draft, shrink towards what was
         # accepted (EAGLE-3 drafts its fixed depth: its misses are not runs of a pattern)
         if self.eagle_head is None:
             k_max = self.args.speculative_num_draft_tokens
-            req.spec_k = min(k_max, req.spec_k + 1) if accepted == len(draft) else max(1, accepted + 1)
+            full = tree.max_depth if tree is not None else len(draft)
+            req.spec_k = min(k_max, req.spec_k + 1) if accepted == full else max(1, accepted + 1)
         req.spec_verify_ct += 1
         req.spec_accepted += accepted
         self.stats["spec_verify_steps"] += 1
         self.stats["spec_draft_tokens"] += len(draft)
         self.stats["spec_accepted_tokens"] += accepted
-        return new
+        return new, rows
 
     @property
     def avg_spec_accept_length(self) -> float | None:
@@ -284,13 +309,14 @@ class Engine:
         row = 0
         for i, w in enumerate(work):
             req = w.req
-            if w.draft:  # verify: accept a prefix (the pending token + the accepted drafts)
-                new = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft)
-                if eagle:  # the pending token and the accepted drafts: their hidden states hold
-                    seen += [(req, req.num_computed + j, row + j) for j in range(len(new))]
+            if w.draft:  # verify: accept a prefix or a tree's path (the pending token + the accepted drafts)
+                new, path = self._verify(req, logits[row:row + 1 + len(w.draft)], w.draft, w.tree)
+                if eagle:  # the pending token and the accepted drafts (a tree's: their rows): their hidden states hold
+                    kept = range(len(new)) if path is None else path
+                    seen += [(req, req.num_computed + j, row + r) for j, r in enumerate(kept)]
                 row += 1 + len(w.draft)
                 verified.append((req, new))
-                commits.append((i, req.state_slot, len(new)))
+                commits.append((i, req.state_slot, len(new) if path is None else path))
                 continue
             lo, hi = prompt_logit_rows(req, req.num_computed, w.num_tokens)
             if hi > lo:
@@ -366,7 +392,8 @@ class Engine:
         prompts that start with them, if they are enough tokens, pages are to spare and a slot is
         free (the least recently used entry makes room)."""
         cache, sched = self.prefix_cache, self.scheduler
-        if not cache.wants(req.prompt_ids[:length]):
+        variant = self._prefix_variant(req, length)
+        if not cache.wants(req.prompt_ids[:length], variant):
             return
         pages = sched._pages_for(length)
         # only pages nobody needs soon: one per running request stays free for its next token
@@ -376,10 +403,28 @@ class Engine:
             self._drop_cached(cache.pop_lru())
         if not sched.states.num_free:
             return
-        entry = CachedPrompt(list(req.prompt_ids[:length]), sched.kv.allocator.alloc(pages), sched.states.alloc())
+        entry = CachedPrompt(list(req.prompt_ids[:length]), sched.kv.allocator.alloc(pages), sched.states.alloc(),
+                             variant=variant)
         self.runner.copy_caches(req.pages[:pages], req.state_slot, entry.pages, entry.state_slot)
         sched.compressed.on_extend(0, entry.length)
         cache.add(entry)
+
+    def _prefix_variant(self, req: Request, length: int) -> int | None:
+        """What req's caches after its first `length` tokens depend on besides the tokens: None
+        below dense_len (every chunk that computed them ended below it: dense attention), else its
+        prompt's stage-1 class (SparseConfig.prompt_class: whether stage 1 hid an entry from its
+        prompt tokens, reference.visible_count)."""
+        sc = self.cfg.sparse
+        return None if length < sc.dense_len else sc.prompt_class(req.num_prompt)
+
+    def _can_reuse(self, req: Request, entry: CachedPrompt) -> bool:
+        """Whether entry holds what req would compute for those tokens itself: the same prompt
+        class, and, where that class hides an entry, no token of req's output in it (req computes
+        its output tokens by the decode rule, the entry's prompt computed them as prompt tokens)."""
+        if entry.variant is None:
+            return True
+        return (entry.variant == self._prefix_variant(req, entry.length)
+                and (entry.variant == 0 or entry.length <= req.num_prompt))
 
     def _drop_cached(self, entry: CachedPrompt) -> None:
         self.scheduler.kv.allocator.free(entry.pages)
@@ -405,7 +450,7 @@ class Engine:
         for req in sched.waiting[:sched.max_running]:  # (those that could start soon)
             if not sched.reuses_prefix(req) or req.prefix_checked == cache.version:
                 continue
-            if (entry := cache.lookup(req.tokens)) is None:
+            if (entry := cache.lookup(req.tokens, lambda e: self._can_reuse(req, e))) is None:
                 # no entry is a prefix of it, but its common prefix with one may be long enough to
                 # keep: its prefill pauses there for a snapshot (the next such prompt reuses it)
                 if req.num_output == 0:

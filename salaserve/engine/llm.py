@@ -22,6 +22,16 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel ranks (--tp-size > 1); a no-op for one rank."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def config(self):
         return self.engine.cfg

@@ -14,6 +14,12 @@ A new prompt reuses the longest entry that is a proper prefix of it: its request
 copy of the entry and prefills from there, exactly as if its own prefill had stopped at that
 chunk boundary.
 
+Cached values can depend on more than the tokens: InfLLM-v2's stage 1 treats prompt tokens by a
+rule that depends on the prompt's length (reference.visible_count), so an entry records the class
+of the prompt that computed it (`variant`, SparseConfig.prompt_class) and a request reuses it only
+when it would have computed the same values (Engine._can_reuse): hits give exactly the uncached
+outputs. Entries shorter than dense_len were computed densely and fit any prompt.
+
 Entries give their pages back (least recently used first) whenever the scheduler is short of
 pages, before anything running is preempted; Engine.flush_cache empties the cache (the
 /flush_cache route). Preempted requests, which recompute from scratch, resume from the longest
@@ -32,6 +38,9 @@ class CachedPrompt:
     pages: list[int]  # copies of its K/V and compressed-key pages (ceil(len / block) of them)
     state_slot: int  # its Lightning state after the last prompt token
     last_used: int = 0
+    # the stage-1 prompt class (SparseConfig.prompt_class) of the prompt whose prefill computed it;
+    # None: its values depend on the tokens alone (Engine._prefix_variant)
+    variant: int | None = None
 
     @property
     def length(self) -> int:
@@ -58,14 +67,16 @@ class PrefixCache:
         self._clock += 1
         entry.last_used = self._clock
 
-    def lookup(self, prompt: list[int]) -> CachedPrompt | None:
+    def lookup(self, prompt: list[int], usable=None) -> CachedPrompt | None:
         """The longest entry that is a proper prefix of prompt (the request still has a token of
-        its own to compute, whose logits give its first output token), marked as used."""
+        its own to compute, whose logits give its first output token), and for which usable(entry)
+        holds where given, marked as used."""
         best = None
         for e in self.entries:
             # (first and last tokens before the whole slice: most prompts differ there already)
             if (e.length < len(prompt) and (best is None or e.length > best.length) and prompt[0] == e.tokens[0]
-                    and prompt[e.length - 1] == e.tokens[-1] and prompt[:e.length] == e.tokens):
+                    and prompt[e.length - 1] == e.tokens[-1] and prompt[:e.length] == e.tokens
+                    and (usable is None or usable(e))):
                 best = e
         if best is not None:
             self._touch(best)
@@ -82,13 +93,13 @@ class PrefixCache:
                 best = max(best, _common_prefix(prompt, e.tokens, n))
         return best if best >= self.min_tokens else 0
 
-    def wants(self, prompt: list[int]) -> bool:
-        """Whether a prompt that has just been prefilled should be cached: long enough, and not
-        held already (a held one is marked as used instead)."""
+    def wants(self, prompt: list[int], variant: int | None = None) -> bool:
+        """Whether a prompt that has just been prefilled (with this variant) should be cached: long
+        enough, and not held already (a held one is marked as used instead)."""
         if not self.enabled or len(prompt) < self.min_tokens:
             return False
         for e in self.entries:
-            if e.tokens == prompt:
+            if e.tokens == prompt and e.variant == variant:
                 self._touch(e)
                 return False
         return True

@@ -19,6 +19,9 @@ from salaserve.kernels.compile_watch import WATCH
 from salaserve.kernels.options import KernelOptions
 from salaserve.model.loader import load_state_dict
 from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
+from salaserve.parallel.group import SINGLE, backend_for, init_group
+from salaserve.parallel.ops import TensorParallelOps
+from salaserve.parallel.shard import check_tp, shard_state_dict
 
 log = logging.getLogger("salaserve")
 
@@ -53,7 +56,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_dir: str):
+    def __init__(self, args: EngineArgs, model_dir: str, tp_rank: int = 0, tp_init: str | None = None,
+                 followers=None):
+        """Tensor parallelism (args.tp_size > 1): this is rank tp_rank of the group that meets at
+        tp_init (a tcp:// address); its model and caches hold its shard. Rank 0 also gets
+        `followers` (engine/tp_workers.py), to which it sends every operation on the device caches
+        before running it, so that the other ranks run it too."""
         args.validate()
         t0 = time.perf_counter()
         WATCH.install()  # what start-up builds (the engine marks when start-up is over)
@@ -61,12 +69,24 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.cfg = ModelConfig.from_pretrained(model_dir)
+        self.followers = followers
+        self.tp = SINGLE
+        self._zeroed: list[int] = []  # state slots zeroed since the last message to the followers
+        if args.tp_size > 1:
+            check_tp(self.cfg, args.tp_size)
+            if self.device.type == "cuda":  # NCCL works on the current device: this rank's GPU
+                torch.cuda.set_device(self.device)
+            self.tp = init_group(tp_rank, args.tp_size, backend_for(self.device), tp_init, args.dist_timeout)
         self.backend_name = resolve_backend_name(args.backend, self.device)
         backend = get_backend(self.backend_name, self.device, KernelOptions.from_engine_args(args))
+        if self.tp.size > 1:
+            backend = TensorParallelOps(backend, self.tp)
         weights = load_state_dict(model_dir, self.cfg, dtype=self.dtype, device=self.device,
                                   load_format=args.load_format, seed=args.seed, quantization=args.quantization,
                                   quantize_lm_head=args.quantize_lm_head)
-        self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device)
+        weights = shard_state_dict(self.cfg, weights, self.tp.rank, self.tp.size)
+        self.model = SalaModel(self.cfg, fuse_state_dict(self.cfg, weights), backend, self.dtype, self.device,
+                               tp_rank=self.tp.rank, tp_size=self.tp.size)
         self.load_seconds = time.perf_counter() - t0
         # seconds per start-up phase, in order (logged at the end; micro and profile_step print them)
         self.startup_phases: dict[str, float] = {"load": self.load_seconds}
@@ -75,10 +95,12 @@ class ModelRunner:
             t = time.perf_counter()
             backend.prepare_weights(self.model.p, self.device)
             self.startup_phases["prepare weights"] = time.perf_counter() - t
-        cfg, sc = self.cfg, self.cfg.sparse
+        cfg, sc = self.model.cfg, self.cfg.sparse  # this rank's heads: the caches hold only those
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype
         state_dtype = DTYPES[args.state_dtype]
         self.plan = plan_caches(cfg, args, self.device, kv_dtype, state_dtype, compressed_dtype=self.dtype)
+        # every rank must hold the pages rank 0 hands out: the fewest any rank has room for
+        self.plan.num_pages = self.tp.min_int(self.plan.num_pages, self.device)
         n_sparse = len(cfg.sparse_layers)
         self.caches = Caches(
             kv=KVPool(n_sparse, self.plan.num_pages, sc.block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -116,6 +138,8 @@ class ModelRunner:
             t = time.perf_counter()
             self._capture_graphs()
             self.startup_phases["graph capture"] = time.perf_counter() - t
+        if self.followers is not None:  # rank 0: the slots it zeroes for new sequences, the others zero too
+            self.caches.states.on_alloc = self._zeroed.append
         log.info("start-up %.1f s: %s", time.perf_counter() - t0, self.describe_startup())
 
     def describe_startup(self) -> str:
@@ -186,8 +210,8 @@ class ModelRunner:
     def _verify_length(self, work: list[ScheduledWork]) -> int | None:
         """Tokens per sequence to pad an all-verify step to: the smallest bucket that holds its
         longest draft (None: no padding)."""
-        if not self.verify_buckets or not all(w.draft for w in work):
-            return None
+        if not self.verify_buckets or not all(w.draft for w in work) or any(w.tree for w in work):
+            return None  # (trees run eagerly: the verify graphs take chains)
         longest = max(1 + len(w.draft) for w in work)
         return next((n for n in self.verify_buckets if n >= longest), None)
 
@@ -205,16 +229,22 @@ class ModelRunner:
                 real_rows.extend(range(base, base + len(ids)))
                 seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                     token_ids=ids + [ids[-1]] * pad, need_logits=True,
-                                    num_logits=len(ids) + pad, verify=True, pad_tokens=pad))
+                                    num_logits=len(ids) + pad, verify=True, pad_tokens=pad,
+                                    prompt_len=r.num_prompt,
+                                    tree_parents=w.tree.parents if w.tree is not None else None))
                 continue
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
                                 need_logits=start + w.num_tokens == len(r.tokens) and not r.score_only,
-                                prompt_rows=prompt_logit_rows(r, start, w.num_tokens)))
+                                prompt_rows=prompt_logit_rows(r, start, w.num_tokens),
+                                # prompt tokens, the first time or recomputed after a preemption,
+                                # get the prompt's stage-1 rule; output tokens the decode rule
+                                prompt_len=r.num_prompt))
         sc = self.cfg.sparse
         padded = any(s.pad_tokens for s in seqs)
         pad_slot = self._scratch()[0] * sc.block_size if padded else None
         self.real_rows = torch.tensor(real_rows, device=self.device) if padded else None
+        self._step = (seqs, pad_slot)  # what the other tensor-parallel ranks build this batch from
         return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
                                   pages=self.page_mirror)
 
@@ -226,12 +256,22 @@ class ModelRunner:
         `work` stands for prev_tokens[i]."""
         batch = self.build_batch(work)
         # placeholders only ever stand last in a request's tokens (drafts are not in them)
-        if any(w.req.tokens[w.req.num_computed + w.num_tokens - len(w.draft) - 1] < 0 for w in work):
-            if prev_tokens is None:
-                raise RuntimeError("a placeholder token id without the previous step's tokens")
+        placeholders = any(w.req.tokens[w.req.num_computed + w.num_tokens - len(w.draft) - 1] < 0 for w in work)
+        if placeholders and prev_tokens is None:
+            raise RuntimeError("a placeholder token id without the previous step's tokens")
+        if self.followers is not None:  # the other ranks build the same batch; the tokens they stand for follow
+            self._mirror("forward", *self._step, prev_tokens.numel() if placeholders else None)
+            if placeholders:
+                self.tp.broadcast(prev_tokens.to(torch.int64).contiguous())
+        if placeholders:
             batch.input_ids = resolve_placeholders(batch.input_ids, prev_tokens)
         self.last_batch = batch
-        logits = self.run_batch(batch)
+        try:
+            logits = self.run_batch(batch)
+        except RuntimeError as e:  # a collective that a dead rank left: say which rank
+            if self.followers is not None:
+                self.followers.raise_if_failed(e)
+            raise
         if self.aux_layers:
             logits, aux = logits
             self.last_aux = aux if self.real_rows is None else aux[self.real_rows]
@@ -251,6 +291,7 @@ class ModelRunner:
         of src_pages and src_slot, page for page (prefill sharing, the prefix cache)."""
         if len(src_pages) != len(dst_pages):
             raise ValueError(f"copy_caches: {len(src_pages)} source pages for {len(dst_pages)}")
+        self._mirror("copy_caches", src_pages, src_slot, dst_pages, dst_slot)
         kv, comp, states = self.caches.kv, self.caches.compressed, self.caches.states
         a = torch.tensor(src_pages, dtype=torch.long, device=self.device)
         b = torch.tensor(dst_pages, dtype=torch.long, device=self.device)
@@ -259,11 +300,54 @@ class ModelRunner:
             t[:, b] = t[:, a]
         states.state[dst_slot] = states.state[src_slot]
 
-    def commit_verified(self, commits: list[tuple[int, int, int]]) -> None:
+    def commit_verified(self, commits: list[tuple]) -> None:
         """After a verify step (before the next forward): advance the Lightning states of the
         verified sequences by their accepted tokens. commits: (index in the step's work, state
-        slot, number of tokens)."""
-        self.model.ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
+        slot, number of tokens), or for a tree verify (..., the accepted path's verify rows), whose
+        sparse-layer K/V and compressed keys are written now too."""
+        self._mirror("commit_verified", commits)
+        ops = self.model.ops
+        ops.commit_verified(self.caches.states, self.last_batch, commits, self.model.log_decay)
+        trees = [c for c in commits if not isinstance(c[2], int)]
+        if trees:
+            ops.commit_tree_kv(self.caches.kv, self.caches.compressed, self.last_batch, trees)
+
+    # ---- tensor parallelism: rank 0 sends each operation on the caches to the other ranks ------
+    def _mirror(self, op: str, *args) -> None:
+        """Rank 0: send `op` to the other ranks before running it (nothing elsewhere)."""
+        if self.followers is not None:
+            zeroed = list(self._zeroed)
+            self._zeroed.clear()  # in place: the state pool's on_alloc appends to this list
+            self.followers.send((op, args, zeroed))
+
+    def follow(self, op: str, args: tuple, zeroed: list[int]) -> None:
+        """Ranks 1..N-1: run rank 0's `op` on this rank's shard, after zeroing the state slots rank 0
+        handed to new sequences since its last message."""
+        for slot in zeroed:
+            self.caches.states.state[slot].zero_()
+        if op == "forward":
+            self._follow_forward(*args)
+        elif op in ("copy_caches", "commit_verified"):
+            getattr(self, op)(*args)
+        else:
+            raise ValueError(f"unknown tensor-parallel operation {op!r}")
+
+    def _follow_forward(self, seqs: list[SeqWork], pad_slot: int | None, num_prev: int | None) -> None:
+        sc = self.cfg.sparse
+        batch = ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
+                                   pages=self.page_mirror)
+        if num_prev is not None:  # overlap scheduling: rank 0's sampled tokens, still on its device
+            prev = self.tp.broadcast(torch.empty(num_prev, dtype=torch.int64, device=self.device))
+            batch.input_ids = resolve_placeholders(batch.input_ids, prev)
+        self.last_batch = batch
+        self.run_batch(batch)  # the logits are rank 0's to sample
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the other ranks. Every rank: leave the process group."""
+        if self.followers is not None:
+            self.followers.stop()
+            self.followers = None
+        self.tp.destroy()
 
 
 def prompt_logit_rows(req, start: int, n: int) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.core.request import Request, Status
+from salaserve.spec.tree import DraftTree
 
 
 # Tokens per prefill chunk while a request's prompt logprobs are computed: each needs a logits
@@ -31,6 +32,7 @@ class ScheduledWork:
     req: Request
     num_tokens: int  # tokens fed this step, starting at req.num_computed (draft tokens included)
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the pending one
+    tree: DraftTree | None = None  # the draft as a tree (draft = its tokens); None: a chain
 
 
 class Scheduler:
@@ -47,9 +49,10 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order; the last is the newest
         self.num_preemptions = 0
-        # speculative decoding: returns draft tokens for a decoding request (given the number of
-        # decoding requests this step), or None when speculation is off
-        self.propose: Callable[[Request, int], list[int]] | None = None
+        # speculative decoding: returns draft tokens (a list: a chain; or a DraftTree) for a
+        # decoding request (given the number of decoding requests this step), or None when
+        # speculation is off
+        self.propose: Callable[[Request, int], list[int] | DraftTree] | None = None
         # called with a number of pages when fewer are free: gives back pages held for later use
         # (the engine's prefix cache), before anything running is preempted
         self.reclaim: Callable[[int], None] | None = None
@@ -151,10 +154,14 @@ class Scheduler:
             if req not in self.running or not req.is_decoding:
                 continue
             draft = self.propose(req, n_decoding) if self.propose is not None else []
-            if draft and not self._grow(req, req.num_computed + 1 + len(draft)):
-                draft = []  # no room for speculation: plain decode
+            tree = None
+            if isinstance(draft, DraftTree):  # its candidates occupy positions up to its depth
+                tree, draft = draft, list(draft.tokens)
+            span = tree.max_depth if tree is not None else len(draft)
+            if draft and not self._grow(req, req.num_computed + 1 + span):
+                draft, tree = [], None  # no room for speculation: plain decode
             if self._room_for_decode(req, work, out_of_room):
-                work.append(ScheduledWork(req, 1 + len(draft), draft))
+                work.append(ScheduledWork(req, 1 + len(draft), draft, tree))
                 budget -= 1 + len(draft)
 
         # 2. continue chunked prefills of running requests

@@ -82,16 +82,19 @@ def _verify_kernel(
 @triton.jit
 def _verify_chunk_kernel(
     qn_ptr, kn_ptr, v_ptr, cu_ptr, mode_ptr, slot_ptr, log_decay_ptr, state_ptr, o_ptr, ks_ptr, vs_ptr,
+    depth_ptr, anc_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ss, stride_sh, stride_sk,
     stride_on, stride_oh, stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     scale,
-    D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, TREE: tl.constexpr,
 ):
     # grid (B, H, D // BLOCK_V). The same function as the token loop, in the chunk form with no
     # sequential dependency between tokens (q, k already normed and roped, as fp32):
     #   o_t = scale * (gamma^(t+1) q_t S0 + sum_{j<=t} gamma^(t-j) (q_t . k_j) v_j)
     #   S_n = gamma^n S0 + sum_j gamma^(n-1-j) k_j^T v_j              (DECODE sequences only)
+    # TREE: draft trees (spec/tree.py): t becomes each row's depth and j <= t "j is t or one of
+    # its ancestors" (anc_ptr: per row, a bit mask over its sequence's rows)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -112,8 +115,13 @@ def _verify_chunk_kernel(
         sp = state_ptr + slot * stride_ss + h * stride_sh + d[:, None] * stride_sk + cols[None, :]
         s0 = tl.load(sp)
         ld = tl.load(log_decay_ptr + h).to(tl.float32)
-        tf = t.to(tl.float32)
-        causal = t[:, None] >= t[None, :]
+        if TREE:
+            tf = tl.load(depth_ptr + tok, mask=t_ok, other=0).to(tl.float32)
+            anc = tl.load(anc_ptr + tok, mask=t_ok, other=0)
+            causal = ((anc[:, None] >> t[None, :]) & 1) != 0
+        else:
+            tf = t.to(tl.float32)
+            causal = t[:, None] >= t[None, :]
         decay = tl.where(causal, tl.exp((tf[:, None] - tf[None, :]) * ld), 0.0)
         a = tl.dot(qt, tl.trans(kt), input_precision="ieee") * decay
         o = tl.dot(qt, s0, input_precision="ieee") * tl.exp((tf + 1.0) * ld)[:, None]
@@ -132,6 +140,27 @@ def _verify_chunk_kernel(
             tl.store(sp, s_end)
 
 
+def tree_rows_meta(q_lens: list[int], trees: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """lightning_verify's `tree` argument: per token row, its depth and the bit mask of the rows of
+    its sequence it sees. trees[i]: sequence i's parent candidates (spec/tree.py) or None (its rows
+    as a chain: the causal mask)."""
+    depth, anc = [], []
+    for n, parents in zip(q_lens, trees):
+        if parents is None:
+            depth.extend(range(n))
+            anc.extend((1 << (t + 1)) - 1 for t in range(n))
+            continue
+        d, a = [0], [1]
+        for i, p in enumerate(parents):
+            d.append(d[p + 1] + 1)
+            a.append(a[p + 1] | (1 << (i + 1)))
+        depth.extend(d)
+        anc.extend(a)
+    if any(x >= 1 << 31 for x in anc):
+        raise ValueError("a draft tree's sequence has more than 31 rows")
+    return (torch.tensor(depth, dtype=torch.int32, device=device), torch.tensor(anc, dtype=torch.int32, device=device))
+
+
 # Two forms: "chunk", one pass with dots and no token-to-token dependency (k = 8 verify 1.12x a decode
 # step against 1.20x), up to CHUNK_MAX_TOKENS per sequence; "loop", token by token, the decode kernel's
 # exact arithmetic (bitwise what plain decoding computes), for longer sequences
@@ -140,7 +169,8 @@ CHUNK_MAX_TOKENS = 16  # [T, d] fp32 tiles of q and k: 32 rows spill registers o
 
 def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, state, slots, layer, log_decay,
                      scale, eps, theta, k_keep, v_keep, *, block_v: int | None = None,
-                     num_warps: int | None = None, max_tokens: int | None = None, impl: str | None = None):
+                     num_warps: int | None = None, max_tokens: int | None = None, impl: str | None = None,
+                     tree: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Lightning outputs for the tokens of B sequences packed along N (cu_seqlens), from their
     state slots, as the recurrence token by token would give them.
 
@@ -156,6 +186,9 @@ def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, 
             normed dtype promote(k.dtype, k_norm_w.dtype) or fp32; v_keep: v's dtype or fp32).
         max_tokens: a bound on any sequence's token count (default N). impl: "chunk" or "loop"
             (default: chunk when max_tokens <= 16, else loop).
+        tree: (depth, ancestors) [N] int32 each (`tree_rows_meta`) where VERIFY sequences are draft
+            trees: each row's depth in its sequence and a bit mask of the rows it sees (itself and
+            its ancestors; a chain row t: depth t, bits 0..t). Chunk form only.
     Returns o [N, H, d] fp32 (rows of SKIP sequences uninitialised).
     """
     N, H, d = q.shape
@@ -184,14 +217,17 @@ def lightning_verify(q, k, v, q_norm_w, k_norm_w, positions, cu_seqlens, modes, 
         if longest > CHUNK_MAX_TOKENS:
             raise ValueError(f"the chunk form takes at most {CHUNK_MAX_TOKENS} tokens per sequence, got {longest}")
         block_t = CHUNK_MAX_TOKENS
+        depth, anc = tree if tree is not None else (cu_seqlens, cu_seqlens)  # (unread without TREE)
         _verify_chunk_kernel[(B, H, d // bv)](
-            qn, kn, v, cu_seqlens, modes, slots, log_decay, st, o, k_keep, v_keep,
+            qn, kn, v, cu_seqlens, modes, slots, log_decay, st, o, k_keep, v_keep, depth, anc,
             qn.stride(0), qn.stride(1), kn.stride(0), kn.stride(1), v.stride(0), v.stride(1),
             st.stride(0), st.stride(1), st.stride(2),
             o.stride(0), o.stride(1), k_keep.stride(0), k_keep.stride(1), v_keep.stride(0), v_keep.stride(1),
-            float(scale), D=d, BLOCK_V=bv, BLOCK_T=block_t, num_warps=num_warps or 8,
+            float(scale), D=d, BLOCK_V=bv, BLOCK_T=block_t, TREE=tree is not None, num_warps=num_warps or 8,
         )
         return o
+    if tree is not None:
+        raise ValueError("draft trees take the chunk form (at most 16 tokens per sequence)")
     if impl != "loop":
         raise ValueError(f"impl must be 'chunk' or 'loop', got {impl!r}")
     inv_freq = rope_inv_freq(d, theta, q.device)

@@ -16,12 +16,15 @@ from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import ModelConfig
 from salaserve.core.batch import ForwardBatch
+from salaserve.kernels import tree_verify
 from salaserve.model import reference as spec
 from salaserve.quant.fuse import SplitLinear
 
 
 class TorchBackend:
     name = "torch"
+    # verifies draft trees (kernels/tree_verify.py); a backend without it gets chains only
+    supports_tree_verify = True
 
     # ---- elementwise / norms -----------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -119,7 +122,10 @@ class TorchBackend:
             s = states.state[slot, layer]
             sl = slice(start, start + n)
             kf, vf = k[sl].float(), v[sl].float()
-            if batch.verify_host and batch.verify_host[i]:
+            if batch.trees and batch.trees[i] is not None:  # each row along its path, not committed
+                o = tree_verify.tree_gla(q[sl].float(), kf, vf, batch.trees[i], log_decay, s.float(), scale)
+                batch.spec_kv[(layer, i)] = (kf, vf)
+            elif batch.verify_host and batch.verify_host[i]:
                 # token by token, exactly as plain decoding would; the state is not committed
                 o, _ = spec.gla_recurrent(q[sl].float(), kf, vf, log_decay, s.float(), scale)
                 batch.spec_kv[(layer, i)] = (kf, vf)
@@ -142,11 +148,19 @@ class TorchBackend:
 
     def commit_verified(self, states: StatePool, batch: ForwardBatch, commits, log_decay) -> None:
         """After a verify step: every Lightning layer of each (seq index, slot, n) in commits
-        advances by the sequence's first n tokens, from the k/v the step kept."""
+        advances by the sequence's first n tokens, from the k/v the step kept; n may be a list of
+        verify rows instead (a tree's accepted path), replayed in that order."""
         for layer in range(states.state.shape[1]):
             for i, slot, n in commits:
                 k, v = batch.spec_kv.pop((layer, i))
+                if not isinstance(n, int):
+                    k, v, n = k[n], v[n], len(n)
                 self.gla_commit(states, layer, slot, k, v, log_decay, n)
+
+    def commit_tree_kv(self, kv: KVPool, comp: CompressedKeyPool, batch: ForwardBatch, commits) -> None:
+        """After a tree verify: the sparse layers' cache gets the accepted path's K/V and compressed
+        entries. commits: (seq index, slot, accepted verify rows)."""
+        tree_verify.commit_tree_kv(kv, comp, batch, commits, self._compress_range)
 
     def lightning_output(self, o, o_norm, z, eps, dtype):
         """bf16(o) -> RMSNorm over the full H*d vector -> times sigmoid(z)."""
@@ -155,25 +169,39 @@ class TorchBackend:
 
     # ---- sparse layers -----------------------------------------------------------------------
     def store_kv(self, kv: KVPool, layer: int, k, v, batch: ForwardBatch):
-        kv.write(layer, batch.slot_mapping, k, v)
+        if not batch.trees:
+            kv.write(layer, batch.slot_mapping, k, v)
+            return
+        # tree verify: candidates share positions, so their K/V wait in spec_kv for the commit
+        for i, (start, end) in enumerate(tree_verify.row_ranges(batch)):
+            if batch.trees[i] is not None:
+                batch.spec_kv[("kv", layer, i)] = (k[start:end], v[start:end])
+        rows = tree_verify.cache_write_rows(batch)
+        kv.write(layer, batch.slot_mapping[rows], k[rows], v[rows])
 
     def update_compressed(self, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch):
-        """Write every C1/C2 entry born during this step (after the step's keys are stored)."""
+        """Write every C1/C2 entry born during this step (after the step's keys are stored); a
+        tree verify's only up to its root (its path's come with the commit)."""
+        for i in range(batch.num_seqs):
+            old, new = batch.cache_lens_host[i], batch.seq_lens_host[i]
+            if batch.trees and batch.trees[i] is not None:
+                new = old + 1
+            self._compress_range(kv, comp, layer, batch.page_table[i], old, new)
+
+    def _compress_range(self, kv: KVPool, comp: CompressedKeyPool, layer: int, pages, old: int, new: int):
+        """The C1/C2 entries of one sequence completed between length old and new, from its cache."""
         sc = comp.sc
         levels = ((comp.c1, sc.kernel_size, sc.kernel_stride, comp.c1_per_page),
                   (comp.c2, sc.c2_kernel_size, sc.c2_kernel_stride, comp.c2_per_page))
-        for i in range(batch.num_seqs):
-            old, new = batch.cache_lens_host[i], batch.seq_lens_host[i]
-            pages = batch.page_table[i]
-            for pool, kernel, stride, per_page in levels:
-                first = max(0, (old - kernel) // stride + 1) if old >= kernel else 0
-                last = (new - kernel) // stride + 1 if new >= kernel else 0
-                if last <= first:
-                    continue
-                keys, _ = kv.gather(layer, pages[: -(-new // kv.block_size)], new)
-                for j in range(first, last):
-                    entry = keys[j * stride: j * stride + kernel].float().mean(0).to(pool.dtype)
-                    pool[layer, pages[j // per_page], j % per_page] = entry
+        for pool, kernel, stride, per_page in levels:
+            first = max(0, (old - kernel) // stride + 1) if old >= kernel else 0
+            last = (new - kernel) // stride + 1 if new >= kernel else 0
+            if last <= first:
+                continue
+            keys, _ = kv.gather(layer, pages[: -(-new // kv.block_size)], new)
+            for j in range(first, last):
+                entry = keys[j * stride: j * stride + kernel].float().mean(0).to(pool.dtype)
+                pool[layer, pages[j // per_page], j % per_page] = entry
 
     def sparse_attention_gated(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
                                cfg: ModelConfig, gate):
@@ -185,13 +213,18 @@ class TorchBackend:
     def sparse_attention(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
                          cfg: ModelConfig):
         """Per sequence: dense causal attention while its total length < dense_len, else InfLLM-v2
-        (stage-1 scores with the C2 log-sum-exp, pooling, forced + top-k blocks, block-sparse
+        (stage-1 scores with the C2 log-sum-exp over the entries reference.visible_count shows each
+        token given its sequence's prompt length, pooling, forced + top-k blocks, block-sparse
         attention). q [N, Hq, d]; returns [N, Hq, d] in q.dtype."""
         sc = cfg.sparse
         scale = cfg.head_dim ** -0.5
         out = torch.empty_like(q)
         start = 0
         for i, n in enumerate(batch.q_lens_host):
+            if batch.trees and batch.trees[i] is not None:  # each row as a decode of its path
+                out[start:start + n] = tree_verify.tree_attention(q[start:start + n], kv, comp, layer, batch, i, cfg)
+                start += n
+                continue
             L = batch.seq_lens_host[i]
             pages = batch.page_table[i, : -(-L // kv.block_size)]
             keys, values = kv.gather(layer, pages, L)
@@ -206,8 +239,9 @@ class TorchBackend:
                 out[start:start + n] = spec.attention(qi, keys, values, causal[None], scale)
             else:
                 c1, c2 = comp.gather(layer, pages, L)
-                vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0])
-                vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0])
+                plen = batch.prompt_lens_host[i] if batch.prompt_lens_host else 0  # prompt tokens: prompt rule
+                vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0], plen)
+                vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], plen)
                 scores = spec.stage1_scores(qi, c1, c2, vis1, vis2, cfg.gqa_group_size, scale)
                 blocks = spec.select_blocks(scores, pos // sc.block_size, pages.numel(), sc)
                 allowed = blocks.repeat_interleave(sc.block_size, dim=-1)[..., :L] & causal[None]

@@ -83,6 +83,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # int4 MLPs with a gate_up the dp2a epilogue cannot take whose down linear may take x rounded by
     # the silu_mul kernel: silu_mul stays before down at one row too (set by prepare_weights)
     _silu_before_down = False
+    # its verify kernels take chains (causal rows, prefix commits): the engine verifies a draft
+    # tree's first path here
+    supports_tree_verify = False
 
     def __init__(self, options: KernelOptions | None = None):
         self.options = options if options is not None else KernelOptions()
@@ -413,17 +416,20 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         sc = cfg.sparse
         return max(sc.topk_eff, -(-(sc.dense_len - 1) // sc.block_size))
 
-    def select_blocks_decode(self, q, comp, layer, page_table, lens, cfg, derived=None, meta_key="select_meta"):
+    def select_blocks_decode(self, q, comp, layer, page_table, lens, cfg, derived=None, meta_key="select_meta",
+                             prompt_lens=None):
         """Graph-safe InfLLM-v2 selection for decode queries (its presence tells the graph runner
         that sparse-mode decode can be captured). derived: the step's shared dict, where the
-        length-derived metadata is computed once under meta_key."""
+        length-derived metadata is computed once under meta_key. prompt_lens: per row, its
+        sequence's prompt length (a one-token prefill chunk is a prompt token; None: no row is)."""
         meta = None
         if derived is not None:
             if meta_key not in derived:
-                derived[meta_key] = sparse_ops.decode_select_meta(lens)
+                derived[meta_key] = sparse_ops.decode_select_meta(lens, prompt_lens)
             meta = derived[meta_key]
         return sparse_ops.select_blocks_decode(q, comp, layer, page_table, lens, cfg.sparse,
-                                               cfg.head_dim ** -0.5, self.max_decode_blocks(cfg), meta=meta)
+                                               cfg.head_dim ** -0.5, self.max_decode_blocks(cfg), meta=meta,
+                                               prompt_lens=prompt_lens)
 
     def sparse_prefill(self, q, kv, comp, layer, batch, cfg):
         return sparse_ops.sparse_attention(q, kv, comp, layer, batch, cfg)
@@ -433,17 +439,19 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         selection for sparse ones. Graph-safe."""
         sparse = batch.decode_mode == "sparse" or (batch.decode_mode is None and any(batch.is_sparse_host))
         return self._query_attention(q, kv, comp, layer, batch.page_table, batch.seq_lens, sparse, batch.derived,
-                                     "dense_table", cfg)
+                                     "dense_table", cfg, batch.prompt_lens)
 
-    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg):
+    def _query_attention(self, q, kv, comp, layer, page_table, lens, sparse, derived, table_key, cfg,
+                         prompt_lens=None):
         """Each row of q is a decode query: the last token of a sequence of length lens[row] with
-        page_table[row]. `sparse` says whether any row is at or past dense_len (then the InfLLM-v2
+        page_table[row] (and prompt length prompt_lens[row]: a one-token prefill chunk is a prompt
+        token). `sparse` says whether any row is at or past dense_len (then the InfLLM-v2
         selection runs, which lists every block for the rows below it)."""
         sc, hkv = cfg.sparse, cfg.num_key_value_heads
         scale = cfg.head_dim ** -0.5
         if sparse:
             table, count = self.select_blocks_decode(q, comp, layer, page_table, lens, cfg, derived,
-                                                     f"{table_key}_select_meta")
+                                                     f"{table_key}_select_meta", prompt_lens)
         else:
             if table_key not in derived:  # once per step, shared by the sparse layers
                 derived[table_key] = attn.dense_block_table(page_table, lens, hkv, sc.block_size)
@@ -464,11 +472,13 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
                 sparse = batch.decode_mode == "sparse"
             else:
                 sparse = any(batch.seq_lens_host[i] >= cfg.sparse.dense_len for i in recurrent)
+            prompt_lens = batch.prompt_lens[token_seq] if batch.prompt_lens is not None else None
             batch.derived["verify_rows"] = (rows, batch.page_table[token_seq], (positions + 1).to(torch.int32),
-                                            sparse)
-        rows, table, lens, sparse = batch.derived["verify_rows"]
+                                            sparse, prompt_lens)
+        rows, table, lens, sparse, prompt_lens = batch.derived["verify_rows"]
         qr = q if rows is None else q[rows]
-        o = self._query_attention(qr, kv, comp, layer, table, lens, sparse, batch.derived, "verify_dense_table", cfg)
+        o = self._query_attention(qr, kv, comp, layer, table, lens, sparse, batch.derived, "verify_dense_table", cfg,
+                                  prompt_lens)
         if not chunks:
             return o
         out = torch.empty_like(q)

@@ -14,6 +14,14 @@ are always rounded to bf16 as the InfLLM-v2 kernel stores them (they decide whic
 
 Multi-token calls on top of a cache (chunked prefill) use absolute positions, cache_len = L - T
 (spec 3.6), which the HF reference does not support (Q5).
+
+Stage-1 visibility (which compressed keys a query's block scores see, `visible_count`) follows the
+official InfLLM-v2 kernels (docs/infllmv2-semantics.md, 1(d) and D1): prompt tokens see what the
+official single-shot prefill of the whole prompt shows them, output tokens (decode, speculative
+verify, the recomputed output of a preempted request) see every complete entry, as official decode
+does. A sequence's prompt length is `ReferenceState.prompt_len`; by default its first call is the
+whole prompt, as HF's prefill call is. So a prompt fed in chunks (with new_state(prompt_len=L))
+gives the single-shot result: the rule depends on the prompt's length, not on where chunks end.
 """
 
 from __future__ import annotations
@@ -115,18 +123,36 @@ def compress_keys(keys: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     return windows.mean(-1).to(keys.dtype)
 
 
-def visible_count(positions: torch.Tensor, kernel: int, stride: int, total: int) -> torch.Tensor:
-    """Compressed entries whose whole window lies in [0, p]: 16j+31 <= p (natural causal rule)."""
+def visible_count(positions: torch.Tensor, kernel: int, stride: int, total: int,
+                  prompt_len: int = 0) -> torch.Tensor:
+    """Compressed entries (window [stride*j, stride*j + kernel)) that stage 1 shows the query at
+    each position, of the `total` that exist.
+
+    Natural causal rule: the entries whose whole window lies in [0, p]. That is what official decode
+    shows (causal=False: every existing entry, all of them complete), and it applies to every
+    token at or past prompt_len.
+
+    Prompt tokens (p < prompt_len) see what the official single-shot prefill of the prompt (one
+    stage-1 call with T = prompt_len queries) shows them: one entry fewer for every prompt token
+    when prompt_len = stride - 1 (mod stride), i.e. L = 15 (mod 16) for C1 and 63 (mod 64) for C2.
+    That is `kernel_visible_count` with T = prompt_len (tests check it for every small L); written
+    per position so that a prompt computed in chunks, or recomputed after a preemption, gets the
+    single-shot values.
+    """
     n = torch.div(positions - kernel + 1, stride, rounding_mode="floor") + 1
-    return n.clamp(min=0, max=total)
+    lag = int(prompt_len % stride == stride - 1) * (positions < prompt_len).long()
+    return (n - lag).clamp(min=0, max=total)
 
 
 def kernel_visible_count(n_queries: int, kernel: int, stride: int, total: int, device) -> torch.Tensor:
-    """The InfLLM-v2 CUDA kernel's stage-1 mask for a multi-token call (spec 3.4, Q3): bottom-right
-    aligned on the call's own query indices t. Lags the natural rule by one entry when the call
-    length is = stride-1 (mod stride). Only for bit-parity experiments."""
+    """The official kernel's stage-1 mask for one multi-token call (causal=True), transcribed:
+    [KRN] csrc/flash_attn/src/mask.h:226-319 (apply_mask_stage1), bottom-right aligned on the call's
+    own query indices t with C integer division (truncation toward zero). `total` is the entries of
+    the whole sequence. Used by tests: salaserve's prompt rule (`visible_count` with prompt_len) is
+    this with n_queries = prompt_len; for other calls (chunks) it can show entries whose window
+    reaches past the query, which salaserve never does (docs/infllmv2-semantics.md 1(h))."""
     t = torch.arange(n_queries, device=device)
-    offset = total - (n_queries - (stride - 1)) // stride
+    offset = total - int((n_queries - (stride - 1)) / stride)  # C: trunc((T - S + 1) / S)
     n = torch.div(t + 1, stride, rounding_mode="floor") - 1 + offset
     return n.clamp(min=0, max=total)
 
@@ -195,7 +221,12 @@ def stage1_scores(q: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, vis1: tor
     p = torch.exp(a - lse)
     j1 = torch.arange(c1.shape[0], device=q.device)
     p = p.masked_fill(~(j1[None, :] < vis1[:, None])[None, :, None, :], 0.0)
-    p = torch.nan_to_num(p, nan=0.0, posinf=0.0)  # the kernel wrapper maps NaN to 0
+    # A row that sees no C2 entry scores 0 (the kernel returns before writing its zero-filled
+    # output: fwd_kernel.h:1271, flash_api.cpp:941). Otherwise an fp32 overflow (a - lse > ~88.7)
+    # stays +inf: the wrapper maps only NaN to 0 (infllmv2_sparse_attention.py:589), so such an
+    # entry's block scores +inf and is chosen like a forced one (ties: lower block first).
+    p = torch.where((vis2 > 0)[None, :, None, None], p, 0.0)
+    p = torch.where(p.isnan(), 0.0, p)
     return p.sum(2).to(torch.bfloat16).float()
 
 
@@ -222,6 +253,9 @@ class ReferenceState:
     """Everything one sequence carries between calls."""
 
     length: int = 0
+    # tokens at positions below it are prompt tokens (stage-1 rule, `visible_count`); None: the
+    # first forward call is the whole prompt
+    prompt_len: int | None = None
     keys: dict = field(default_factory=dict)  # sparse layer -> [L, Hkv, d]
     values: dict = field(default_factory=dict)
     gla: dict = field(default_factory=dict)  # lightning layer -> [H, dk, dv] fp32
@@ -229,14 +263,11 @@ class ReferenceState:
 
 class ReferenceModel:
     def __init__(self, config: ModelConfig, weights: dict, dtype=torch.float32, device="cpu",
-                 stage1_visibility: str = "causal", query_chunk: int = 1024):
-        if stage1_visibility not in ("causal", "kernel"):
-            raise ValueError("stage1_visibility must be 'causal' or 'kernel' (spec Q3)")
+                 query_chunk: int = 1024):
         self.config = config
         self.w = weights
         self.dtype = dtype
         self.device = torch.device(device)
-        self.stage1_visibility = stage1_visibility
         self.query_chunk = query_chunk  # bounds attention memory at long prompts, not the math
         self.log_decay = -torch.tensor(config.lightning_slopes(), dtype=torch.float32, device=self.device)
 
@@ -250,8 +281,10 @@ class ReferenceModel:
                                   load_format=load_format, seed=seed)
         return cls(config, weights, dtype=dtype, device=device, **kwargs)
 
-    def new_state(self) -> ReferenceState:
-        return ReferenceState()
+    def new_state(self, prompt_len: int | None = None) -> ReferenceState:
+        """A new sequence. prompt_len: its prompt's length, needed when the prompt is fed in more
+        than one call (chunks); None: the first forward call is the whole prompt."""
+        return ReferenceState(prompt_len=prompt_len)
 
     @torch.no_grad()
     def forward(self, input_ids, state: ReferenceState, aux_layers=None):
@@ -265,6 +298,8 @@ class ReferenceModel:
         cfg, w = self.config, self.w
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         positions = state.length + torch.arange(ids.numel(), device=self.device)
+        if state.prompt_len is None:  # the first call is the prompt (HF's prefill call)
+            state.prompt_len = state.length + ids.numel()
         h = (w["model.embed_tokens.weight"][ids] * cfg.scale_emb).to(self.dtype)
         r = cfg.residual_scale
         captured = {}
@@ -303,7 +338,8 @@ class ReferenceModel:
         if L < cfg.sparse.dense_len:  # dense while the total length is below dense_len (3.2)
             o = self._dense_attention(q, keys, values, positions)
         else:
-            o = self._infllm_v2_attention(q, keys, values, positions)
+            prompt_len = state.length + T if state.prompt_len is None else state.prompt_len
+            o = self._infllm_v2_attention(q, keys, values, positions, prompt_len)
         o = o.reshape(T, -1) * torch.sigmoid(linear(a, w[p + "o_gate.weight"]))
         return linear(o, w[p + "o_proj.weight"])
 
@@ -317,18 +353,15 @@ class ReferenceModel:
             outs.append(attention(q[s:s + self.query_chunk], keys, values, allowed, scale))
         return torch.cat(outs)
 
-    def _infllm_v2_attention(self, q, keys, values, positions):
+    def _infllm_v2_attention(self, q, keys, values, positions, prompt_len: int):
         cfg, sc = self.config, self.config.sparse
         scale = cfg.head_dim ** -0.5
         L, T = keys.shape[0], q.shape[0]
         c1 = compress_keys(keys, sc.kernel_size, sc.kernel_stride)
         c2 = compress_keys(keys, sc.c2_kernel_size, sc.c2_kernel_stride)
-        if self.stage1_visibility == "kernel" and T > 1:
-            vis1_all = kernel_visible_count(T, sc.kernel_size, sc.kernel_stride, c1.shape[0], self.device)
-            vis2_all = kernel_visible_count(T, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], self.device)
-        else:  # natural causal rule; in decode it means "every existing entry" (spec 3.4)
-            vis1_all = visible_count(positions, sc.kernel_size, sc.kernel_stride, c1.shape[0])
-            vis2_all = visible_count(positions, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0])
+        # prompt tokens: the official single-shot prefill's mask; later tokens: every complete entry
+        vis1_all = visible_count(positions, sc.kernel_size, sc.kernel_stride, c1.shape[0], prompt_len)
+        vis2_all = visible_count(positions, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], prompt_len)
         num_blocks = -(-L // sc.block_size)
         key_pos = torch.arange(L, device=self.device)
         outs = []

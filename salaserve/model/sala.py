@@ -16,6 +16,7 @@ from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import ModelConfig
 from salaserve.core.batch import ForwardBatch
+from salaserve.parallel.shard import head_range, local_config
 from salaserve.quant.fuse import fuse_linear
 
 
@@ -58,8 +59,12 @@ def fuse_state_dict(cfg: ModelConfig, w: dict) -> dict:
 
 
 class SalaModel:
-    def __init__(self, cfg: ModelConfig, fused: dict, backend, dtype: torch.dtype, device):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, fused: dict, backend, dtype: torch.dtype, device, tp_rank: int = 0,
+                 tp_size: int = 1):
+        """cfg: the checkpoint's config. Tensor parallelism (tp_size > 1): `fused` holds this
+        rank's shard (parallel/shard.py), the backend sums partial outputs over the ranks
+        (parallel/ops.py), and self.cfg is this rank's view of the model (its head counts)."""
+        self.cfg = local_config(cfg, tp_rank, tp_size)
         self.p = fused
         self.ops = backend
         self.dtype = dtype
@@ -67,7 +72,10 @@ class SalaModel:
         # index of each layer inside its kind's cache tensors
         self.sparse_index = {layer: i for i, layer in enumerate(cfg.sparse_layers)}
         self.lightning_index = {layer: i for i, layer in enumerate(cfg.lightning_layers)}
-        self.log_decay = -torch.tensor(cfg.lightning_slopes(), dtype=torch.float32, device=self.device)
+        # the decay of each of this rank's heads by its global index (not the slopes of a model
+        # with fewer heads)
+        slopes = torch.tensor(cfg.lightning_slopes(), dtype=torch.float32, device=self.device)
+        self.log_decay = -slopes[head_range(cfg.lightning_nh, tp_rank, tp_size)]
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: Caches, aux_layers: tuple[int, ...] | None = None):

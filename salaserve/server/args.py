@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="as SGLang: a prompt that does not fit the context keeps its first tokens, and a max_new_tokens "
            "that does not fit is lowered, instead of a 400")
     a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
-      help="tensor parallelism; salaserve serves one GPU per engine, so only 1 is accepted")
+      help="tensor parallelism: N ranks, each with 1/N of the heads and MLP (rank i on cuda:i over NCCL, or CPU "
+           "processes over gloo); N must divide the model's KV heads (MiniCPM-SALA: 2)")
+    a("--dist-timeout", type=float, default=EngineArgs.dist_timeout,
+      help="seconds a tensor-parallel rank waits for the others (start-up, each collective) before failing")
     a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
       help="engine replicas, one process each (replica i on cuda:i, or all on the CPU), behind this one HTTP "
            "server; each request goes to the least loaded replica, or to the one that recently got the same "
@@ -161,13 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
     """Returns the engine's and the server's arguments plus one notice per ignored SGLang flag.
     Raises SystemExit (argparse, status 2) for an unknown flag or a flag value that cannot be
-    served, e.g. --tp-size 2."""
+    served, e.g. --tp-size 0."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.tp_size != 1:
-        parser.error(f"--tp-size {ns.tp_size}: salaserve serves one GPU; only --tp-size 1 is supported")
+    if ns.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {ns.tp_size}")
     if ns.dp_size < 1:
         parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
+    if ns.tp_size > 1 and ns.dp_size > 1:
+        parser.error("--tp-size > 1 with --dp-size > 1 is not supported yet: use one of them")
     if ns.stream_interval < 1:
         parser.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
     if ns.speculative_algorithm == "EAGLE":
@@ -195,6 +200,7 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         prefix_cache_min_tokens=ns.prefix_cache_min_tokens, step_trace=ns.step_trace,
         w4a16_prefill=ns.w4a16_prefill, w4_wgmma=ns.w4_wgmma, parallel_compile=ns.parallel_compile,
         plan_cache_dir=None if ns.plan_cache_dir == "off" else ns.plan_cache_dir,
+        tp_size=ns.tp_size, dist_timeout=ns.dist_timeout,
     )
     try:
         engine.validate()

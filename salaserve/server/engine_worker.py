@@ -201,4 +201,7 @@ def main(engine_args, inbox, outbox, cpu_engines: int = 1) -> None:
         outbox.send((FAILED, f"{type(e).__name__}: {e}"))
         return
     outbox.send((READY, info))
-    EngineWorker(engine, inbox, outbox).serve_forever()
+    try:
+        EngineWorker(engine, inbox, outbox).serve_forever()
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks stop with the engine

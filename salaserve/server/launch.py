@@ -88,6 +88,10 @@ def run(argv: list[str]) -> int:
 
     try:
         devices = replica_devices(engine_args.device, server_args.dp_size)
+        if engine_args.tp_size > 1:  # refused here rather than by the engine process after start-up
+            from salaserve.engine.tp_workers import check_layout
+
+            check_layout(engine_args, server_args.model_path)
     except ValueError as e:
         print(f"salaserve serve: error: {e}", file=sys.stderr)
         return 2

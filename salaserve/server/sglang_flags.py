@@ -23,7 +23,6 @@ class IgnoredFlag:
 
 
 _OWN_KERNELS = "salaserve picks its own attention kernels (see --backend)"
-_ONE_GPU = "salaserve runs on one GPU"
 _ACCESS_LOG = "salaserve logs each HTTP request line at --log-level debug"
 
 IGNORED_SGLANG_FLAGS: dict[str, IgnoredFlag] = {
@@ -46,8 +45,9 @@ IGNORED_SGLANG_FLAGS: dict[str, IgnoredFlag] = {
     "--schedule-policy": IgnoredFlag(VALUE, "requests are admitted by priority, then arrival"),
     "--enable-mixed-chunk": IgnoredFlag(FLAG, "decodes and prefill chunks always share a step"),
     "--num-continuous-decode-steps": IgnoredFlag(VALUE, "the scheduler runs before every step"),
-    "--disable-custom-all-reduce": IgnoredFlag(FLAG, _ONE_GPU),
-    "--enable-p2p-check": IgnoredFlag(FLAG, _ONE_GPU),
+    "--disable-custom-all-reduce": IgnoredFlag(FLAG, "tensor parallelism all-reduces through torch.distributed "
+                                                     "(NCCL); there is no custom all-reduce"),
+    "--enable-p2p-check": IgnoredFlag(FLAG, "NCCL checks GPU peer access itself"),
     "--watchdog-timeout": IgnoredFlag(VALUE, "salaserve has no watchdog; a dead engine process stops the server"),
     "--log-requests": IgnoredFlag(FLAG, _ACCESS_LOG),
     "--log-requests-level": IgnoredFlag(VALUE, _ACCESS_LOG),

@@ -5,6 +5,12 @@ token. Sampling: speculative rejection sampling for a deterministic drafter (the
 mass on one token): accept draft d with probability p(d); on rejection sample from p with d
 removed, renormalised; after a fully accepted draft sample the bonus token from p. The emitted
 tokens are then distributed exactly as sampling from the target one token at a time.
+
+Trees of point-mass candidates (`accept_sampling_tree`): at a node, its children are tried in
+order against a residual that starts as p and loses each rejected child's token (zeroed,
+renormalised); the first accepted child becomes the node, and when all are rejected the emitted
+token is drawn from the last residual. Child c is emitted with probability p(c): the mass removed
+before it is exactly what the earlier children were emitted with, so the emitted token is ~ p.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from salaserve.core.distribution import effective_top_k, keep_mask, mix_seed
+from salaserve.spec.tree import DraftTree
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -62,6 +69,37 @@ def accept_sampling(logits: torch.Tensor, draft: list[int], params, generator: t
         return out
     out.append(int(torch.multinomial(probs[len(draft)], 1, generator=generator)))
     return out
+
+
+def accept_sampling_tree(logits: torch.Tensor, tree: DraftTree, params,
+                         generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """Multi-candidate rejection sampling over a tree of point-mass candidates; exact in
+    distribution. logits [n+1, V] at the verify rows (row 0 = root). Returns (emitted tokens,
+    verify rows the commit replays), as accept_greedy_tree."""
+    probs = target_probs(logits.float(), params)
+    # one uniform per candidate: each is tried at most once
+    u = torch.rand(len(tree), generator=generator, device=probs.device).tolist()
+    tokens, rows, node = [], [0], -1
+    while True:
+        residual = probs[node + 1].clone()
+        accepted = None
+        for c in tree.children(node):
+            t = tree.tokens[c]
+            if u[c] < float(residual[t]):
+                accepted = c
+                break
+            residual[t] = 0.0
+            total = float(residual.sum())
+            if total <= 0.0:  # the residual was a point mass on t (rounding): t is the only outcome
+                accepted = c
+                break
+            residual /= total
+        if accepted is None:  # every child rejected (or a leaf: the bonus token from p)
+            tokens.append(int(torch.multinomial(residual, 1, generator=generator)))
+            return tokens, rows
+        tokens.append(tree.tokens[accepted])
+        rows.append(accepted + 1)
+        node = accepted
 
 
 def spec_generator(params, num_generated: int, device, shared: torch.Generator | None) -> torch.Generator | None:

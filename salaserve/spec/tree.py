@@ -9,12 +9,16 @@ What each layer needs from this metadata:
   - positions: cache_len + depth (siblings share a position);
   - sparse layers: candidate i attends to the cache and to its ancestors only (`ancestor_mask`),
     and selects blocks as a decode query at its position;
-  - Lightning layers: o_i = gamma^(depth_i) q_i S0 + sum over ancestors j (and i) of
-    gamma^(depth_i - depth_j) (q_i . k_j) v_j: the chunk form of `lightning_verify` with the
-    causal mask replaced by `ancestor_mask` and t by the depth;
-  - commit: replay the accepted path's rows (`accept_greedy_tree` returns them), not a prefix.
-The kernels implement chains today (ForwardBatch rows in order, causal masks, prefix commits), so
-the engine verifies a tree drafter's `first_path()` until they take the mask and the row list.
+  - Lightning layers (root depth 0): o_i = scale (gamma^(depth_i + 1) q_i S0 + sum over j on
+    its path (the root, its ancestors, i) of gamma^(depth_i - depth_j) (q_i . k_j) v_j): the
+    chunk form of `lightning_verify` with the causal mask replaced by `ancestor_mask` and t by
+    the depth (its `tree` argument);
+  - commit: replay the accepted path's rows (`accept_greedy_tree` / `accept_sampling_tree` return
+    them), not a prefix: Lightning states and, since siblings share a position, the sparse
+    layers' K/V and compressed keys of the path.
+A backend that verifies trees says so (`supports_tree_verify`; the torch backend's ground truth is
+kernels/tree_verify.py); on the others the engine verifies a tree drafter's `first_path()`, a
+chain. Chains always take the chain path.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def path_rows(parents, row: int) -> list[int]:
+    """Verify rows from the root (row 0) down to `row` (row = candidate + 1) of the tree with these
+    parent candidates, in order: what a decode of that row's path would have fed."""
+    out = [row]
+    while out[-1]:
+        out.append(parents[out[-1] - 1] + 1)
+    return out[::-1]
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,26 @@ class DraftTree:
         for p in self.parents:
             out.append(1 if p < 0 else out[p] + 1)
         return out
+
+    @property
+    def max_depth(self) -> int:
+        """Positions past the root the tree spans (0 when empty): a chain's length."""
+        return max(self.depths(), default=0)
+
+    def path_rows(self, row: int) -> list[int]:
+        """Verify rows from the root (row 0) down to `row` (row = candidate + 1), in order."""
+        return path_rows(self.parents, row)
+
+    def pruned(self, max_depth: int) -> "DraftTree":
+        """The candidates at depth <= max_depth (their ancestors are kept with them), re-indexed."""
+        depths, index = self.depths(), {}
+        tokens, parents = [], []
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            if depths[i] <= max_depth:
+                index[i] = len(tokens)
+                tokens.append(t)
+                parents.append(-1 if p < 0 else index[p])
+        return DraftTree(tuple(tokens), tuple(parents))
 
     def children(self, node: int) -> list[int]:
         """Candidates whose parent is `node` (-1: the root), in order."""

@@ -1,9 +1,11 @@
 """InfLLM-v2 block selection and block-sparse prefill attention over the paged caches (Triton).
 
 Spec section 3.4/3.5 and the executable spec `salaserve/model/reference.py` (`stage1_scores`,
-`select_blocks`): the project's choices are followed exactly, i.e. natural causal visibility of
-compressed entries (entry j is visible to the query at position p iff its whole window lies in
-[0, p]), future blocks score -inf, and ties are broken toward the lower block index.
+`select_blocks`): the project's choices are followed exactly, i.e. stage-1 visibility of
+compressed entries by `visible_count` (entry j is visible to the query at position p iff its whole
+window lies in [0, p], one entry fewer for prompt tokens of a prompt whose length is = stride - 1
+(mod stride), as the official single-shot prefill shows them), stage-1 overflows kept as +inf,
+future blocks score -inf, and ties are broken toward the lower block index.
 
 One module per stage:
   stage1.py     block scores of the compressed keys, packed into sortable int32 keys

@@ -31,18 +31,21 @@ FUSED_TOPK_MAX_BLOCKS = 16384  # a 512K context's rows
 # chunk at 128K, the same blocks bit for bit. _topk_blocks stays as its reference and for CPU tensors.
 
 
-def decode_select_meta(seq_lens: torch.Tensor) -> tuple:
-    """What select_blocks_decode derives from seq_lens alone (int32 lengths, query positions, one
-    stage-1 tile per row): the same for every sparse layer of a step, so callers may compute it
-    once and pass it as `meta` (4 small kernels per layer otherwise)."""
+def decode_select_meta(seq_lens: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> tuple:
+    """What select_blocks_decode derives from seq_lens and prompt_lens alone (int32 lengths, query
+    positions, one stage-1 tile per row, int32 prompt lengths, zeros for None): the same for every
+    sparse layer of a step, so callers may compute it once and pass it as `meta` (4 small kernels
+    per layer otherwise)."""
     seq_lens = seq_lens.to(torch.int32)
     ar = torch.arange(seq_lens.shape[0], device=seq_lens.device, dtype=torch.int32)
-    return seq_lens, (seq_lens - 1).to(torch.int64), (ar, ar, torch.ones_like(ar))
+    prompt_lens = torch.zeros_like(seq_lens) if prompt_lens is None else prompt_lens.to(torch.int32)
+    return seq_lens, (seq_lens - 1).to(torch.int64), (ar, ar, torch.ones_like(ar)), prompt_lens
 
 
 def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, page_table: torch.Tensor,
                          seq_lens: torch.Tensor, sc: SparseConfig, scale: float, max_sel: int,
-                         block_t: int = 1, bb: int = 16, meta: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         block_t: int = 1, bb: int = 16, meta: tuple | None = None,
+                         prompt_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks to attend for one decode query per sequence (position seq_len - 1).
 
     q [B, Hq, d] (bf16/fp32); page_table [B, P] int32 (P is the static width, >= every
@@ -52,25 +55,27 @@ def select_blocks_decode(q: torch.Tensor, comp: CompressedKeyPool, layer: int, p
         the sequence's last (possibly partial) page, holding seq_len - (nb - 1) * block_size tokens;
         entries past count are 0 (a valid page id, never to be read);
       - sparse sequences (seq_len >= dense_len): the top-k of spec 3.4 with every existing entry
-        visible, count = min(topk_eff, nb);
+        visible, count = min(topk_eff, nb), except for a row that is a prompt token (a one-token
+        prefill chunk: seq_len <= prompt_lens[row], int32 [B], None: none is), which sees what the
+        prompt rule shows it (reference.visible_count);
       - dense sequences (seq_len < dense_len): every block, count = nb. This needs
         max_sel >= ceil((dense_len - 1) / block_size) (128 for the real config); a smaller max_sel
         serves sparse sequences only.
     CUDA-graph capturable: no host sync, every shape depends only on (B, P, max_sel).
-    meta: decode_select_meta(seq_lens), when the caller shares it across layers.
+    meta: decode_select_meta(seq_lens, prompt_lens), when the caller shares it across layers.
     """
     if max_sel < sc.topk_eff:
         raise ValueError(f"max_sel={max_sel} < topk_eff={sc.topk_eff}")
     B = q.shape[0]
     nb_out = page_table.shape[1]
-    seq_lens, positions, tiles = meta if meta is not None else decode_select_meta(seq_lens)
+    seq_lens, positions, tiles, prompt_lens = meta if meta is not None else decode_select_meta(seq_lens, prompt_lens)
     # The lse partials in fixed 64-entry ranges, whatever the table width and batch: a sequence
     # then gets the same lse bits, hence the same bf16 block scores and blocks, in a CUDA graph
     # (static width, padded batch) as eagerly, and whichever requests share its step. (Sized
     # by the GPU, the partition moved with the width: verify graphs vs eager differed by 2e-2.)
     # At batch 1 this is the partition the sizing chose anyway up to 16K pages.
     keys = _stage1_keys(q, comp, layer, page_table, seq_lens, positions, tiles, B, 0, nb_out,
-                        scale, block_t, bb, lse_per_split=_LSE_BLOCK_N)
+                        scale, block_t, bb, lse_per_split=_LSE_BLOCK_N, prompt_lens=prompt_lens)
     if nb_out <= FUSED_TOPK_MAX_BLOCKS:
         return topk_pages(keys, page_table, seq_lens, sc, max_sel)
     return topk_pages_torch(keys, page_table, seq_lens, sc, max_sel)
@@ -89,7 +94,8 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
     """Per-token block selection for a (chunked) prefill batch.
 
     q [N, Hq, d] (the batch's tokens, packed by sequence); compressed keys read through
-    batch.page_table. Token t at absolute position p sees C1/C2 entries by the natural causal rule.
+    batch.page_table. Token t at absolute position p sees the C1/C2 entries reference.visible_count
+    shows it, with its sequence's batch.prompt_lens (prompt tokens: the official single-shot rule).
     Returns block_idx [Hkv, N, W] int32: block indices, ascending, -1 padded at the end.
     W = topk_eff when every sequence is sparse; a dense sequence (seq_len < dense_len) gets every
     causal block listed and W grows to cover it (see `prefill_width`).
@@ -124,7 +130,7 @@ def select_blocks_prefill(q: torch.Tensor, comp: CompressedKeyPool, layer: int, 
         lo, hi = tok0s[i], tok0s[j - 1] + ntoks[j - 1]
         keys = _stage1_keys(q, comp, layer, batch.page_table, batch.seq_lens, batch.positions,
                             (tile_seq[i:j], tile_tok0[i:j], tile_ntok[i:j]), hi - lo, lo, nb_out,
-                            scale, block_t, bb, launch=STAGE1_PREFILL_LAUNCH)
+                            scale, block_t, bb, launch=STAGE1_PREFILL_LAUNCH, prompt_lens=batch.prompt_lens)
         lim = limit if isinstance(limit, int) else limit[lo:hi]
         if keys.is_cuda or INTERPRET:
             topk_blocks(keys, width, lim, qb[lo:hi], out=out[:, lo:hi])

@@ -3,6 +3,7 @@
 For one query (token t at absolute position p, KV group g):
   1. lse_h = log sum_i exp(s * q_h.C2[i]) over the visible C2 entries            (`_stage1_lse_kernel`)
   2. S[j]  = bf16( sum_{h in g} exp(s * q_h.C1[j] - lse_h) ), 0 for invisible j, -inf past n1
+     (0 for every j when no C2 entry is visible; an fp32 overflow stays +inf)
      Bscore[b] = max S[j] over j in [c1_per_block*b - pad, c1_per_block*(b+1) - 1]
      forced blocks (init, local window incl. the current block) = +inf, future blocks = -inf
                                                                               (`_stage1_block_keys_kernel`)
@@ -37,10 +38,20 @@ def _visible(pos, KERNEL: tl.constexpr, STRIDE: tl.constexpr):
     return tl.where(pos + 1 >= KERNEL, (pos + 1 - KERNEL) // STRIDE + 1, 0)
 
 
+@triton.jit
+def _stage1_visible(pos, prompt_len, KERNEL: tl.constexpr, STRIDE: tl.constexpr):
+    """Entries stage 1 shows the query at pos (reference.visible_count): `_visible`, one fewer for
+    a prompt token (pos < prompt_len) when prompt_len = STRIDE - 1 (mod STRIDE), as the official
+    single-shot prefill of the prompt shows it (mask.h:226-319); decode and verify tokens lie at or
+    past prompt_len and see every complete entry, as official decode (causal=False) does."""
+    lag = ((pos < prompt_len) & ((prompt_len + 1) % STRIDE == 0)).to(tl.int32)
+    return tl.maximum(_visible(pos, KERNEL, STRIDE) - lag, 0)
+
+
 # the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
 @triton.jit(do_not_specialize=['entries_per_split', 'tok_base'])
 def _stage1_lse_kernel(
-    q_ptr, c2_ptr, page_table_ptr, positions_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
+    q_ptr, c2_ptr, page_table_ptr, positions_ptr, prompt_lens_ptr, tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
     m_part_ptr, l_part_ptr,
     stride_qt, stride_qh, stride_c2p, stride_c2s, stride_c2h, stride_pt, stride_ps, stride_ph,
     qk_scale2, entries_per_split, tok_base,
@@ -58,7 +69,7 @@ def _stage1_lse_kernel(
         tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr, positions_ptr, pid_tile, GP, BLOCK_T)
     row_ok = (t_of_r < ntok) & (h_of_r < GROUP)
     q = _load_q_rows(q_ptr, tok_r, h_of_r, row_ok, g, stride_qt, stride_qh, GROUP, D)
-    vis2 = tl.where(row_ok, _visible(pos_r, K2, S2), 0)
+    vis2 = tl.where(row_ok, _stage1_visible(pos_r, tl.load(prompt_lens_ptr + seq), K2, S2), 0)
 
     lo = pid_split * entries_per_split
     hi = tl.minimum(lo + entries_per_split, tl.max(vis2, axis=0))
@@ -131,8 +142,10 @@ def _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T: tl.constexpr, GP: tl.con
     bf16, max-pooled over each block's entries and the previous block's last PAD. MASKED: entries
     outside j_ok [entries] pad the pooling with -inf and (row, entry) pairs outside keep [rows,
     entries] score 0; not MASKED: the step is interior and every entry and pair counts."""
-    p = tl.exp2(a2 - lse2[:, None])
-    p = tl.where(p < float("inf"), p, 0.0)  # the reference's nan_to_num(nan=0, posinf=0)
+    # rows that see no C2 entry (lse2 -inf; padding rows too) score 0, an overflow stays +inf, as
+    # in reference.stage1_scores (official kernel: early return, +inf kept). NaN needs a non-finite
+    # q or key, so the reference's NaN -> 0 has no counterpart here.
+    p = tl.where((lse2 > float("-inf"))[:, None], tl.exp2(a2 - lse2[:, None]), 0.0)
     if MASKED:
         p = tl.where(keep, p, 0.0)
     s = tl.sum(tl.reshape(p, (BLOCK_T, GP, BB * C1PB)), axis=1)  # sum over the group's heads
@@ -154,7 +167,7 @@ def _pooled_block_scores(a2, lse2, j_ok, keep, BLOCK_T: tl.constexpr, GP: tl.con
 # the step's sizes are not specialised on: one compiled kernel for every step (compile_watch.py)
 @triton.jit(do_not_specialize=['stride_kg', 'stride_kt', 'n_split2', 'nb_out', 'blocks_per_split', 'tok_base'])
 def _stage1_block_keys_kernel(
-    q_ptr, c1_ptr, page_table_ptr, seq_lens_ptr, positions_ptr,
+    q_ptr, c1_ptr, page_table_ptr, seq_lens_ptr, positions_ptr, prompt_lens_ptr,
     tile_seq_ptr, tile_tok0_ptr, tile_ntok_ptr,
     m_part_ptr, l_part_ptr, keys_ptr,
     stride_qt, stride_qh, stride_c1p, stride_c1s, stride_c1h, stride_pt, stride_ps, stride_ph,
@@ -204,7 +217,7 @@ def _stage1_block_keys_kernel(
         l += tl.load(l_part_ptr + sp * stride_ps + prow, mask=row_ok, other=0.0) * tl.exp2(m_s - m_safe)
     lse2 = m_safe + tl.log2(l)  # log2(0) = -inf
 
-    vis1 = _visible(pos_r, K1, S1)
+    vis1 = _stage1_visible(pos_r, tl.load(prompt_lens_ptr + seq), K1, S1)
     t = tl.arange(0, BLOCK_T)
     tok_ok = t < ntok
     qb = tl.load(positions_ptr + tok0 + t, mask=tok_ok, other=0) // BS  # [BLOCK_T]
@@ -217,8 +230,8 @@ def _stage1_block_keys_kernel(
     page_row = page_table_ptr + seq * stride_pt
     row0 = tok0 - tok_base
     # bounds of the interior steps: every row sees the entries below vis_min, and every token's
-    # local window starts at or after local_min. (Padding rows need no mask: their q is 0 and
-    # their lse2 -inf, so exp2 gives +inf, which the nan_to_num rule turns into 0.)
+    # local window starts at or after local_min. (Padding rows need no mask: their lse2 is -inf,
+    # and rows that see no C2 entry score 0.)
     vis_min = tl.min(tl.where(row_ok, vis1, 1 << 30), axis=0)
     local_min = tl.min(tl.where(tok_ok, qb - LOCAL, 1 << 30), axis=0)
 
@@ -276,7 +289,7 @@ def _split(total: int, parallel: int, unit: int) -> tuple[int, int]:
     return per, -(-total // per)
 
 
-def _stage1_lse_partials(q, c2, comp: CompressedKeyPool, page_table, positions, tiles, n_rows: int,
+def _stage1_lse_partials(q, c2, comp: CompressedKeyPool, page_table, positions, prompt_lens, tiles, n_rows: int,
                          tok_base: int, nb_out: int, qk_scale2: float, block_t: int, group: int, gp: int,
                          prec: str, lse_per_split: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The C2 log-sum-exp partials (max, sum) [splits, Hq, n_rows] of `_stage1_lse_kernel` over
@@ -295,7 +308,7 @@ def _stage1_lse_partials(q, c2, comp: CompressedKeyPool, page_table, positions, 
     m_part = torch.empty(n_split2, Hq, n_rows, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     _stage1_lse_kernel[(n_tiles, hkv, n_split2)](
-        q, c2, page_table, positions, tile_seq, tile_tok0, tile_ntok, m_part, l_part,
+        q, c2, page_table, positions, prompt_lens, tile_seq, tile_tok0, tile_ntok, m_part, l_part,
         q.stride(0), q.stride(1), c2.stride(0), c2.stride(1), c2.stride(2), page_table.stride(0),
         m_part.stride(0), m_part.stride(1), qk_scale2, per2, tok_base,
         GROUP=group, GP=gp, D=D, BLOCK_T=block_t, BLOCK_N=block_n2, K2=sc.c2_kernel_size,
@@ -306,13 +319,15 @@ def _stage1_lse_partials(q, c2, comp: CompressedKeyPool, page_table, positions, 
 def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, positions,
                  tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_rows: int, tok_base: int,
                  nb_out: int, scale: float, block_t: int, bb: int, lse_per_split: int | None = None,
-                 launch: dict | None = None) -> torch.Tensor:
+                 launch: dict | None = None, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Packed keys [Hkv, n_rows, nb_out] int32 for the tokens [tok_base, tok_base + n_rows) that
     the tiles cover (see `_stage1_block_keys_kernel`). Fixed shapes for fixed inputs shapes.
     lse_per_split: C2 entries per lse partial (a multiple of _LSE_BLOCK_N); None sizes the
     partials to fill the GPU, which makes the partition (and so the lse's last bits) depend on
     nb_out and the number of rows. launch: options of the keys kernel's launch (prefill passes
-    STAGE1_PREFILL_LAUNCH)."""
+    STAGE1_PREFILL_LAUNCH). prompt_lens: int32 per sequence of the tiles (tile_seq indexes it),
+    its prompt's length for the stage-1 prompt rule (`_stage1_visible`); None: 0 (every row sees
+    every complete entry, the decode rule)."""
     sc = comp.sc
     _, Hq, D = q.shape
     hkv = comp.c1.shape[3]
@@ -331,14 +346,16 @@ def _stage1_keys(q, comp: CompressedKeyPool, layer: int, page_table, seq_lens, p
     c1, c2 = comp.c1[layer], comp.c2[layer]  # [pages, per_page, Hkv, D]
     qk_scale2 = scale * LOG2E
     prec = _dot_precision(q.dtype)
+    if prompt_lens is None:
+        prompt_lens = torch.zeros(page_table.shape[0], dtype=torch.int32, device=q.device)
 
-    m_part, l_part = _stage1_lse_partials(q, c2, comp, page_table, positions, tiles, n_rows, tok_base, nb_out,
-                                          qk_scale2, block_t, group, gp, prec, lse_per_split)
+    m_part, l_part = _stage1_lse_partials(q, c2, comp, page_table, positions, prompt_lens, tiles, n_rows, tok_base,
+                                          nb_out, qk_scale2, block_t, group, gp, prec, lse_per_split)
     n_split2 = m_part.shape[0]
     keys = torch.empty(hkv, n_rows, nb_out, dtype=torch.int32, device=q.device)
     per1, n_split1 = _split(nb_out, n_tiles * hkv, bb - 1)
     _stage1_block_keys_kernel[(n_tiles, hkv, n_split1)](
-        q, c1, page_table, seq_lens, positions, tile_seq, tile_tok0, tile_ntok, m_part, l_part, keys,
+        q, c1, page_table, seq_lens, positions, prompt_lens, tile_seq, tile_tok0, tile_ntok, m_part, l_part, keys,
         q.stride(0), q.stride(1), c1.stride(0), c1.stride(1), c1.stride(2), page_table.stride(0),
         m_part.stride(0), m_part.stride(1), keys.stride(0), keys.stride(1),
         qk_scale2, n_split2, nb_out, per1, tok_base, sc.dense_len,

@@ -12,6 +12,7 @@ A Format describes one way a linear layer's weight W [N, K] is stored (Quantized
   dequantize, reference_linear   the ground truth: W, and x @ W^T from it
   fusable, concat         fusing linears that read the same input (q/k/v/gate, gate/up)
   quantize                the on-load quantizer (an unquantized checkpoint with --quantization NAME)
+  slice_out, slice_in      a tensor-parallel rank's output rows / input columns of W
   parse_config, stores, checkpoint_shapes, found_shape, check_dtype, check_tensors,
   from_checkpoint, checkpoint_tensors    reading and writing checkpoints
 
@@ -21,6 +22,7 @@ names to them (LINEAR_KERNELS); a format without kernels runs its reference_line
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -92,6 +94,19 @@ class Format:
         return type(parts[0])(self.name, parts[0].in_features, sum(p.out_features for p in parts),
                               weight=torch.cat([p.weight for p in parts]),
                               scale=torch.cat([p.scale for p in parts]))
+
+    # ---- tensor parallelism (parallel/shard.py) ---------------------------------------------
+    def slice_out(self, w: "QuantizedLinearWeights", lo: int, hi: int) -> "QuantizedLinearWeights":
+        """Output channels [lo, hi) of W (a column-parallel shard): the rows and their scales."""
+        return dataclasses.replace(w, out_features=hi - lo, weight=w.weight[lo:hi].contiguous(),
+                                   scale=None if w.scale is None else w.scale[lo:hi].contiguous(),
+                                   wgmma=None, prefill=None)
+
+    def slice_in(self, w: "QuantizedLinearWeights", lo: int, hi: int) -> "QuantizedLinearWeights":
+        """Input channels [lo, hi) of W (a row-parallel shard); a per-output-channel scale applies
+        to every column, so each rank keeps all of it."""
+        return dataclasses.replace(w, in_features=hi - lo, weight=w.weight[:, lo:hi].contiguous(),
+                                   wgmma=None, prefill=None)
 
     # ---- on load -----------------------------------------------------------------------------
     def quantize(self, weight: torch.Tensor, scheme: QuantScheme) -> "QuantizedLinearWeights":

@@ -342,6 +342,35 @@ class W4a16Format(Format):
     def quantize(self, weight, scheme):
         return quantize_w4a16_rtn(weight, scheme.group_size, scheme.sym)
 
+    def slice_out(self, w, lo, hi):
+        """Output channels [lo, hi): qweight / scales columns; qzeros (8 channels an int32)
+        repacked unless the cut falls on whole int32 columns."""
+        if lo % 8 == 0 and (hi % 8 == 0 or hi == w.out_features):
+            qzeros = w.qzeros[:, lo // 8: -(-hi // 8)]
+        else:
+            qzeros = pack_zeros(unpack_zeros(w.qzeros, w.out_features, GPTQ_V2)[:, lo:hi], GPTQ_V2)
+        return dataclasses.replace(w, out_features=hi - lo, qweight=w.qweight[:, lo:hi].contiguous(),
+                                   qzeros=qzeros.contiguous(), scales=w.scales[:, lo:hi].contiguous(),
+                                   wgmma=None, prefill=None)
+
+    def slice_in(self, w, lo, hi):
+        """Input channels [lo, hi): whole groups only, so each rank keeps the scales and zeros of
+        its own groups and the TP=1 weights exactly (ValueError for a cut inside a group or an
+        act-order layout, whose groups are spread over all of K)."""
+        gs, K = w.group_size, w.in_features
+        if w.perm is not None or not w.g_idx_trivial:
+            raise ValueError("act-order (desc_act) int4 weights spread every group over the whole input dim; "
+                             "they cannot be split by input channels")
+        if lo % gs or (hi % gs and hi != K):
+            raise ValueError(f"the input channels [{lo}, {hi}) of K = {K} cut through int4 groups of {gs}; each "
+                             f"rank's share of K must be a multiple of the group size (K / tp_size % {gs} == 0)")
+        if lo % 8 or hi % 8:
+            raise ValueError(f"the input channels [{lo}, {hi}) do not fall on the int4 packing (8 per int32)")
+        g0, g1 = lo // gs, -(-hi // gs)
+        return dataclasses.replace(w, in_features=hi - lo, qweight=w.qweight[lo // 8: hi // 8].contiguous(),
+                                   qzeros=w.qzeros[g0:g1].contiguous(), scales=w.scales[g0:g1].contiguous(),
+                                   g_idx=trivial_g_idx(hi - lo, gs, w.g_idx.device), wgmma=None, prefill=None)
+
     def parse_config(self, qc: dict, lm_head: bool) -> QuantScheme:
         bits = qc.get("bits", qc.get("w_bit"))
         if bits not in (4, "4"):  # newer GPTQModel may serialize bits as a string
