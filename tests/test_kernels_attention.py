@@ -178,7 +178,7 @@ def check_store_kv(seqs, block_size, hkv, d, dtype, device, num_pages, seed=0):
     k2, v2 = k + 1, v + 1
     A.store_kv(kv, layer, k2, v2, batch)
     sel = batch.slot_mapping >= 0
-    TorchBackend().store_kv(want, layer, k2[sel], v2[sel], type("B", (), {"slot_mapping": batch.slot_mapping[sel]}))
+    TorchBackend().store_kv(want, layer, k2[sel], v2[sel], type("B", (), {"slot_mapping": batch.slot_mapping[sel], "trees": None}))
     assert torch.equal(kv.k, want.k) and torch.equal(kv.v, want.v)
     assert not torch.equal(kv.k, before_k) and not torch.equal(kv.v, before_v)
 
