@@ -285,6 +285,7 @@ def test_tp2_greedy_equals_tp1(quantization):
     with LLM(tp_size=2, dist_timeout=60, **kw) as two:
         pids = two.engine.runner.followers.pids
         assert len(pids) == 1 and all(_alive(p) for p in pids)
+        assert two.engine.runner.model.ops.kv_group is None  # a KV head per rank: no sub-groups
         got = [[o.token_ids for o in two.generate(r, params)] for r in rounds]
         assert two.engine.stats["cached_prompt_tokens"] == len(LONG)
     assert got == want
@@ -521,10 +522,12 @@ def test_a_script_without_the_main_guard_is_told_why(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir):
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir, size):
     """Draft trees (spec/tree.py) verified on two ranks: the tree oracle hides the plain output among
     wrong siblings, so greedy output must equal plain TP=1 decoding; each accepted path's commit
-    (Lightning states, sparse K/V, compressed keys) runs on every rank."""
+    (Lightning states, sparse K/V, compressed keys) runs on every rank. At 4 ranks the tiny model's
+    2 KV heads are replicated (each tree row's stage-1 scores all-reduced over its head's pair)."""
     import random
 
     from salaserve.core.sampling_params import SamplingParams
@@ -547,7 +550,7 @@ def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir):
         return outs
 
     plain = run(Engine(**kw))
-    eng = Engine(tp_size=2, dist_timeout=60, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
+    eng = Engine(tp_size=size, dist_timeout=60, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
                  speculative_max_batch=8, **kw)
     try:
         assert eng.tree_verify

@@ -62,7 +62,8 @@ SINGLE = TPGroup()
 def split_group(group: TPGroup, parts: int) -> TPGroup:
     """This rank's sub-group when group's ranks are cut into `parts` runs of consecutive ranks (the
     ranks that replicate one KV head: shard.kv_replicas). Collective: every rank of group must call
-    it, since torch.distributed.new_group is called by all ranks for every run, in the same order."""
+    it, since torch.distributed.new_group is called by all ranks for every run, in the same order.
+    Its all_reduce is what the sub-group is for (broadcast's src would be a global rank)."""
     if group.size % parts:
         raise ValueError(f"{group.size} ranks do not split into {parts} equal sub-groups")
     per = group.size // parts
