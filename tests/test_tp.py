@@ -25,7 +25,7 @@ from salaserve.model.default import default_model_dir
 from salaserve.model.loader import load_state_dict
 from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
 from salaserve.parallel.ops import TensorParallelOps
-from salaserve.parallel.shard import (TPConfigError, check_tp, column_shard, row_shard,
+from salaserve.parallel.shard import (TPConfigError, check_tp, column_shard, kv_replicas, row_shard,
                                       shard_state_dict)
 from salaserve.quant.formats import QuantizedLinearWeights, QuantScheme, get, reorder_act_order
 
@@ -99,7 +99,7 @@ def test_state_dict_w4a16_group_error_names_the_linear(tiny_model_dir):
 
 
 # ---- the model's splits --------------------------------------------------------------------------
-@pytest.mark.parametrize("size,field", [(3, "num_key_value_heads"), (4, "num_key_value_heads"),
+@pytest.mark.parametrize("size,field", [(3, "num_key_value_heads"), (8, "num_attention_heads"),
                                         (0, "positive integer")])
 def test_bad_tp_size_is_a_clear_error(default_cfg, size, field):
     with pytest.raises(TPConfigError, match=field):
@@ -140,9 +140,9 @@ class ThreadGroup:
         return t.copy_(total)
 
 
-def _model(cfg, w, rank, size, group, kv_dtype=torch.float32):
+def _model(cfg, w, rank, size, group, kv_dtype=torch.float32, kv_group=None):
     w = shard_state_dict(cfg, dict(w), rank, size)
-    ops = TorchBackend() if size == 1 else TensorParallelOps(TorchBackend(), group)
+    ops = TorchBackend() if size == 1 else TensorParallelOps(TorchBackend(), group, kv_group)
     m = SalaModel(cfg, fuse_state_dict(cfg, w), ops, torch.float32, "cpu", rank, size)
     lc, sc = m.cfg, cfg.sparse
     ns, nl = len(cfg.sparse_layers), len(cfg.lightning_layers)
@@ -152,7 +152,7 @@ def _model(cfg, w, rank, size, group, kv_dtype=torch.float32):
                                                  "cpu"),
                     states=StatePool(2, nl, lc.lightning_nh, lc.lightning_head_dim, torch.float32, "cpu"))
     # the caches hold this rank's heads only
-    assert caches.kv.k.shape[3] == cfg.num_key_value_heads // size
+    assert caches.kv.k.shape[3] == max(1, cfg.num_key_value_heads // size)  # one replicated head past kv heads
     assert caches.states.state.shape[2] == cfg.lightning_nh // size
     return m, caches
 
@@ -169,17 +169,29 @@ def _prefill_and_decode(m, caches, ids, steps):
     return torch.cat(out)
 
 
+def _thread_groups(size: int, parts: int = 1) -> list[list]:
+    """For each of `parts` runs of consecutive ranks (group.split_group's), its ThreadGroups."""
+    per = size // parts
+    runs = [{"barrier": threading.Barrier(per, timeout=60), "bufs": [None] * per} for _ in range(parts)]
+    return [[ThreadGroup(runs[p], r, per) for r in range(per)] for p in range(parts)]
+
+
 def _sharded_logits(cfg, w, ids, steps, size=2, kv_dtype=torch.float32):
-    shared = {"barrier": threading.Barrier(size, timeout=60), "bufs": [None] * size}
+    """Every rank's logits (checked equal) with `size` ranks as threads; with replicated KV heads
+    (kv_replicas > 1) the ranks sharing a head get their sub-group, as the runner gives them."""
+    groups = _thread_groups(size)[0]
+    reps = kv_replicas(cfg, size)
+    kv_groups = sum(_thread_groups(size, size // reps), []) if reps > 1 else [None] * size
     out, errors = [None] * size, []
 
     def rank(r):
         try:
-            m, caches = _model(cfg, w, r, size, ThreadGroup(shared, r, size), kv_dtype)
+            m, caches = _model(cfg, w, r, size, groups[r], kv_dtype, kv_groups[r])
             out[r] = _prefill_and_decode(m, caches, ids, steps)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
-            shared["barrier"].abort()
+            for g in groups + [g for g in kv_groups if g is not None]:
+                g.shared["barrier"].abort()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
@@ -273,6 +285,7 @@ def test_tp2_greedy_equals_tp1(quantization):
     with LLM(tp_size=2, dist_timeout=60, **kw) as two:
         pids = two.engine.runner.followers.pids
         assert len(pids) == 1 and all(_alive(p) for p in pids)
+        assert two.engine.runner.model.ops.kv_group is None  # a KV head per rank: no sub-groups
         got = [[o.token_ids for o in two.generate(r, params)] for r in rounds]
         assert two.engine.stats["cached_prompt_tokens"] == len(LONG)
     assert got == want
@@ -509,10 +522,12 @@ def test_a_script_without_the_main_guard_is_told_why(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir):
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir, size):
     """Draft trees (spec/tree.py) verified on two ranks: the tree oracle hides the plain output among
     wrong siblings, so greedy output must equal plain TP=1 decoding; each accepted path's commit
-    (Lightning states, sparse K/V, compressed keys) runs on every rank."""
+    (Lightning states, sparse K/V, compressed keys) runs on every rank. At 4 ranks the tiny model's
+    2 KV heads are replicated (each tree row's stage-1 scores all-reduced over its head's pair)."""
     import random
 
     from salaserve.core.sampling_params import SamplingParams
@@ -535,7 +550,7 @@ def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir):
         return outs
 
     plain = run(Engine(**kw))
-    eng = Engine(tp_size=2, dist_timeout=60, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
+    eng = Engine(tp_size=size, dist_timeout=60, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
                  speculative_max_batch=8, **kw)
     try:
         assert eng.tree_verify

@@ -19,9 +19,9 @@ from salaserve.kernels.compile_watch import WATCH
 from salaserve.kernels.options import KernelOptions
 from salaserve.model.loader import load_state_dict
 from salaserve.model.sala import Caches, SalaModel, fuse_state_dict
-from salaserve.parallel.group import SINGLE, backend_for, init_group
+from salaserve.parallel.group import SINGLE, backend_for, init_group, split_group
 from salaserve.parallel.ops import TensorParallelOps
-from salaserve.parallel.shard import check_tp, shard_state_dict
+from salaserve.parallel.shard import check_tp, check_tp_backend, kv_replicas, shard_state_dict
 
 log = logging.getLogger("salaserve")
 
@@ -72,15 +72,20 @@ class ModelRunner:
         self.followers = followers
         self.tp = SINGLE
         self._zeroed: list[int] = []  # state slots zeroed since the last message to the followers
+        self.backend_name = resolve_backend_name(args.backend, self.device)
         if args.tp_size > 1:
             check_tp(self.cfg, args.tp_size)
+            check_tp_backend(self.cfg, args.tp_size, self.backend_name)
             if self.device.type == "cuda":  # NCCL works on the current device: this rank's GPU
                 torch.cuda.set_device(self.device)
             self.tp = init_group(tp_rank, args.tp_size, backend_for(self.device), tp_init, args.dist_timeout)
-        self.backend_name = resolve_backend_name(args.backend, self.device)
         backend = get_backend(self.backend_name, self.device, KernelOptions.from_engine_args(args))
         if self.tp.size > 1:
-            backend = TensorParallelOps(backend, self.tp)
+            # replicated KV heads: the ranks sharing one sum its stage-1 scores (created by every rank)
+            kv_group = None
+            if kv_replicas(self.cfg, self.tp.size) > 1:
+                kv_group = split_group(self.tp, self.cfg.num_key_value_heads)
+            backend = TensorParallelOps(backend, self.tp, kv_group)
         weights = load_state_dict(model_dir, self.cfg, dtype=self.dtype, device=self.device,
                                   load_format=args.load_format, seed=args.seed, quantization=args.quantization,
                                   quantize_lm_head=args.quantize_lm_head)

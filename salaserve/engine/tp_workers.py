@@ -314,10 +314,13 @@ def follower_main(args: EngineArgs, model_dir: str, rank: int, init_method: str,
 def check_layout(args: EngineArgs, model_dir: str) -> None:
     """ValueError (TPConfigError for the model) unless tp_size ranks fit the device and the model."""
     from salaserve.config import ModelConfig
-    from salaserve.parallel.shard import check_tp
+    from salaserve.kernels import resolve_backend_name
+    from salaserve.parallel.shard import check_tp, check_tp_backend
 
-    rank_args(args, 0)
-    check_tp(ModelConfig.from_pretrained(model_dir), args.tp_size)
+    device = torch.device(rank_args(args, 0).device)  # "cpu" or "cuda:0" by now
+    cfg = ModelConfig.from_pretrained(model_dir)
+    check_tp(cfg, args.tp_size)
+    check_tp_backend(cfg, args.tp_size, resolve_backend_name(args.backend, device))
 
 
 def start_runner(args: EngineArgs, model_dir: str):

@@ -204,25 +204,28 @@ class TorchBackend:
                 pool[layer, pages[j // per_page], j % per_page] = entry
 
     def sparse_attention_gated(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
-                               cfg: ModelConfig, gate):
+                               cfg: ModelConfig, gate, score_reduce=None):
         """sparse_attention times the output gate: sigmoid_mul(o as [N, Hq*d], gate [N, Hq*d]), the
         sparse mixer's output (a backend may apply the gate in the attention's last kernel)."""
-        o = self.sparse_attention(q, kv, comp, layer, batch, cfg)
+        o = self.sparse_attention(q, kv, comp, layer, batch, cfg, score_reduce=score_reduce)
         return self.sigmoid_mul(o.reshape(q.shape[0], -1), gate)
 
     def sparse_attention(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,
-                         cfg: ModelConfig):
+                         cfg: ModelConfig, score_reduce=None):
         """Per sequence: dense causal attention while its total length < dense_len, else InfLLM-v2
         (stage-1 scores with the C2 log-sum-exp over the entries reference.visible_count shows each
         token given its sequence's prompt length, pooling, forced + top-k blocks, block-sparse
-        attention). q [N, Hq, d]; returns [N, Hq, d] in q.dtype."""
+        attention). q [N, Hq, d]; returns [N, Hq, d] in q.dtype. score_reduce: reference.stage1_scores'
+        reduce (a KV group's query heads spread over tensor-parallel ranks; called once per sparse
+        sequence, or tree row, in batch order, so every rank of the sub-group joins the same calls)."""
         sc = cfg.sparse
         scale = cfg.head_dim ** -0.5
         out = torch.empty_like(q)
         start = 0
         for i, n in enumerate(batch.q_lens_host):
             if batch.trees and batch.trees[i] is not None:  # each row as a decode of its path
-                out[start:start + n] = tree_verify.tree_attention(q[start:start + n], kv, comp, layer, batch, i, cfg)
+                out[start:start + n] = tree_verify.tree_attention(q[start:start + n], kv, comp, layer, batch, i, cfg,
+                                                                       score_reduce)
                 start += n
                 continue
             L = batch.seq_lens_host[i]
@@ -242,7 +245,7 @@ class TorchBackend:
                 plen = batch.prompt_lens_host[i] if batch.prompt_lens_host else 0  # prompt tokens: prompt rule
                 vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0], plen)
                 vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], plen)
-                scores = spec.stage1_scores(qi, c1, c2, vis1, vis2, cfg.gqa_group_size, scale)
+                scores = spec.stage1_scores(qi, c1, c2, vis1, vis2, cfg.gqa_group_size, scale, score_reduce)
                 blocks = spec.select_blocks(scores, pos // sc.block_size, pages.numel(), sc)
                 allowed = blocks.repeat_interleave(sc.block_size, dim=-1)[..., :L] & causal[None]
                 if verify:

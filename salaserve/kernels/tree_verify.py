@@ -68,8 +68,9 @@ def path_caches(root, k_rows, v_rows, path: list[int], sc):
     return keys, values, c1, c2
 
 
-def tree_attention(q, kv, comp, layer: int, batch, i: int, cfg) -> torch.Tensor:
-    """Sparse-layer outputs of tree sequence i's rows (q [n, Hq, d]) as decode queries of their paths."""
+def tree_attention(q, kv, comp, layer: int, batch, i: int, cfg, score_reduce=None) -> torch.Tensor:
+    """Sparse-layer outputs of tree sequence i's rows (q [n, Hq, d]) as decode queries of their paths
+    (score_reduce: as TorchBackend.sparse_attention's)."""
     sc, bs = cfg.sparse, kv.block_size
     scale = cfg.head_dim ** -0.5
     k_rows, v_rows = batch.spec_kv[("kv", layer, i)]
@@ -87,7 +88,7 @@ def tree_attention(q, kv, comp, layer: int, batch, i: int, cfg) -> torch.Tensor:
         pos = torch.tensor([L - 1], device=q.device)
         vis1 = spec.visible_count(pos, sc.kernel_size, sc.kernel_stride, c1.shape[0], plen)
         vis2 = spec.visible_count(pos, sc.c2_kernel_size, sc.c2_kernel_stride, c2.shape[0], plen)
-        scores = spec.stage1_scores(qr, c1, c2, vis1, vis2, cfg.gqa_group_size, scale)
+        scores = spec.stage1_scores(qr, c1, c2, vis1, vis2, cfg.gqa_group_size, scale, score_reduce)
         blocks = spec.select_blocks(scores, pos // bs, -(-L // bs), sc)
         allowed = blocks.repeat_interleave(bs, dim=-1)[..., :L]
         out[r:r + 1] = spec.attention(qr, keys, values, allowed, scale)

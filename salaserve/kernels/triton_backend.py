@@ -402,7 +402,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         # graph batches: a fixed grid (the kernel loops over however many entries were born)
         attn.update_compressed(kv, comp, layer, batch, max_new_entries=1 if batch.decode_mode else None)
 
-    def sparse_attention(self, q, kv, comp, layer, batch, cfg):
+    def sparse_attention(self, q, kv, comp, layer, batch, cfg, score_reduce=None):
+        if score_reduce is not None:  # refused at start-up too (parallel/shard.check_tp_backend)
+            raise NotImplementedError("the triton backend's stage 1 ranks blocks inside one kernel: it cannot "
+                                      "all-reduce partial stage-1 scores (replicated KV heads need backend torch)")
         if _has_verify(batch):
             return self._verify_attention(q, kv, comp, layer, batch, cfg)
         if batch.is_decode:

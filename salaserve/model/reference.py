@@ -203,12 +203,15 @@ def select_from_block_scores(bscores: torch.Tensor, query_blocks: torch.Tensor, 
 
 
 def stage1_scores(q: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, vis1: torch.Tensor,
-                  vis2: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+                  vis2: torch.Tensor, group: int, scale: float, reduce=None) -> torch.Tensor:
     """Block-relevance of each C1 entry per (KV group, query) (spec 3.4 step 1).
 
     q [T, Hq, d]; c1 [n1, Hkv, d]; c2 [n2, Hkv, d]; vis1/vis2 [T] visible entry counts.
     Softmax-like weights exp(a - lse) with the log-sum-exp taken over the *coarse* keys C2, summed
     over the `group` query heads of each KV head, rounded to bf16. Returns [Hkv, T, n1] fp32.
+    reduce: None, or (tensor parallelism with a KV head's query heads on several ranks) a function
+    that sums the fp32 partial sums [Hkv, T, n1] of this rank's heads over those ranks, in place,
+    before the bf16 rounding, as the spec's fp32 sum over the whole group.
     """
     qf = q.float()
     hkv = c1.shape[1]
@@ -227,7 +230,10 @@ def stage1_scores(q: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, vis1: tor
     # entry's block scores +inf and is chosen like a forced one (ties: lower block first).
     p = torch.where((vis2 > 0)[None, :, None, None], p, 0.0)
     p = torch.where(p.isnan(), 0.0, p)
-    return p.sum(2).to(torch.bfloat16).float()
+    s = p.sum(2)
+    if reduce is not None:
+        s = reduce(s)
+    return s.to(torch.bfloat16).float()
 
 
 def attention(q, keys, values, allowed, scale):

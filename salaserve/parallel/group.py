@@ -48,12 +48,32 @@ class TPGroup:
         return int(t.item())
 
     def destroy(self) -> None:
-        if self.size > 1 and torch.distributed.is_initialized():
+        """Leave torch.distributed (the whole group, with any sub-groups split from it). A sub-group
+        (split_group) does nothing here: it goes with its parent."""
+        if (self.size > 1 and torch.distributed.is_initialized()
+                and self.group is torch.distributed.group.WORLD):
             torch.distributed.destroy_process_group()
             self.group = None
 
 
 SINGLE = TPGroup()
+
+
+def split_group(group: TPGroup, parts: int) -> TPGroup:
+    """This rank's sub-group when group's ranks are cut into `parts` runs of consecutive ranks (the
+    ranks that replicate one KV head: shard.kv_replicas). Collective: every rank of group must call
+    it, since torch.distributed.new_group is called by all ranks for every run, in the same order.
+    Its all_reduce is what the sub-group is for (broadcast's src would be a global rank)."""
+    if group.size % parts:
+        raise ValueError(f"{group.size} ranks do not split into {parts} equal sub-groups")
+    per = group.size // parts
+    mine = None
+    for p in range(parts):
+        ranks = list(range(p * per, (p + 1) * per))
+        handle = torch.distributed.new_group(ranks, backend=group.backend)
+        if group.rank in ranks:
+            mine = TPGroup(group.rank - p * per, per, group.backend, handle)
+    return mine
 
 
 def backend_for(device: torch.device) -> str:

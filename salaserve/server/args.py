@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
            "that does not fit is lowered, instead of a 400")
     a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
       help="tensor parallelism: N ranks, each with 1/N of the heads and MLP (rank i on cuda:i over NCCL, or CPU "
-           "processes over gloo); N must divide the model's KV heads (MiniCPM-SALA: 2)")
+           "processes over gloo); N must divide the query heads and either divide the KV heads or be a "
+           "multiple of them (replicated KV heads, torch backend only): MiniCPM-SALA takes 2, 4 or 8")
     a("--dist-timeout", type=float, default=EngineArgs.dist_timeout,
       help="seconds a tensor-parallel rank waits for the others (start-up, each collective) before failing")
     a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
