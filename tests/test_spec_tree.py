@@ -315,11 +315,8 @@ def test_chain_trees_take_the_chain_path(tiny_model_dir, prompts, plain):
 
 
 def test_backend_without_tree_support_verifies_first_paths(tiny_model_dir, prompts, plain):
-    """Where the backend lacks tree verify (the triton backend today), trees become their first
-    path: no tree reaches a batch, output unchanged."""
-    from salaserve.kernels.triton_backend import TritonBackend
-
-    assert TritonBackend.supports_tree_verify is False
+    """Where the backend lacks tree verify, trees become their first path: no tree reaches a
+    batch, output unchanged."""
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
     eng = _engine(tiny_model_dir)
     eng.tree_verify = False
@@ -356,3 +353,51 @@ def test_forward_batch_of_a_tree_verify():
                   tree_parents=(-1, -1))
     with pytest.raises(ValueError, match="draft tree"):
         ForwardBatch.build([bad], 16, 128, "cpu", pad_slot=0)
+
+
+# ---- the triton backend ----------------------------------------------------------------------
+
+def test_triton_tree_verify_under_interpreter():
+    """The triton backend's tree verify against the torch one (rows, commit, engine greedy output):
+    the cases live in tests/tree_interp_cases.py and run in a subprocess with TRITON_INTERPRET=1."""
+    from pathlib import Path
+
+    from kernel_checks import run_interpreter_cases
+
+    run_interpreter_cases(Path(__file__).resolve().parent / "tree_interp_cases.py")
+
+
+def test_tree_scratch_spans():
+    """The pages a tree row's path rewrites: from the page of the first compressed entry it
+    completes (entries live in the page their window starts in) or the root's page, to the page
+    of its deepest position. Tiny config: block 16, C1 kernel 8 stride 4, C2 kernel 32 stride 16."""
+    from salaserve.config import preset_config
+    from salaserve.kernels.tree_pages import row_spans, scratch_pages_needed
+
+    sc = preset_config("tiny").sparse
+    assert (sc.block_size, sc.kernel_size, sc.kernel_stride) == (16, 8, 4)
+    assert (sc.c2_kernel_size, sc.c2_kernel_stride) == (32, 16)
+    # root at 40 (page 2); a chain of 3: positions 41..43; C1 entries end at 4j + 7: 43 -> j = 9
+    # (window 36..43, page 2); no C2 entry (ends at 16i + 31: 47)
+    assert row_spans(40, (-1, 0, 1), sc) == [(0, -1), (2, 2), (2, 2), (2, 2)]
+    # root at 45: depth 2 reaches 47, completing C2 entry 1 (window 16..47, page 1), depth 3 the next page
+    assert row_spans(45, (-1, 0, 1), sc) == [(0, -1), (2, 2), (1, 2), (1, 3)]
+    assert scratch_pages_needed([45, 7], [(-1, 0, 1), None], sc) == 1 + 2 + 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prompt_len", [40, 125, 252], ids=["dense", "crosses-dense_len", "sparse"])
+def test_gpu_triton_tree_verify_equals_torch(tiny_model_dir, prompt_len):
+    """On the GPU, fp32 tiny model, every kernel of the triton backend (linears included): the tree
+    verify's rows, the commit's caches and states equal the torch backend's
+    (`_tree_cases.check_tree_verify`; the interpreter cases' tolerances: fp32 dots run in ieee
+    precision on both sides)."""
+    from _tree_cases import check_tree_verify
+
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    args = EngineArgs(model=tiny_model_dir, device="cuda", dtype="float32", backend="torch",
+                      chunked_prefill_size=64, max_running_requests=4)
+    runner = ModelRunner(args, tiny_model_dir)
+    check_tree_verify(runner, TritonBackend(), prompt_len, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL)
