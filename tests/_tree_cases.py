@@ -43,13 +43,17 @@ def _prefill(runner, prompt, pages, slot):
 
 
 def check_tree_verify(runner, triton_ops, prompt_len: int, logit_atol: float, cache_atol: float,
-                      state_rtol: float) -> None:
+                      state_rtol: float, parents=PARENTS) -> None:
     """runner (torch backend) prefills a prompt of prompt_len and a second one; then, from the same
-    caches, a step with a tree verify (PARENTS) beside a plain decode of the second sequence runs on
+    caches, a step with a tree verify (`parents`) beside a plain decode of the second sequence runs on
     the torch backend and on triton_ops, each followed by the commit of the path root -> 0 -> 3 ->
-    6 -> 9. Every logit row, the sequence's K/V pages and compressed keys after the commit, and both
-    state slots agree within the tolerances; the triton step ran its kernels (not the torch
-    fallback) and gave its scratch pages back."""
+    6 -> 9 (candidates 0, 3, 6, 9 of PARENTS). Every logit row, the sequence's K/V pages and compressed keys after the commit, and both
+    state slots agree within the tolerances; the triton step ran its sparse kernels (not the torch
+    fallback), its Lightning kernel unless the tree is over lightning_verify's CHUNK_MAX_TOKENS
+    rows, and gave its scratch pages back."""
+    from salaserve.kernels.lightning_verify import CHUNK_MAX_TOKENS
+
+    assert tuple(parents[:len(PARENTS)]) == PARENTS
     cfg = runner.cfg
     sc = cfg.sparse
     rng = random.Random(prompt_len)
@@ -64,7 +68,7 @@ def check_tree_verify(runner, triton_ops, prompt_len: int, logit_atol: float, ca
     try:
         root = int(_prefill(runner, prompt, pages, slot).argmax())
         _prefill(runner, other, pages2, slot2)
-        tree = DraftTree(tuple(rng.randrange(3, cfg.vocab_size) for _ in PARENTS), PARENTS)
+        tree = DraftTree(tuple(rng.randrange(3, cfg.vocab_size) for _ in parents), tuple(parents))
         seqs = [SeqWork(slot, pages, prompt_len, [root, *tree.tokens], need_logits=True, num_logits=len(tree) + 1,
                         verify=True, prompt_len=prompt_len, tree_parents=tree.parents),
                 SeqWork(slot2, pages2, len(other), [5], need_logits=True, prompt_len=len(other))]
@@ -80,7 +84,9 @@ def check_tree_verify(runner, triton_ops, prompt_len: int, logit_atol: float, ca
             assert (scratch is not None) == (ops is triton_ops)
             if ops is triton_ops:  # the kernels ran, not the torch fallback
                 d = runner.last_batch.derived
-                assert d["tree_plan"] is not None and "tree_rows" in d and "k" in runner.last_batch.spec_kv
+                assert d["tree_plan"] is not None
+                chunk = len(tree) + 1 <= CHUNK_MAX_TOKENS
+                assert ("tree_rows" in d) == ("k" in runner.last_batch.spec_kv) == chunk
             runner.commit_verified([(0, slot, rows)])
             assert ("kv", 0, 0) not in runner.last_batch.spec_kv  # the commit took the kept K/V
             p = torch.tensor(pages, device=kv.k.device)

@@ -385,6 +385,37 @@ def test_tree_scratch_spans():
     assert scratch_pages_needed([45, 7], [(-1, 0, 1), None], sc) == 1 + 2 + 3
 
 
+def test_verify_graphs_refuse_tree_steps():
+    """Trees run eagerly: a tree verify of a captured verify shape is refused, the chain of the
+    same shape taken (the rules only: no capture, which needs a GPU)."""
+    from salaserve.engine.cuda_graph import StepGraphs
+
+    graphs = object.__new__(StepGraphs)
+    graphs.modes, graphs.widths, graphs.max_bs = ("dense",), {"dense": 64, "sparse": 64}, 8
+    graphs.verify_ns, graphs.verify_sizes = [4], [8]
+
+    def step(parents):
+        work = [SeqWork(0, [0], 5, [7, 8, 9, 10], need_logits=True, num_logits=4, verify=True,
+                        tree_parents=parents)]
+        return ForwardBatch.build(work, block_size=16, dense_len=1 << 20, device="cpu")
+
+    assert graphs.can_run(step(None))
+    assert not graphs.can_run(step((-1, -1, 0)))
+
+
+def test_tree_rows_meta_beside_long_prefill_chunks():
+    """lightning_verify's tree argument for a step that also holds a prefill chunk over 31 rows (the
+    kernel skips it): the tree's rows get their depths and ancestor bits, the chunk's rows past the
+    31st no bits instead of an overflow."""
+    from salaserve.kernels.lightning_verify import tree_rows_meta
+
+    depth, anc = tree_rows_meta([3, 40], [(-1, 0), None], "cpu")
+    assert depth.tolist()[:3] == [0, 1, 2] and anc.tolist()[:3] == [1, 3, 7]
+    assert anc.tolist()[3 + 30] == (1 << 31) - 1 and anc.tolist()[3 + 31:] == [0] * 9
+    with pytest.raises(ValueError, match="31 rows"):
+        tree_rows_meta([32], [(-1,) * 31], "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("prompt_len", [40, 125, 252], ids=["dense", "crosses-dense_len", "sparse"])

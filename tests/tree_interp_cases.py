@@ -17,7 +17,7 @@ import pytest
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_spec_tree.py)", allow_module_level=True)
 
-from _tree_cases import check_tree_verify  # noqa: E402
+from _tree_cases import PARENTS, check_tree_verify  # noqa: E402
 
 from salaserve.config import EngineArgs, ModelConfig, preset_config  # noqa: E402
 from salaserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -72,6 +72,13 @@ def test_triton_tree_verify_equals_torch(runner, verify_kernels_only, prompt_len
     a C2 entry born on a path; 252: top-k selection over up to 17 blocks, entries born on paths, a
     new block at depth 4. A plain decode sequence shares the step."""
     check_tree_verify(runner, TritonBackend(), prompt_len, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL)
+
+
+def test_wide_tree_takes_the_torch_lightning(runner, verify_kernels_only):
+    """A tree of 21 rows (over lightning_verify's 16): its Lightning layers run the torch ground
+    truth, its sparse layers the kernels; rows and commit still equal the torch backend's."""
+    wide = PARENTS + (-1, -1, 2, 2, 10, 10, 11, 12, 13, 14)
+    check_tree_verify(runner, TritonBackend(), 252, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL, parents=wide)
 
 
 def _small_sparse_model(out_dir: str) -> str:

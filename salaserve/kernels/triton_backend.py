@@ -372,8 +372,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
         if batch.trees and _long_tree_step(batch):  # the chunk kernel's tree form takes <= 16 rows
-            return TorchBackend.lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay,
-                                                    scale, eps, theta)
+            # the torch twins throughout (this class's gla is fla's prefill, its norm rounds to bf16)
+            q, k = TorchBackend.lightning_qk_norm_rope(self, q, k, q_norm, k_norm, batch.positions, eps, theta)
+            return TorchBackend.gla(self, q, k, v, batch, states, layer, log_decay, scale)
         if _has_verify(batch):
             return self._lightning_verify(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
         if batch.is_decode:
