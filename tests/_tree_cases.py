@@ -19,10 +19,10 @@ def _caches(runner):
     return (c.kv.k, c.kv.v, c.compressed.c1, c.compressed.c2, c.states.state)
 
 
-def forward(runner, seqs):
-    """The runner's own batch building (scratch pages for a backend's tree rows), freed after.
-    Returns (logits, the scratch pages or None)."""
-    scratch = runner._tree_scratch(seqs)
+def forward(runner, seqs, lend_scratch: bool = True):
+    """The runner's own batch building (scratch pages for a backend's tree rows unless not
+    lend_scratch, as when none are free), freed after. Returns (logits, the scratch pages or None)."""
+    scratch = runner._tree_scratch(seqs) if lend_scratch else None
     try:
         batch = runner._build(seqs, None, scratch)
         runner.last_batch = batch
@@ -43,14 +43,15 @@ def _prefill(runner, prompt, pages, slot):
 
 
 def check_tree_verify(runner, triton_ops, prompt_len: int, logit_atol: float, cache_atol: float,
-                      state_rtol: float, parents=PARENTS) -> None:
+                      state_rtol: float, parents=PARENTS, lend_scratch: bool = True) -> None:
     """runner (torch backend) prefills a prompt of prompt_len and a second one; then, from the same
-    caches, a step with a tree verify (`parents`) beside a plain decode of the second sequence runs on
-    the torch backend and on triton_ops, each followed by the commit of the path root -> 0 -> 3 ->
-    6 -> 9 (candidates 0, 3, 6, 9 of PARENTS). Every logit row, the sequence's K/V pages and compressed keys after the commit, and both
-    state slots agree within the tolerances; the triton step ran its sparse kernels (not the torch
-    fallback), its Lightning kernel unless the tree is over lightning_verify's CHUNK_MAX_TOKENS
-    rows, and gave its scratch pages back."""
+    caches, a step with a tree verify (`parents`, which start with PARENTS) beside a plain decode
+    of the second sequence runs on the torch backend and on triton_ops, each followed by the commit
+    of the path root -> 0 -> 3 -> 6 -> 9. Every logit row, the sequence's K/V pages and compressed
+    keys after the commit, and both state slots agree within the tolerances; the triton step ran
+    its sparse kernels (not the torch fallback), its Lightning kernel unless the tree is over
+    lightning_verify's CHUNK_MAX_TOKENS rows, and gave its scratch pages back. Without scratch
+    pages (lend_scratch False) its sparse layers run the torch ground truth instead."""
     from salaserve.kernels.lightning_verify import CHUNK_MAX_TOKENS
 
     assert tuple(parents[:len(PARENTS)]) == PARENTS
@@ -80,11 +81,11 @@ def check_tree_verify(runner, triton_ops, prompt_len: int, logit_atol: float, ca
             for dst, src in zip(_caches(runner), snap):
                 dst.copy_(src)
             runner.model.ops = ops
-            logits, scratch = forward(runner, seqs)
-            assert (scratch is not None) == (ops is triton_ops)
-            if ops is triton_ops:  # the kernels ran, not the torch fallback
+            logits, scratch = forward(runner, seqs, lend_scratch)
+            assert (scratch is not None) == (ops is triton_ops and lend_scratch)
+            if ops is triton_ops:  # the kernels ran, not the torch fallback (unless no scratch)
                 d = runner.last_batch.derived
-                assert d["tree_plan"] is not None
+                assert (d["tree_plan"] is not None) == lend_scratch
                 chunk = len(tree) + 1 <= CHUNK_MAX_TOKENS
                 assert ("tree_rows" in d) == ("k" in runner.last_batch.spec_kv) == chunk
             runner.commit_verified([(0, slot, rows)])

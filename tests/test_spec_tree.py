@@ -403,6 +403,31 @@ def test_verify_graphs_refuse_tree_steps():
     assert not graphs.can_run(step((-1, -1, 0)))
 
 
+def test_runner_lends_tree_scratch_pages_when_free(runner):
+    """The runner lends a tree step the pages kernels/tree_pages.py asks for, to backends that want
+    them; none when they are not free (the backend then runs the torch ground truth) or for chains."""
+    from salaserve.kernels.tree_pages import scratch_pages_needed
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    tree = SeqWork(0, [1, 2, 3, 4], 45, [1, 2, 3, 4], need_logits=True, num_logits=4, verify=True,
+                   tree_parents=(-1, 0, 1))
+    chain = SeqWork(1, [5], 3, [1, 2], need_logits=True, num_logits=2, verify=True)
+    need = scratch_pages_needed([45], [tree.tree_parents], runner.cfg.sparse)
+    alloc, ops = runner.caches.kv.allocator, runner.model.ops
+    assert runner._tree_scratch([tree, chain]) is None  # the torch backend reads no page copies
+    runner.model.ops = TritonBackend()
+    try:
+        assert runner._tree_scratch([chain]) is None
+        lent = runner._tree_scratch([tree, chain])
+        assert len(lent) == need == 6
+        alloc.free(lent)
+        rest = alloc.alloc(alloc.num_free - need + 1)
+        assert runner._tree_scratch([tree, chain]) is None
+        alloc.free(rest)
+    finally:
+        runner.model.ops = ops
+
+
 def test_tree_rows_meta_beside_long_prefill_chunks():
     """lightning_verify's tree argument for a step that also holds a prefill chunk over 31 rows (the
     kernel skips it): the tree's rows get their depths and ancestor bits, the chunk's rows past the

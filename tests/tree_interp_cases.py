@@ -81,6 +81,12 @@ def test_wide_tree_takes_the_torch_lightning(runner, verify_kernels_only):
     check_tree_verify(runner, TritonBackend(), 252, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL, parents=wide)
 
 
+def test_tree_step_without_scratch_pages(runner, verify_kernels_only):
+    """No scratch pages lent (none free): the sparse layers run the torch ground truth, the
+    Lightning ones the kernel; the results are the torch backend's all the same."""
+    check_tree_verify(runner, TritonBackend(), 125, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL, lend_scratch=False)
+
+
 def _small_sparse_model(out_dir: str) -> str:
     """The tiny model with InfLLM-v2 from 48 tokens and 3 selected blocks of 16 tokens, so short
     prompts (cheap under the interpreter) already attend sparsely."""

@@ -32,11 +32,11 @@ from salaserve.kernels._triton_utils import promote
 from salaserve.kernels import attention as attn
 from salaserve.kernels import gemv as gemv_ops
 from salaserve.kernels import sparse as sparse_ops
+from salaserve.kernels import tree_pages, tree_verify
 from salaserve.kernels.fused import TritonFusedOps, add_rms_norm, silu_mul
 from salaserve.kernels.lightning import TritonLightningOps
 from salaserve.kernels.lightning_verify import CHUNK_MAX_TOKENS, lightning_commit, lightning_verify, tree_rows_meta
 from salaserve.kernels.options import INTERPRET, KernelOptions
-from salaserve.kernels import tree_pages, tree_verify
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.kernels.tuning import m_bucket
 from salaserve.quant.formats import QuantizedLinearWeights
