@@ -315,11 +315,8 @@ def test_chain_trees_take_the_chain_path(tiny_model_dir, prompts, plain):
 
 
 def test_backend_without_tree_support_verifies_first_paths(tiny_model_dir, prompts, plain):
-    """Where the backend lacks tree verify (the triton backend today), trees become their first
-    path: no tree reaches a batch, output unchanged."""
-    from salaserve.kernels.triton_backend import TritonBackend
-
-    assert TritonBackend.supports_tree_verify is False
+    """Where the backend lacks tree verify, trees become their first path: no tree reaches a
+    batch, output unchanged."""
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
     eng = _engine(tiny_model_dir)
     eng.tree_verify = False
@@ -356,3 +353,107 @@ def test_forward_batch_of_a_tree_verify():
                   tree_parents=(-1, -1))
     with pytest.raises(ValueError, match="draft tree"):
         ForwardBatch.build([bad], 16, 128, "cpu", pad_slot=0)
+
+
+# ---- the triton backend ----------------------------------------------------------------------
+
+def test_triton_tree_verify_under_interpreter():
+    """The triton backend's tree verify against the torch one (rows, commit, engine greedy output):
+    the cases live in tests/tree_interp_cases.py and run in a subprocess with TRITON_INTERPRET=1."""
+    from pathlib import Path
+
+    from kernel_checks import run_interpreter_cases
+
+    run_interpreter_cases(Path(__file__).resolve().parent / "tree_interp_cases.py")
+
+
+def test_tree_scratch_spans():
+    """The pages a tree row's path rewrites: from the page of the first compressed entry it
+    completes (entries live in the page their window starts in) or the root's page, to the page
+    of its deepest position. Tiny config: block 16, C1 kernel 8 stride 4, C2 kernel 32 stride 16."""
+    from salaserve.config import preset_config
+    from salaserve.kernels.tree_pages import row_spans, scratch_pages_needed
+
+    sc = preset_config("tiny").sparse
+    assert (sc.block_size, sc.kernel_size, sc.kernel_stride) == (16, 8, 4)
+    assert (sc.c2_kernel_size, sc.c2_kernel_stride) == (32, 16)
+    # root at 40 (page 2); a chain of 3: positions 41..43; C1 entries end at 4j + 7: 43 -> j = 9
+    # (window 36..43, page 2); no C2 entry (ends at 16i + 31: 47)
+    assert row_spans(40, (-1, 0, 1), sc) == [(0, -1), (2, 2), (2, 2), (2, 2)]
+    # root at 45: depth 2 reaches 47, completing C2 entry 1 (window 16..47, page 1), depth 3 the next page
+    assert row_spans(45, (-1, 0, 1), sc) == [(0, -1), (2, 2), (1, 2), (1, 3)]
+    assert scratch_pages_needed([45, 7], [(-1, 0, 1), None], sc) == 1 + 2 + 3
+
+
+def test_verify_graphs_refuse_tree_steps():
+    """Trees run eagerly: a tree verify of a captured verify shape is refused, the chain of the
+    same shape taken (the rules only: no capture, which needs a GPU)."""
+    from salaserve.engine.cuda_graph import StepGraphs
+
+    graphs = object.__new__(StepGraphs)
+    graphs.modes, graphs.widths, graphs.max_bs = ("dense",), {"dense": 64, "sparse": 64}, 8
+    graphs.verify_ns, graphs.verify_sizes = [4], [8]
+
+    def step(parents):
+        work = [SeqWork(0, [0], 5, [7, 8, 9, 10], need_logits=True, num_logits=4, verify=True,
+                        tree_parents=parents)]
+        return ForwardBatch.build(work, block_size=16, dense_len=1 << 20, device="cpu")
+
+    assert graphs.can_run(step(None))
+    assert not graphs.can_run(step((-1, -1, 0)))
+
+
+def test_runner_lends_tree_scratch_pages_when_free(runner):
+    """The runner lends a tree step the pages kernels/tree_pages.py asks for, to backends that want
+    them; none when they are not free (the backend then runs the torch ground truth) or for chains."""
+    from salaserve.kernels.tree_pages import scratch_pages_needed
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    tree = SeqWork(0, [1, 2, 3, 4], 45, [1, 2, 3, 4], need_logits=True, num_logits=4, verify=True,
+                   tree_parents=(-1, 0, 1))
+    chain = SeqWork(1, [5], 3, [1, 2], need_logits=True, num_logits=2, verify=True)
+    need = scratch_pages_needed([45], [tree.tree_parents], runner.cfg.sparse)
+    alloc, ops = runner.caches.kv.allocator, runner.model.ops
+    assert runner._tree_scratch([tree, chain]) is None  # the torch backend reads no page copies
+    runner.model.ops = TritonBackend()
+    try:
+        assert runner._tree_scratch([chain]) is None
+        lent = runner._tree_scratch([tree, chain])
+        assert len(lent) == need == 6
+        alloc.free(lent)
+        rest = alloc.alloc(alloc.num_free - need + 1)
+        assert runner._tree_scratch([tree, chain]) is None
+        alloc.free(rest)
+    finally:
+        runner.model.ops = ops
+
+
+def test_tree_rows_meta_beside_long_prefill_chunks():
+    """lightning_verify's tree argument for a step that also holds a prefill chunk over 31 rows (the
+    kernel skips it): the tree's rows get their depths and ancestor bits, the chunk's rows past the
+    31st no bits instead of an overflow."""
+    from salaserve.kernels.lightning_verify import tree_rows_meta
+
+    depth, anc = tree_rows_meta([3, 40], [(-1, 0), None], "cpu")
+    assert depth.tolist()[:3] == [0, 1, 2] and anc.tolist()[:3] == [1, 3, 7]
+    assert anc.tolist()[3 + 30] == (1 << 31) - 1 and anc.tolist()[3 + 31:] == [0] * 9
+    with pytest.raises(ValueError, match="31 rows"):
+        tree_rows_meta([32], [(-1,) * 31], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prompt_len", [40, 125, 252], ids=["dense", "crosses-dense_len", "sparse"])
+def test_gpu_triton_tree_verify_equals_torch(tiny_model_dir, prompt_len):
+    """On the GPU, fp32 tiny model, every kernel of the triton backend (linears included): the tree
+    verify's rows, the commit's caches and states equal the torch backend's
+    (`_tree_cases.check_tree_verify`; the interpreter cases' tolerances: fp32 dots run in ieee
+    precision on both sides)."""
+    from _tree_cases import check_tree_verify
+
+    from salaserve.kernels.triton_backend import TritonBackend
+
+    args = EngineArgs(model=tiny_model_dir, device="cuda", dtype="float32", backend="torch",
+                      chunked_prefill_size=64, max_running_requests=4)
+    runner = ModelRunner(args, tiny_model_dir)
+    check_tree_verify(runner, TritonBackend(), prompt_len, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL)

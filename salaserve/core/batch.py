@@ -145,6 +145,9 @@ class ForwardBatch:
     # per sequence: SeqWork.tree_parents (None: not a tree verify); None when no sequence is one.
     # Only backends with supports_tree_verify get such batches.
     trees: list | None = None
+    # a tree step on a backend that reads tree rows through private page copies: the scratch pages
+    # the runner handed out for the step and the sparse config that sized them (kernels/tree_pages.py)
+    tree_scratch: object = None
 
     @property
     def num_seqs(self) -> int:

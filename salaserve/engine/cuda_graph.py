@@ -200,6 +200,8 @@ class StepGraphs:
         return None
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        if batch.trees:  # draft trees run eagerly: the verify graphs hold chains
+            return False
         tokens = self._tokens_per_seq(batch)
         if tokens is None or self._mode(batch, tokens) not in self.modes:
             return False

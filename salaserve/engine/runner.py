@@ -9,12 +9,12 @@ import torch
 
 from salaserve.cache.budget import plan_caches
 from salaserve.cache.compressed import CompressedKeyPool
-from salaserve.cache.pages import KVPool
+from salaserve.cache.pages import KVPool, OutOfPages
 from salaserve.cache.state import StatePool
 from salaserve.config import EngineArgs, ModelConfig
 from salaserve.core.batch import ForwardBatch, PageTableMirror, SeqWork
 from salaserve.engine.scheduler import ScheduledWork
-from salaserve.kernels import get_backend, resolve_backend_name
+from salaserve.kernels import get_backend, resolve_backend_name, tree_pages
 from salaserve.kernels.compile_watch import WATCH
 from salaserve.kernels.options import KernelOptions
 from salaserve.model.loader import load_state_dict
@@ -249,9 +249,31 @@ class ModelRunner:
         padded = any(s.pad_tokens for s in seqs)
         pad_slot = self._scratch()[0] * sc.block_size if padded else None
         self.real_rows = torch.tensor(real_rows, device=self.device) if padded else None
-        self._step = (seqs, pad_slot)  # what the other tensor-parallel ranks build this batch from
-        return ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
-                                  pages=self.page_mirror)
+        scratch = self._tree_scratch(seqs)
+        self._step = (seqs, pad_slot, scratch)  # what the other tensor-parallel ranks build this batch from
+        return self._build(seqs, pad_slot, scratch)
+
+    def _build(self, seqs: list[SeqWork], pad_slot: int | None, scratch: list[int] | None) -> ForwardBatch:
+        sc = self.cfg.sparse
+        batch = ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
+                                   pages=self.page_mirror)
+        if scratch is not None:
+            batch.tree_scratch = tree_pages.Scratch(scratch, sc)
+        return batch
+
+    def _tree_scratch(self, seqs: list[SeqWork]) -> list[int] | None:
+        """Pages a tree step's rows copy the pages their paths rewrite into (kernels/tree_pages.py),
+        for backends that want them; rank 0's allocator hands them out and `forward` returns them.
+        None: no tree, or too few free pages (the backend then runs the torch ground truth)."""
+        trees = [s.tree_parents for s in seqs]
+        if not getattr(self.model.ops, "wants_tree_scratch", False) or all(t is None for t in trees):
+            return None
+        need = tree_pages.scratch_pages_needed([s.cache_len for s in seqs], trees, self.cfg.sparse)
+        try:
+            return self.caches.kv.allocator.alloc(need)
+        except OutOfPages:
+            log.warning("tree verify: %d scratch pages not free, this step's sparse layers run in torch", need)
+            return None
 
     def forward(self, work: list[ScheduledWork], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [M, vocab] fp32 for the requests of `work` that sample this step, in order
@@ -260,6 +282,18 @@ class ModelRunner:
         step sampled, still on the device (overlap scheduling): a request's token id -1 - i in
         `work` stands for prev_tokens[i]."""
         batch = self.build_batch(work)
+        try:
+            logits = self._forward_built(work, batch, prev_tokens)
+        finally:
+            if self._step[2]:  # a tree step's scratch pages: free again once its kernels are queued
+                self.caches.kv.allocator.free(self._step[2])
+        if self.aux_layers:
+            logits, aux = logits
+            self.last_aux = aux if self.real_rows is None else aux[self.real_rows]
+        return logits if self.real_rows is None else logits[self.real_rows]
+
+    def _forward_built(self, work: list[ScheduledWork], batch: ForwardBatch, prev_tokens):
+        """forward's model run on its built batch (the followers told first)."""
         # placeholders only ever stand last in a request's tokens (drafts are not in them)
         placeholders = any(w.req.tokens[w.req.num_computed + w.num_tokens - len(w.draft) - 1] < 0 for w in work)
         if placeholders and prev_tokens is None:
@@ -277,10 +311,7 @@ class ModelRunner:
             if self.followers is not None:
                 self.followers.raise_if_failed(e)
             raise
-        if self.aux_layers:
-            logits, aux = logits
-            self.last_aux = aux if self.real_rows is None else aux[self.real_rows]
-        return logits if self.real_rows is None else logits[self.real_rows]
+        return logits
 
     def run_batch(self, batch: ForwardBatch):
         """The model on a built batch: its CUDA graph when one was captured for it, else eagerly.
@@ -337,10 +368,9 @@ class ModelRunner:
         else:
             raise ValueError(f"unknown tensor-parallel operation {op!r}")
 
-    def _follow_forward(self, seqs: list[SeqWork], pad_slot: int | None, num_prev: int | None) -> None:
-        sc = self.cfg.sparse
-        batch = ForwardBatch.build(seqs, sc.block_size, sc.dense_len, self.device, pad_slot=pad_slot,
-                                   pages=self.page_mirror)
+    def _follow_forward(self, seqs: list[SeqWork], pad_slot: int | None, scratch: list[int] | None,
+                        num_prev: int | None) -> None:
+        batch = self._build(seqs, pad_slot, scratch)
         if num_prev is not None:  # overlap scheduling: rank 0's sampled tokens, still on its device
             prev = self.tp.broadcast(torch.empty(num_prev, dtype=torch.int64, device=self.device))
             batch.input_ids = resolve_placeholders(batch.input_ids, prev)

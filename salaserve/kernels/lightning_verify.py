@@ -143,12 +143,13 @@ def _verify_chunk_kernel(
 def tree_rows_meta(q_lens: list[int], trees: list, device) -> tuple[torch.Tensor, torch.Tensor]:
     """lightning_verify's `tree` argument: per token row, its depth and the bit mask of the rows of
     its sequence it sees. trees[i]: sequence i's parent candidates (spec/tree.py) or None (its rows
-    as a chain: the causal mask)."""
+    as a chain: the causal mask; rows past the 31st get no bits: only prefill chunks, which the
+    kernel skips, are that long)."""
     depth, anc = [], []
     for n, parents in zip(q_lens, trees):
         if parents is None:
             depth.extend(range(n))
-            anc.extend((1 << (t + 1)) - 1 for t in range(n))
+            anc.extend((1 << (t + 1)) - 1 if t < 31 else 0 for t in range(n))
             continue
         d, a = [0], [1]
         for i, p in enumerate(parents):

@@ -9,6 +9,12 @@ position (its own length, the sequence's page table), so block selection and the
 switch happen per token exactly as plain decoding would. Prefill chunks sharing the step take the
 prefill kernels.
 
+Draft trees (eager steps): Lightning layers take lightning_verify's tree form (each row's depth and
+ancestors) and the commit replays the accepted path's rows; sparse layers read each tree row
+through its own page table whose pages past the root are private copies holding its path
+(kernels/tree_pages.py). Where that cannot run (a tree over CHUNK_MAX_TOKENS rows, fp8 pages, no
+scratch pages) the step falls back to the torch ground truth (kernels/tree_verify.py).
+
 Note for comparisons: with random full-size weights, 32 bf16 layers amplify any rounding
 difference (another split count, another GEMM tile for a padded M) to ~2% of the logits, so
 only identical kernel choices give identical results.
@@ -17,6 +23,8 @@ only identical kernel choices give identical results.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -24,9 +32,10 @@ from salaserve.kernels._triton_utils import promote
 from salaserve.kernels import attention as attn
 from salaserve.kernels import gemv as gemv_ops
 from salaserve.kernels import sparse as sparse_ops
+from salaserve.kernels import tree_pages, tree_verify
 from salaserve.kernels.fused import TritonFusedOps, add_rms_norm, silu_mul
 from salaserve.kernels.lightning import TritonLightningOps
-from salaserve.kernels.lightning_verify import lightning_commit, lightning_verify
+from salaserve.kernels.lightning_verify import CHUNK_MAX_TOKENS, lightning_commit, lightning_verify, tree_rows_meta
 from salaserve.kernels.options import INTERPRET, KernelOptions
 from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.kernels.tuning import m_bucket
@@ -46,6 +55,12 @@ log = logging.getLogger(__name__)
 
 def _has_verify(batch) -> bool:
     return bool(batch.verify_host) and any(batch.verify_host)
+
+
+def _long_tree_step(batch) -> bool:
+    """A tree step with a sequence over the chunk form's CHUNK_MAX_TOKENS rows (the only form
+    lightning_verify takes trees in): its Lightning layers run the torch ground truth."""
+    return any(n > CHUNK_MAX_TOKENS for n, v in zip(batch.q_lens_host, batch.verify_host) if v)
 
 
 def _linear_weights(params) -> list:
@@ -83,9 +98,11 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     # int4 MLPs with a gate_up the dp2a epilogue cannot take whose down linear may take x rounded by
     # the silu_mul kernel: silu_mul stays before down at one row too (set by prepare_weights)
     _silu_before_down = False
-    # its verify kernels take chains (causal rows, prefix commits): the engine verifies a draft
-    # tree's first path here
-    supports_tree_verify = False
+    # verifies draft trees whole (eagerly; tests/tree_interp_cases.py against the torch ground truth)
+    supports_tree_verify = True
+    # tree steps read each row through private copies of the pages its path rewrites
+    # (kernels/tree_pages.py): the runner hands out batch.tree_scratch for the step
+    wants_tree_scratch = True
 
     def __init__(self, options: KernelOptions | None = None):
         self.options = options if options is not None else KernelOptions()
@@ -354,6 +371,10 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     # ---- lightning layers --------------------------------------------------------------------
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
+        if batch.trees and _long_tree_step(batch):  # the chunk kernel's tree form takes <= 16 rows
+            # the torch twins throughout (this class's gla is fla's prefill, its norm rounds to bf16)
+            q, k = TorchBackend.lightning_qk_norm_rope(self, q, k, q_norm, k_norm, batch.positions, eps, theta)
+            return TorchBackend.gla(self, q, k, v, batch, states, layer, log_decay, scale)
         if _has_verify(batch):
             return self._lightning_verify(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
         if batch.is_decode:
@@ -373,9 +394,14 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         recurrent, chunks = _split_verify_step(batch)
         # (graph batches: q_lens_host holds the static tokens per sequence, which is what counts)
         longest = max(batch.q_lens_host[i] for i in recurrent)
+        tree = None
+        if batch.trees:  # once per step: each row's depth and ancestors (chains: causal)
+            if "tree_rows" not in batch.derived:
+                batch.derived["tree_rows"] = tree_rows_meta(batch.q_lens_host, batch.trees, q.device)
+            tree = batch.derived["tree_rows"]
         o = lightning_verify(q, k, v, q_norm, k_norm, batch.positions, batch.cu_seqlens_q, batch.seq_modes,
                              states.state, batch.state_slots, layer, log_decay, scale, eps, theta,
-                             spec["k"][layer], spec["v"][layer], max_tokens=longest)
+                             spec["k"][layer], spec["v"][layer], max_tokens=longest, tree=tree)
         if chunks:
             sub, rows = batch.subset(chunks)
             qc, kc = self.lightning_qk_norm_rope(q[rows], k[rows], q_norm, k_norm, sub.positions, eps, theta)
@@ -389,23 +415,74 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if "k" not in spec:
             return TorchBackend.commit_verified(self, states, batch, commits, log_decay)
         counts = [0] * spec["slots"].shape[0]
+        ks, vs = spec["k"], spec["v"]
+        if any(not isinstance(n, int) for _, _, n in commits):
+            # a tree's accepted path: its rows moved to the front of its range, then a prefix commit
+            ks, vs = ks.clone(), vs.clone()
+            starts = [0]
+            for n in batch.q_lens_host:
+                starts.append(starts[-1] + n)
+            for i, _, n in commits:
+                if not isinstance(n, int):
+                    src = torch.tensor([starts[i] + r for r in n], device=ks.device)
+                    ks[:, starts[i]:starts[i] + len(n)] = spec["k"][:, src]
+                    vs[:, starts[i]:starts[i] + len(n)] = spec["v"][:, src]
         for i, _, n in commits:
-            counts[i] = n
-        counts_t = torch.tensor(counts, dtype=torch.int32).to(spec["k"].device, non_blocking=True)
-        lightning_commit(states.state, spec["slots"], spec["cu"], counts_t, spec["k"], spec["v"], log_decay)
+            counts[i] = n if isinstance(n, int) else len(n)
+        counts_t = torch.tensor(counts, dtype=torch.int32).to(ks.device, non_blocking=True)
+        lightning_commit(states.state, spec["slots"], spec["cu"], counts_t, ks, vs, log_decay)
 
     # ---- sparse layers -----------------------------------------------------------------------
     def store_kv(self, kv, layer, k, v, batch):
-        attn.store_kv(kv, layer, k, v, batch)
+        if not batch.trees:
+            attn.store_kv(kv, layer, k, v, batch)
+            return
+        # a tree's root goes to the cache, every tree row's K/V wait in spec_kv for the commit
+        # (commit_tree_kv), and each row's path goes to its private page copies
+        plan = self._tree_plan(kv, batch)
+        if plan is None:
+            return TorchBackend.store_kv(self, kv, layer, k, v, batch)
+        for i, (start, end) in enumerate(tree_verify.row_ranges(batch)):
+            if batch.trees[i] is not None:
+                batch.spec_kv[("kv", layer, i)] = (k[start:end], v[start:end])
+        attn.store_kv(kv, layer, k, v, SimpleNamespace(slot_mapping=plan.root_slots))
+        kv.k[layer, plan.copy_dst] = kv.k[layer, plan.copy_src]
+        kv.v[layer, plan.copy_dst] = kv.v[layer, plan.copy_src]
+        attn.store_kv(kv, layer, k[plan.path_rows], v[plan.path_rows], SimpleNamespace(slot_mapping=plan.path_slots))
 
     def update_compressed(self, kv, comp, layer, batch):
+        if batch.trees:  # the entries up to each tree's root; its rows' paths complete theirs in their copies
+            plan = self._tree_plan(kv, batch)
+            if plan is None:
+                return TorchBackend.update_compressed(self, kv, comp, layer, batch)
+            roots = [c + 1 if t is not None else L
+                     for c, L, t in zip(batch.cache_lens_host, batch.seq_lens_host, batch.trees)]
+            attn.update_compressed(kv, comp, layer, replace(
+                batch, seq_lens=torch.tensor(roots, dtype=torch.int32, device=batch.seq_lens.device),
+                seq_lens_host=roots))
+            comp.c1[layer, plan.copy_dst] = comp.c1[layer, plan.copy_src]
+            comp.c2[layer, plan.copy_dst] = comp.c2[layer, plan.copy_src]
+            if plan.rows_batch.num_seqs:
+                attn.update_compressed(kv, comp, layer, plan.rows_batch)
+            return
         # graph batches: a fixed grid (the kernel loops over however many entries were born)
         attn.update_compressed(kv, comp, layer, batch, max_new_entries=1 if batch.decode_mode else None)
+
+    @staticmethod
+    def _tree_plan(kv, batch):
+        """The step's tree_pages.TreePlan (built at its first sparse layer), or None where the torch
+        ground truth runs the tree step's sparse layers: fp8 pages (path keys enter unquantized
+        there), or no scratch pages from the runner."""
+        if "tree_plan" not in batch.derived:
+            batch.derived["tree_plan"] = None if kv.fp8 else tree_pages.plan(batch)
+        return batch.derived["tree_plan"]
 
     def sparse_attention(self, q, kv, comp, layer, batch, cfg, score_reduce=None):
         if score_reduce is not None:  # refused at start-up too (parallel/shard.check_tp_backend)
             raise NotImplementedError("the triton backend's stage 1 ranks blocks inside one kernel: it cannot "
                                       "all-reduce partial stage-1 scores (replicated KV heads need backend torch)")
+        if batch.trees and self._tree_plan(kv, batch) is None:
+            return TorchBackend.sparse_attention(self, q, kv, comp, layer, batch, cfg)
         if _has_verify(batch):
             return self._verify_attention(q, kv, comp, layer, batch, cfg)
         if batch.is_decode:
@@ -476,8 +553,11 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             else:
                 sparse = any(batch.seq_lens_host[i] >= cfg.sparse.dense_len for i in recurrent)
             prompt_lens = batch.prompt_lens[token_seq] if batch.prompt_lens is not None else None
-            batch.derived["verify_rows"] = (rows, batch.page_table[token_seq], (positions + 1).to(torch.int32),
-                                            sparse, prompt_lens)
+            table = batch.page_table[token_seq]
+            if batch.trees:  # tree rows read their paths through their page copies
+                table = self._tree_plan(kv, batch).row_table
+                table = table if rows is None else table[rows]
+            batch.derived["verify_rows"] = (rows, table, (positions + 1).to(torch.int32), sparse, prompt_lens)
         rows, table, lens, sparse, prompt_lens = batch.derived["verify_rows"]
         qr = q if rows is None else q[rows]
         o = self._query_attention(qr, kv, comp, layer, table, lens, sparse, batch.derived, "verify_dense_table", cfg,
