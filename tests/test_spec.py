@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from engine_utils import run_requests
 from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
 from salaserve.spec.accept import accept_greedy, accept_sampling, target_probs
@@ -72,16 +73,6 @@ def make_engine(model_dir, spec, **kw):
                   speculative_num_draft_tokens=6, speculative_max_batch=32, **kw)
 
 
-def run_all(engine, prompts, params):
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-    return outs
-
-
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(3)
@@ -103,11 +94,11 @@ def prompts():
 
 def test_greedy_identical_with_and_without_speculation(tiny_model_dir, prompts):
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-    plain = run_all(make_engine(tiny_model_dir, False), prompts, params)
+    plain = run_requests(make_engine(tiny_model_dir, False), prompts, params)
 
     # n-gram drafts (rarely right on random weights) ...
     eng = make_engine(tiny_model_dir, True)
-    assert run_all(eng, prompts, params) == plain
+    assert run_requests(eng, prompts, params) == plain
 
     # ... and an oracle that knows the plain output but corrupts every 3rd draft: many accepted
     # tokens, partial acceptance, rollback, drafts crossing dense_len (128) and C1/C2 boundaries
@@ -115,7 +106,7 @@ def test_greedy_identical_with_and_without_speculation(tiny_model_dir, prompts):
     conts = {i: plain[f"r{i}"] for i in range(len(prompts))}
     oracle.make_drafter = lambda req: OracleDrafter(req.num_prompt, conts[int(req.rid[1:])], error_every=3,
                                                     vocab_size=oracle.cfg.vocab_size)
-    assert run_all(oracle, prompts, params) == plain
+    assert run_requests(oracle, prompts, params) == plain
     assert oracle.avg_spec_accept_length > 2.0  # not vacuous: drafts were accepted
     assert oracle.stats["spec_accepted_tokens"] < oracle.stats["spec_draft_tokens"]  # and some rejected
     c = oracle.resource_counters()
@@ -143,7 +134,7 @@ def test_abort_during_verify_frees_resources(tiny_model_dir, prompts):
 def test_seeded_sampling_with_speculation_runs(tiny_model_dir, prompts):
     eng = make_engine(tiny_model_dir, True)
     eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, [11] * 100)
-    out = run_all(eng, prompts[:4], SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=10,
+    out = run_requests(eng, prompts[:4], SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=10,
                                                    ignore_eos=True))
     assert all(len(v) == 10 for v in out.values())
     assert eng.stats["spec_verify_steps"] > 0
@@ -185,7 +176,7 @@ def test_padded_verify_steps_equal_plain(tiny_model_dir, prompts):
     """Verify steps padded with filler tokens (as the verify CUDA graphs need) change nothing: the
     filler's k/v go to the scratch page, its rows are dropped, resources come back."""
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
-    plain = run_all(make_engine(tiny_model_dir, False), prompts[:12], params)
+    plain = run_requests(make_engine(tiny_model_dir, False), prompts[:12], params)
     eng = make_engine(tiny_model_dir, True)
     eng.runner.enable_verify_padding([2, 3, 5, 7])
     initial = eng.resource_counters()
@@ -201,7 +192,7 @@ def test_padded_verify_steps_equal_plain(tiny_model_dir, prompts):
         return batch
 
     eng.runner.build_batch = spy
-    assert run_all(eng, prompts[:12], params) == plain
+    assert run_requests(eng, prompts[:12], params) == plain
     assert any(padded_steps)  # not vacuous
     assert eng.stats["spec_accepted_tokens"] > 0
     assert eng.resource_counters() == initial
@@ -246,7 +237,7 @@ def test_tree_drafter_keeps_greedy_output(tiny_model_dir, prompts):
     from salaserve.spec.tree import DraftTree
 
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-    plain = run_all(make_engine(tiny_model_dir, False), prompts[:6], params)
+    plain = run_requests(make_engine(tiny_model_dir, False), prompts[:6], params)
 
     class TreeOracle:  # the right continuation first, a wrong sibling at every level
         def __init__(self, req):
@@ -263,21 +254,21 @@ def test_tree_drafter_keeps_greedy_output(tiny_model_dir, prompts):
 
     eng = make_engine(tiny_model_dir, True)
     eng.make_drafter = TreeOracle
-    assert run_all(eng, prompts[:6], params) == plain
+    assert run_requests(eng, prompts[:6], params) == plain
     assert eng.stats["spec_accepted_tokens"] > 0
 
 
 def test_logit_bias_requests_are_not_speculated(tiny_model_dir, prompts):
     """The verify reads the raw logits, so a biased request decodes without drafts; here drafts of
     the unbiased continuation would otherwise be accepted and the bias lost."""
-    unbiased = run_all(make_engine(tiny_model_dir, False), prompts[:4],
+    unbiased = run_requests(make_engine(tiny_model_dir, False), prompts[:4],
                        SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
     favoured = 4321
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logit_bias={favoured: 1e4})
-    plain = run_all(make_engine(tiny_model_dir, False), prompts[:4], params)
+    plain = run_requests(make_engine(tiny_model_dir, False), prompts[:4], params)
     assert all(v == [favoured] * 12 for v in plain.values())
     eng = make_engine(tiny_model_dir, True)
     conts = {i: unbiased[f"r{i}"] for i in range(4)}
     eng.make_drafter = lambda req: OracleDrafter(req.num_prompt, conts[int(req.rid[1:])])
-    assert run_all(eng, prompts[:4], params) == plain
+    assert run_requests(eng, prompts[:4], params) == plain
     assert eng.stats["spec_verify_steps"] == 0

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from engine_utils import run_requests
 from salaserve.config import EngineArgs
 from salaserve.core.batch import ForwardBatch, SeqWork
 from salaserve.core.sampling_params import SamplingParams
@@ -210,16 +211,6 @@ def _engine(model_dir, spec=True, **kw):
                   max_running_requests=16, **extra, **kw)
 
 
-def _run(engine, prompts, params):
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-    return outs
-
-
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(5)
@@ -232,7 +223,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir, prompts):
-    return _run(_engine(tiny_model_dir, spec=False), prompts,
+    return run_requests(_engine(tiny_model_dir, spec=False), prompts,
                 SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True))
 
 
@@ -267,7 +258,7 @@ def test_greedy_tree_verify_equals_plain_decoding(tiny_model_dir, prompts, plain
 
     eng.make_drafter = make
     seen = _spy_trees(eng)
-    assert _run(eng, prompts, params) == plain
+    assert run_requests(eng, prompts, params) == plain
     assert any(t is not None for t in seen)  # trees were verified whole ...
     # ... in steps beside other sequences (prefill chunks, chains of pruned trees, plain decodes)
     assert any(t is not None and None in t for t in seen)
@@ -286,7 +277,7 @@ def test_tree_sampling_in_the_engine_runs(tiny_model_dir, prompts, plain):
     eng.make_drafter = lambda req: TreeOracleDrafter(req.num_prompt, plain[req.rid], eng.cfg.vocab_size,
                                                      depth=3, width=2)
     initial = eng.resource_counters()
-    out = _run(eng, prompts[:4], SamplingParams(temperature=0.8, seed=3, max_new_tokens=12, ignore_eos=True))
+    out = run_requests(eng, prompts[:4], SamplingParams(temperature=0.8, seed=3, max_new_tokens=12, ignore_eos=True))
     assert all(len(v) == 12 for v in out.values())
     assert eng.stats["spec_verify_steps"] > 0
     assert eng.resource_counters() == initial
@@ -308,7 +299,7 @@ def test_chain_trees_take_the_chain_path(tiny_model_dir, prompts, plain):
 
         eng.make_drafter = make
         seen = _spy_trees(eng)
-        results.append((_run(eng, prompts, params), dict(eng.stats)))
+        results.append((run_requests(eng, prompts, params), dict(eng.stats)))
         assert all(t is None for t in seen)
     assert results[0] == results[1]
     assert results[0][0] == plain
@@ -323,7 +314,7 @@ def test_backend_without_tree_support_verifies_first_paths(tiny_model_dir, promp
     eng.make_drafter = lambda req: TreeOracleDrafter(req.num_prompt, plain[req.rid], eng.cfg.vocab_size,
                                                      depth=4, width=2)
     seen = _spy_trees(eng)
-    assert _run(eng, prompts, params) == plain
+    assert run_requests(eng, prompts, params) == plain
     assert all(t is None for t in seen)
     assert eng.stats["spec_verify_steps"] > 0
 

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from engine_utils import run_requests
 
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
@@ -541,13 +542,7 @@ def test_tp2_tree_verify_equals_plain_decoding(tiny_model_dir, size):
               max_running_requests=4)
 
     def run(engine):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
-        outs = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                outs.setdefault(o.rid, []).extend(o.new_token_ids)
-        return outs
+        return run_requests(engine, prompts, params)
 
     plain = run(Engine(**kw))
     eng = Engine(tp_size=size, dist_timeout=60, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,

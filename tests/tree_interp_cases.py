@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_spec_tree.py)", allow_module_level=True)
 
 from _tree_cases import PARENTS, check_tree_verify  # noqa: E402
+from engine_utils import run_requests  # noqa: E402
 
 from salaserve.config import EngineArgs, ModelConfig, preset_config  # noqa: E402
 from salaserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -96,16 +97,6 @@ def _small_sparse_model(out_dir: str) -> str:
     return out_dir
 
 
-def _run(eng, prompts, params):
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    outs = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-    return outs
-
-
 def test_greedy_tree_verify_on_triton_equals_plain_decoding(tmp_path, verify_kernels_only):
     """Engine level: the tree oracle (width 2, depth 3, the true continuation dropped every 3rd
     proposal) on the triton backend gives plain decoding's greedy output (torch backend); one
@@ -116,7 +107,7 @@ def test_greedy_tree_verify_on_triton_equals_plain_decoding(tmp_path, verify_ker
     prompts = [[rng.randrange(3, 8000) for _ in range(40)], [rng.randrange(3, 8000) for _ in range(60)]]
     params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     kw = dict(model=model_dir, device="cpu", dtype="float32", chunked_prefill_size=64, max_running_requests=4)
-    plain = _run(Engine(backend="torch", **kw), prompts, params)
+    plain = run_requests(Engine(backend="torch", **kw), prompts, params)
     eng = Engine(backend="triton", speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
                  speculative_max_batch=32, **kw)
     assert eng.tree_verify
@@ -135,7 +126,7 @@ def test_greedy_tree_verify_on_triton_equals_plain_decoding(tmp_path, verify_ker
         return logits
 
     eng.runner.forward = spy
-    assert _run(eng, prompts, params) == plain
+    assert run_requests(eng, prompts, params) == plain
     assert any(t is not None for t in trees)
     assert eng.stats["spec_accepted_tokens"] > eng.stats["spec_verify_steps"]
     assert eng.resource_counters() == initial
