@@ -358,3 +358,17 @@ def test_eagle3_with_shared_and_cached_prompts(tiny_model_dir, head_dir, prompts
             assert start == 0 if rnd == 0 else start <= min(o.cached_tokens, len(p) - 1)
     s = llm.engine.stats
     assert s["shared_prefill_tokens"] > 0 and s["cached_prompt_tokens"] > 0 and s["spec_verify_steps"] > 0
+
+
+def test_head_prompt_context_caps_the_captured_prompt(tiny_model_dir, cfg, tmp_path):
+    """A head trained with `prompt_context` C (config.json) gets at most C prompt positions; the
+    window caps it too; a head that does not say gets the window."""
+    head = init_head(Eagle3Config.for_target(cfg, draft_vocab_size=512), seed=3, std=0.05)
+    head.set_vocab_map(torch.arange(512) * 16)
+    head.cfg.prompt_context = 6
+    save_eagle3(head, str(tmp_path), dtype=torch.float32)
+    assert load_eagle3(str(tmp_path)).cfg.prompt_context == 6
+    kw = dict(device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+    assert LLM(tiny_model_dir, **kw).engine.runner.aux_context == 6
+    assert LLM(tiny_model_dir, speculative_eagle_window=4, **kw).engine.runner.aux_context == 4
+    assert load_eagle3(_packaged_head()).cfg.prompt_context == 1  # trained from the prompt's last token

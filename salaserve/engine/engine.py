@@ -268,8 +268,10 @@ class Engine:
         head = load_eagle3(path, dtype=runner.dtype, device=runner.device, target_cfg=self.cfg)
         head.attach_target(runner.model.p["embed"], self.cfg.scale_emb)
         runner.aux_layers = head.cfg.aux_layer_ids
-        # the prefill also hands the drafter the prompt's last positions (its K/V window)
-        runner.aux_context = min(self.args.speculative_eagle_window, PROMPT_CONTEXT_MAX)
+        # the prefill also hands the drafter the prompt's last positions (its K/V window), as many
+        # as the head was trained with where its config says
+        trained = head.cfg.prompt_context or PROMPT_CONTEXT_MAX
+        runner.aux_context = min(self.args.speculative_eagle_window, PROMPT_CONTEXT_MAX, trained)
         log.info("EAGLE-3 head %s: draft vocab %d, target layers %s", path, head.cfg.draft_vocab_size,
                  list(head.cfg.aux_layer_ids))
         return head

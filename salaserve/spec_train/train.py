@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     state_path, data_path = os.path.join(a.out, "state.pt"), os.path.join(a.out, "data.pt")
     hcfg = Eagle3Config.for_target(cfg, draft_vocab_size=a.draft_vocab)
+    hcfg.prompt_context = a.context  # (serving then hands the drafter no more of the prompt)
     t0 = time.perf_counter()
     if os.path.isfile(data_path):
         data = torch.load(data_path)
