@@ -491,8 +491,9 @@ class EngineArgs:
     speculative_load_levels: str = "1:5:4,4:3:2,8:2:1"
     speculative_policy_patience: int = 4
     # EAGLE3: a prompt-lookup match of at least this many tokens drafts the step instead of the
-    # head (spec/routing.py); 0: the head always drafts
-    speculative_ngram_route: int = 3
+    # head (spec/routing.py); 0 (default): the head always drafts (on held-out code routing lowered
+    # the shipped head's accept length: docs/eagle3.md)
+    speculative_ngram_route: int = 0
     enable_cuda_graph: bool = True
     overlap_schedule: bool = True  # launch step N+1 before step N's tokens reach the host
     prefix_cache_slots: int = 4  # prompts kept for reuse as prefixes (a Lightning state slot each); 0: off

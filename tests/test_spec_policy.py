@@ -130,7 +130,7 @@ def test_eagle3_router_keeps_greedy_output_on_random_weights(tiny_model_dir, hea
     prompts = [LOOPY, [1] + [5 + (i * 37) % 200 for i in range(40)]]
     plain = [o.token_ids for o in LLM(tiny_model_dir, device="cpu").generate(prompts, PARAMS)]
     llm = LLM(tiny_model_dir, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir,
-              speculative_eagle_topk=2)
+              speculative_eagle_topk=2, speculative_ngram_route=3)
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == plain
     assert llm.engine.stats["spec_head_drafts"] > 0
     for i, p in enumerate(prompts):

@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
            "requests caps the depth and tree width, past the last no drafts (default %(default)s)")
     a("--speculative-policy-patience", type=int, default=4,
       help="steps the load must stay in another level before the draft shape follows (hysteresis)")
-    a("--speculative-ngram-route", type=int, default=3,
-      help="EAGLE3: a prompt-lookup match of at least this many tokens drafts instead of the head (0: off)")
+    a("--speculative-ngram-route", type=int, default=0,
+      help="EAGLE3: a prompt-lookup match of at least this many tokens drafts instead of the head "
+           "(default 0: off)")
     a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     a("--disable-overlap-schedule", action="store_true",
       help="read each step's tokens back before scheduling the next (no CPU/GPU overlap)")
