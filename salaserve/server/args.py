@@ -123,12 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--speculative-max-batch", type=int, default=8, help="speculate only while at most this many requests decode")
     a("--speculative-load-levels", default="1:5:4,4:3:2,8:2:1",
       help="draft shape by load: max_batch:depth[:topk] levels; the first level holding the decoding "
-           "requests caps the depth and tree width, past the last no drafts (default %(default)s)")
+           "requests caps the depth and tree width, past the last no drafts")
     a("--speculative-policy-patience", type=int, default=4,
       help="steps the load must stay in another level before the draft shape follows (hysteresis)")
     a("--speculative-ngram-route", type=int, default=0,
       help="EAGLE3: a prompt-lookup match of at least this many tokens drafts instead of the head "
-           "(default 0: off)")
+           "(0: off)")
     a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     a("--disable-overlap-schedule", action="store_true",
       help="read each step's tokens back before scheduling the next (no CPU/GPU overlap)")
