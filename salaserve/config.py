@@ -485,6 +485,15 @@ class EngineArgs:
     speculative_max_batch: int = 8  # no speculation when more requests decode at once
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 1
+    # draft shape by load (spec/policy.py): levels max_batch:depth[:topk], the first level whose
+    # max_batch holds the decoding requests gives the step's depth and tree width (capped by the
+    # configured ones), past the last level no drafts; a level changes after `patience` steps in it
+    speculative_load_levels: str = "1:5:4,4:3:2,8:2:1"
+    speculative_policy_patience: int = 4
+    # EAGLE3: a prompt-lookup match of at least this many tokens drafts the step instead of the
+    # head (spec/routing.py); 0 (default): the head always drafts (on held-out code routing lowered
+    # the shipped head's accept length: docs/eagle3.md)
+    speculative_ngram_route: int = 0
     enable_cuda_graph: bool = True
     overlap_schedule: bool = True  # launch step N+1 before step N's tokens reach the host
     prefix_cache_slots: int = 4  # prompts kept for reuse as prefixes (a Lightning state slot each); 0: off
@@ -528,6 +537,9 @@ class EngineArgs:
         if self.speculative_eagle_topk < 1 or self.speculative_eagle_window < 1:
             raise ValueError("speculative_eagle_topk and speculative_eagle_window must be >= 1, got "
                              f"{self.speculative_eagle_topk}, {self.speculative_eagle_window}")
+        if self.speculative_policy_patience < 1 or self.speculative_ngram_route < 0:
+            raise ValueError("speculative_policy_patience must be >= 1 and speculative_ngram_route >= 0, got "
+                             f"{self.speculative_policy_patience}, {self.speculative_ngram_route}")
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError("speculative_num_draft_tokens must be in [1, 64], got "
                              f"{self.speculative_num_draft_tokens}")

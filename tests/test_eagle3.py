@@ -105,9 +105,11 @@ def test_loader_errors_name_the_problem(head_dir, cfg, tmp_path):
         load_eagle3(str(bad))
 
 
-def test_captured_states_equal_the_reference(tiny_model_dir, head_dir, cfg, prompts):
-    """Every (position, state) the engine hands the drafters (prefill's last row, decode rows,
-    verify rows of accepted tokens) against the reference model's layers over the final sequence."""
+@pytest.mark.parametrize("window,chunk", [(128, 8192), (24, 16)])
+def test_captured_states_equal_the_reference(tiny_model_dir, head_dir, cfg, prompts, window, chunk):
+    """Every (position, state) the engine hands the drafters (the prompt's last `window` rows,
+    decode rows, verify rows of accepted tokens) against the reference model's layers over the
+    final sequence; with chunks of 16 tokens the prompt context spans chunks."""
     seen = []
 
     class Spy(Eagle3Drafter):
@@ -116,11 +118,11 @@ def test_captured_states_equal_the_reference(tiny_model_dir, head_dir, cfg, prom
             super().observe(position, aux)
 
     llm = LLM(tiny_model_dir, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir,
-              speculative_num_draft_tokens=3)
+              speculative_num_draft_tokens=3, speculative_eagle_window=window, chunked_prefill_size=chunk)
     eng = llm.engine
 
     def make(req):
-        d = Spy(eng.eagle_head, depth=3)
+        d = Spy(eng.eagle_head, depth=3, window=window)
         d.rid = req.rid
         return d
 
@@ -135,8 +137,8 @@ def test_captured_states_equal_the_reference(tiny_model_dir, head_dir, cfg, prom
     for p, o in zip(prompts, outs):
         _, want = ref.forward(p + o.token_ids, ref.new_state(), aux_layers=layers)
         got = by_rid[o.rid]
-        # the prompt's last position and every generated one but the last (never computed)
-        assert sorted(got) == list(range(len(p) - 1, len(p) + len(o.token_ids) - 1))
+        # the prompt's last `window` positions and every generated one but the last (never computed)
+        assert sorted(got) == list(range(max(0, len(p) - window), len(p) + len(o.token_ids) - 1))
         for pos, aux in got.items():
             torch.testing.assert_close(aux, want[pos], rtol=CAPTURE_RTOL, atol=CAPTURE_RTOL * float(want[pos].abs().max()))
 
@@ -330,7 +332,8 @@ def test_train_draft_resumes_to_the_same_head(tiny_model_dir, tmp_path):
 
 def test_eagle3_with_shared_and_cached_prompts(tiny_model_dir, head_dir, prompts):
     """Twins (one prefill, several requests) and prefix-cache hits give each drafter its states
-    too: greedy output still plain decoding's."""
+    too: the prompt context its prefill (or its twin's) computed, then every committed position
+    once; greedy output still plain decoding's."""
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     batch = [prompts[1], prompts[1], prompts[2]]
     kw = dict(device="cpu", prefix_cache_min_tokens=8)
@@ -346,10 +349,26 @@ def test_eagle3_with_shared_and_cached_prompts(tiny_model_dir, head_dir, prompts
         return d
 
     llm.engine.make_drafter = spy
-    for _ in range(2):  # the second round starts from cached prompts
+    for rnd in range(2):  # the second round starts from cached prompts
         outs = llm.generate(batch, params)
         assert [o.token_ids for o in outs] == plain
         for p, o in zip(batch, outs):  # every request's drafter saw each committed position once
-            assert seen[o.rid] == list(range(len(p) - 1, len(p) + 11))
+            start = seen[o.rid][0]  # the first computed prompt position (the window holds every prompt)
+            assert seen[o.rid] == list(range(start, len(p) + 11))
+            assert start == 0 if rnd == 0 else start <= min(o.cached_tokens, len(p) - 1)
     s = llm.engine.stats
     assert s["shared_prefill_tokens"] > 0 and s["cached_prompt_tokens"] > 0 and s["spec_verify_steps"] > 0
+
+
+def test_head_prompt_context_caps_the_captured_prompt(tiny_model_dir, cfg, tmp_path):
+    """A head trained with `prompt_context` C (config.json) gets at most C prompt positions; the
+    window caps it too; a head that does not say gets the window."""
+    head = init_head(Eagle3Config.for_target(cfg, draft_vocab_size=512), seed=3, std=0.05)
+    head.set_vocab_map(torch.arange(512) * 16)
+    head.cfg.prompt_context = 6
+    save_eagle3(head, str(tmp_path), dtype=torch.float32)
+    assert load_eagle3(str(tmp_path)).cfg.prompt_context == 6
+    kw = dict(device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+    assert LLM(tiny_model_dir, **kw).engine.runner.aux_context == 6
+    assert LLM(tiny_model_dir, speculative_eagle_window=4, **kw).engine.runner.aux_context == 4
+    assert load_eagle3(_packaged_head()).cfg.prompt_context == 1  # trained from the prompt's last token

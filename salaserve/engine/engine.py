@@ -23,7 +23,7 @@ from salaserve.core.request import ABORT_REASON, Request, Status, StepOutput, le
 from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.grammar import GrammarCompiler
 from salaserve.engine.prefix_cache import CachedPrompt, PrefixCache
-from salaserve.engine.runner import ModelRunner, placeholder, prompt_logit_rows
+from salaserve.engine.runner import ModelRunner, placeholder, prompt_aux_rows, prompt_logit_rows
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history, read_logprobs
 from salaserve.engine.scheduler import Scheduler, ScheduledWork
 from salaserve.engine.warmup import warm_up_engine
@@ -33,9 +33,14 @@ from salaserve.model.eagle3 import load_eagle3
 from salaserve.model.eagle3_drafter import Eagle3Drafter
 from salaserve.spec.accept import accept_greedy, accept_sampling, accept_sampling_tree, spec_generator
 from salaserve.spec.ngram import NgramDrafter
+from salaserve.spec.policy import SpeculationPolicy, parse_levels
+from salaserve.spec.routing import NgramRouter
 from salaserve.spec.tree import DraftTree, accept_greedy_tree
 
 log = logging.getLogger("salaserve")
+
+# EAGLE-3: the most prompt positions whose hidden states the prefill captures for the drafter
+PROMPT_CONTEXT_MAX = 32768
 
 
 @dataclass
@@ -73,12 +78,17 @@ class Engine:
         self._pending_outputs: list[StepOutput] = []  # produced outside step() (e.g. max_new_tokens=0)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "aborted": 0,
                       "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                      "spec_head_drafts": 0, "spec_ngram_routed": 0,
                       "shared_prefill_tokens": 0, "cached_prompt_tokens": 0}
         self.eagle_head = None
         if args.speculative_algorithm == "EAGLE3":
             self.eagle_head = self._load_eagle_head()
+        self.spec_policy = None
         if args.speculative_algorithm in ("NGRAM", "EAGLE3"):
             self.scheduler.propose = self._propose_draft
+            topk = args.speculative_eagle_topk if self.eagle_head is not None else 1
+            self.spec_policy = SpeculationPolicy(parse_levels(args.speculative_load_levels), self._draft_depth(),
+                                                 topk, args.speculative_policy_patience, args.speculative_max_batch)
         # whether the backend verifies a drafter's DraftTree whole (else its first path)
         self.tree_verify = bool(getattr(self.runner.model.ops, "supports_tree_verify", False))
         self.prefix_cache = PrefixCache(args.prefix_cache_slots, args.prefix_cache_min_tokens)
@@ -199,18 +209,26 @@ class Engine:
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose_draft(self, req: Request, n_decoding: int) -> list[int] | DraftTree:
-        """N-gram draft for a decoding request; none for large batches, penalised or biased
-        sampling (the verify reads the raw logits), or where it would overshoot max_new_tokens.
-        A drafter's DraftTree stays a tree where the backend verifies trees (cut to the depth that
-        cannot overshoot), else it becomes its first path; a chain always becomes a list."""
+        """A draft for a decoding request, of the policy's shape at this load (spec/policy.py);
+        none for large batches, penalised or biased sampling (the verify reads the raw logits), or
+        where it would overshoot max_new_tokens. A drafter's DraftTree stays a tree where the
+        backend verifies trees (cut to the depth that cannot overshoot), else it becomes its first
+        path; a chain always becomes a list."""
         args = self.args
         p = req.params
-        if n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
-                or p.presence_penalty != 0.0 or p.logit_bias or req.sampling.blocks_stop or req.sampling.grammar:
+        shape = self.spec_policy.shape
+        if shape.off or n_decoding > args.speculative_max_batch or p.repetition_penalty != 1.0 \
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.logit_bias \
+                or req.sampling.blocks_stop or req.sampling.grammar:
             return []
         self._ensure_drafter(req)
         room = self._max_new_tokens(req) - req.num_output - 1
-        draft = req.drafter.propose(req.tokens, min(req.spec_k, room))
+        if self.eagle_head is None:  # NGRAM's adaptive length, within the policy's depth
+            draft = req.drafter.propose(req.tokens, min(req.spec_k, shape.depth, room))
+        else:
+            draft = req.drafter.propose(req.tokens, min(shape.depth, room), topk=shape.topk)
+            routed = isinstance(req.drafter, NgramRouter) and req.drafter.routed
+            self.stats["spec_ngram_routed" if routed else "spec_head_drafts"] += 1
         if isinstance(draft, DraftTree):
             if self.tree_verify and not draft.is_chain:
                 tree = draft.pruned(max(0, room))
@@ -224,12 +242,22 @@ class Engine:
             req.spec_k = self.args.speculative_num_draft_tokens
         return req.drafter
 
+    def _draft_depth(self) -> int:
+        """The configured draft depth: EAGLE3's steps, else the draft tokens."""
+        args = self.args
+        if self.eagle_head is not None:
+            return args.speculative_num_steps or args.speculative_num_draft_tokens
+        return args.speculative_num_draft_tokens
+
     def make_drafter(self, req: Request):
         """The drafter of a request (replaceable, e.g. by an oracle in benchmarks and tests)."""
         args = self.args
         if self.eagle_head is not None:
-            return Eagle3Drafter(self.eagle_head, depth=args.speculative_num_steps or args.speculative_num_draft_tokens,
-                                 topk=args.speculative_eagle_topk, window=args.speculative_eagle_window)
+            head = Eagle3Drafter(self.eagle_head, depth=self._draft_depth(), topk=args.speculative_eagle_topk,
+                                 window=args.speculative_eagle_window)
+            if args.speculative_ngram_route:
+                return NgramRouter(head, args.speculative_ngram_route, args.speculative_ngram_max)
+            return head
         return NgramDrafter(args.speculative_ngram_max, args.speculative_ngram_min)
 
     def _load_eagle_head(self):
@@ -240,6 +268,10 @@ class Engine:
         head = load_eagle3(path, dtype=runner.dtype, device=runner.device, target_cfg=self.cfg)
         head.attach_target(runner.model.p["embed"], self.cfg.scale_emb)
         runner.aux_layers = head.cfg.aux_layer_ids
+        # the prefill also hands the drafter the prompt's last positions (its K/V window), as many
+        # as the head was trained with where its config says
+        trained = head.cfg.prompt_context or PROMPT_CONTEXT_MAX
+        runner.aux_context = min(self.args.speculative_eagle_window, PROMPT_CONTEXT_MAX, trained)
         log.info("EAGLE-3 head %s: draft vocab %d, target layers %s", path, head.cfg.draft_vocab_size,
                  list(head.cfg.aux_layer_ids))
         return head
@@ -250,6 +282,15 @@ class Engine:
         for req, pos, row in seen:
             if req.status != Status.FINISHED:
                 self._ensure_drafter(req).observe(pos, aux[row])
+
+    def _copy_context(self, src: Request, dst: Request) -> None:
+        """A twin's drafter gets the prompt context its leader's prefill captured (not yet computed
+        into the leader's cache: it waits in the pending states until the first propose)."""
+        head = getattr(src.drafter, "drafter", src.drafter)  # (under an NgramRouter)
+        pending = getattr(head, "pending", {})
+        drafter = self._ensure_drafter(dst)
+        for p in sorted(pending):
+            drafter.observe(p, pending[p])
 
     def _verify(self, req: Request, logits, draft: list[int],
                 tree: DraftTree | None = None) -> tuple[list[int], list[int] | None]:
@@ -287,6 +328,10 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs, self._pending_outputs = list(self._pending_outputs), []
         self._reuse_cached_prompts()
+        if self.spec_policy is not None:  # the step's draft shape, from the decoding requests now
+            n = sum(1 for r in self.scheduler.running if r.is_decoding)
+            if n:
+                self.spec_policy.update(n)
         work, out_of_room = self.scheduler.schedule()
         for req in out_of_room:  # alone and out of pages: it ends here, with what it has
             self._finish(req, None)  # drops a token still in flight first, so num_output counts it out
@@ -306,7 +351,7 @@ class Engine:
         verified, commits = [], []
         seen = []  # EAGLE-3: (request, position, logit row) of the committed positions
         eagle = self.eagle_head is not None
-        row = 0
+        row = ctx_row = 0  # ctx_row: into runner.last_aux_context (the drafters' prompt context)
         for i, w in enumerate(work):
             req = w.req
             if w.draft:  # verify: accept a prefix or a tree's path (the pending token + the accepted drafts)
@@ -322,6 +367,12 @@ class Engine:
             if hi > lo:
                 self._record_prompt_logprobs(req, req.num_computed + lo, logits[row:row + hi - lo])
                 row += hi - lo
+            if eagle and self.runner.aux_context:  # this chunk's share of the prompt context
+                lo, hi = prompt_aux_rows(req, req.num_computed, w.num_tokens, self.runner.aux_context)
+                ctx = self.runner.last_aux_context
+                for j in range(hi - lo):
+                    self._ensure_drafter(req).observe(req.num_computed + lo + j, ctx[ctx_row + j])
+                ctx_row += hi - lo
             self._advance(req, w.num_tokens)
             if req.cache_split and req.num_computed == req.cache_split and req.num_output == 0:
                 self._cache_prefix(req, req.cache_split)  # a common prefix with an earlier prompt
@@ -337,6 +388,8 @@ class Engine:
                     sampled.append(r)
                     rows.append(row)
                     if eagle:
+                        if r is not req and req.drafter is not None:  # the prompt context, every chunk's
+                            self._copy_context(req, r)
                         seen.append((r, r.num_computed - 1, row))
                 row += 1
         if commits:  # the Lightning states advance by the accepted tokens, in one call for all

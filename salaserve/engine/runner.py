@@ -132,6 +132,12 @@ class ModelRunner:
         # rows (in last_aux, [M, 3*hidden], rows as the logits'); None: none, at no cost
         self.aux_layers: tuple[int, ...] | None = None
         self.last_aux: torch.Tensor | None = None
+        # ... and at the prompt's last aux_context positions (before the last: a logit row), for
+        # the drafter's K/V of the recent prompt; last_aux_context [E, 3*hidden], in work order
+        # (`prompt_aux_rows` gives each chunk's share)
+        self.aux_context = 0
+        self.last_aux_context: torch.Tensor | None = None
+        self._aux_rows: list[int] = []
         if hasattr(backend, "prepare"):
             t = time.perf_counter()
             tokens_per_seq = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
@@ -224,9 +230,12 @@ class ModelRunner:
         seqs = []
         pad_to = self._verify_length(work)
         real_rows = []
+        self._aux_rows, offset = [], 0  # rows of the prompt context; the flat row of each seq's first token
         for w in work:
             r = w.req
             start = r.num_computed
+            if seqs:
+                offset += len(seqs[-1].token_ids)
             if w.draft:  # verify: the pending token, then the drafts; logits at every position
                 ids = r.tokens[start:start + 1] + w.draft
                 pad = (pad_to - len(ids)) if pad_to else 0
@@ -238,6 +247,9 @@ class ModelRunner:
                                     prompt_len=r.num_prompt,
                                     tree_parents=w.tree.parents if w.tree is not None else None))
                 continue
+            if self.aux_layers and self.aux_context:
+                lo, hi = prompt_aux_rows(r, start, w.num_tokens, self.aux_context)
+                self._aux_rows.extend(range(offset + lo, offset + hi))
             seqs.append(SeqWork(state_slot=r.state_slot, pages=r.pages, cache_len=start,
                                 token_ids=r.tokens[start:start + w.num_tokens],
                                 need_logits=start + w.num_tokens == len(r.tokens) and not r.score_only,
@@ -289,6 +301,8 @@ class ModelRunner:
                 self.caches.kv.allocator.free(self._step[2])
         if self.aux_layers:
             logits, aux = logits
+            m = batch.logits_indices.numel()
+            aux, self.last_aux_context = aux[:m], aux[m:]
             self.last_aux = aux if self.real_rows is None else aux[self.real_rows]
         return logits if self.real_rows is None else logits[self.real_rows]
 
@@ -317,7 +331,8 @@ class ModelRunner:
         """The model on a built batch: its CUDA graph when one was captured for it, else eagerly.
         With aux_layers set: (logits, aux), always eager (the graphs do not capture aux)."""
         if self.aux_layers:
-            return self.model.forward(batch, self.caches, aux_layers=self.aux_layers)
+            rows = torch.tensor(self._aux_rows, dtype=torch.long, device=self.device) if self._aux_rows else None
+            return self.model.forward(batch, self.caches, aux_layers=self.aux_layers, aux_rows=rows)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.model.forward(batch, self.caches)
@@ -383,6 +398,17 @@ class ModelRunner:
             self.followers.stop()
             self.followers = None
         self.tp.destroy()
+
+
+def prompt_aux_rows(req, start: int, n: int, context: int) -> tuple[int, int]:
+    """Offsets [lo, hi) in a chunk of n tokens from position start that hold the EAGLE-3 drafter's
+    prompt context: positions len(tokens) - context .. len(tokens) - 2 of the sequence being
+    prefilled (the last position is its logit row, captured anyway). A chunk may hold part of them."""
+    if req.score_only:
+        return 0, 0
+    end = len(req.tokens) - 1
+    lo, hi = max(start, end - context + 1), min(start + n, end)
+    return (lo - start, hi - start) if hi > lo else (0, 0)
 
 
 def prompt_logit_rows(req, start: int, n: int) -> tuple[int, int]:

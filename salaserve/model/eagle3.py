@@ -56,6 +56,10 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # prompt positions the head was trained to attend to before its first draft (salaserve's key
+    # "prompt_context"; None: not said, e.g. heads trained on whole sequences): serving hands the
+    # drafter no more of the prompt than that (Engine._load_eagle_head)
+    prompt_context: int | None = None
     extra: dict = field(default_factory=dict)  # other config.json keys, kept on save
 
     @classmethod
@@ -83,6 +87,8 @@ class Eagle3Config:
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
         })
+        if self.prompt_context is not None:
+            d["prompt_context"] = self.prompt_context
         return d
 
     @classmethod
@@ -109,9 +115,11 @@ class Eagle3Config:
                 aux_layer_ids=tuple(int(i) for i in aux), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(d.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)))
+            if d.get("prompt_context") is not None:
+                known["prompt_context"] = int(d["prompt_context"])
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
-        extra = {k: v for k, v in d.items() if k not in cls(**known).to_dict()}
+        extra = {k: v for k, v in d.items() if k not in cls(**known).to_dict() and k != "prompt_context"}
         return cls(**known, extra=extra)
 
 

@@ -78,9 +78,9 @@ class Eagle3Drafter:
 
     # ---- drafting --------------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, tokens: list[int], k: int) -> DraftTree:
-        """A tree of at most `depth` levels (and k levels) of `topk` candidates each, in target ids.
-        Its first path is the head's greedy chain."""
+    def propose(self, tokens: list[int], k: int, topk: int | None = None) -> DraftTree:
+        """A tree of at most `depth` levels (and k levels) of `topk` candidates each (the argument,
+        else the drafter's), in target ids. Its first path is the head's greedy chain."""
         self._commit(tokens)
         depth = min(self.depth, k)
         if depth <= 0 or self.root is None or self.root[0] != len(tokens) - 2:
@@ -89,7 +89,7 @@ class Eagle3Drafter:
         head = self.head
         p, root_out = self.root
         dev = root_out.device
-        K = self.topk
+        K = topk or self.topk
         tok: list[int] = []  # target ids of the tree nodes
         parents: list[int] = []
         node_k, node_v = [], []  # K/V rows of computed nodes ([1, 1, Hkv, d] each)

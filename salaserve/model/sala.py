@@ -78,10 +78,12 @@ class SalaModel:
         self.log_decay = -slopes[head_range(cfg.lightning_nh, tp_rank, tp_size)]
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, caches: Caches, aux_layers: tuple[int, ...] | None = None):
+    def forward(self, batch: ForwardBatch, caches: Caches, aux_layers: tuple[int, ...] | None = None,
+                aux_rows: torch.Tensor | None = None):
         """Run every token of the batch through the model; fp32 logits of the rows in
-        batch.logits_indices, [M, vocab]. With aux_layers (EAGLE-3): (logits, aux [M, len*hidden]),
-        aux = the residual stream after each named layer at those rows, concatenated in order."""
+        batch.logits_indices, [M, vocab]. With aux_layers (EAGLE-3): (logits, aux [M + E, len*hidden]),
+        aux = the residual stream after each named layer at those rows and then at the E rows of
+        aux_rows (the drafter's prompt context: no logits), concatenated in order."""
         cfg, ops, p = self.cfg, self.ops, self.p
         eps, r = cfg.rms_norm_eps, cfg.residual_scale
         # per-step derived tensors are recomputed by every forward: a graph capture must record
@@ -96,6 +98,9 @@ class SalaModel:
         proj = ops.norm_linear(h, layers[0]["input_norm"], eps, layers[0]["qkvg"])
         silu_first = ops.silu_after_gate_up(h.shape[0])  # which junction applies the MLP's silu_mul
         captured = {}
+        rows = batch.logits_indices
+        if aux_layers and aux_rows is not None and aux_rows.numel():
+            rows = torch.cat([rows, aux_rows])
         for i, layer in enumerate(layers):
             if cfg.is_sparse_layer(i):
                 o = self._sparse_mixer(self.sparse_index[i], proj, batch, caches)
@@ -106,8 +111,8 @@ class SalaModel:
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             h, proj = ops.residual_norm_linear(h, gate_up, layer["down"], r, nxt and nxt["input_norm"], eps,
                                                nxt and nxt["qkvg"], silu=not silu_first)
-            if aux_layers and i in aux_layers:  # only the logit rows: a few rows' copy
-                captured[i] = h[batch.logits_indices]
+            if aux_layers and i in aux_layers:  # only the rows asked for: a few rows' copy
+                captured[i] = h[rows]
         z = ops.rms_norm(h[batch.logits_indices], p["final_norm"], eps)
         logits = ops.linear(z / cfg.logit_divisor, p["lm_head"]).float()
         if aux_layers:

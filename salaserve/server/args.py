@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--speculative-eagle-topk", type=int, default=1, help="EAGLE3: candidates per draft tree level")
     a("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens per verify step")
     a("--speculative-max-batch", type=int, default=8, help="speculate only while at most this many requests decode")
+    a("--speculative-load-levels", default="1:5:4,4:3:2,8:2:1",
+      help="draft shape by load: max_batch:depth[:topk] levels; the first level holding the decoding "
+           "requests caps the depth and tree width, past the last no drafts")
+    a("--speculative-policy-patience", type=int, default=4,
+      help="steps the load must stay in another level before the draft shape follows (hysteresis)")
+    a("--speculative-ngram-route", type=int, default=0,
+      help="EAGLE3: a prompt-lookup match of at least this many tokens drafts instead of the head "
+           "(0: off)")
     a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     a("--disable-overlap-schedule", action="store_true",
       help="read each step's tokens back before scheduling the next (no CPU/GPU overlap)")
@@ -194,6 +202,9 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
         speculative_algorithm=ns.speculative_algorithm, speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
         speculative_max_batch=ns.speculative_max_batch, speculative_draft_model_path=ns.speculative_draft_model_path,
         speculative_num_steps=ns.speculative_num_steps, speculative_eagle_topk=ns.speculative_eagle_topk,
+        speculative_load_levels=ns.speculative_load_levels,
+        speculative_policy_patience=ns.speculative_policy_patience,
+        speculative_ngram_route=ns.speculative_ngram_route,
         enable_cuda_graph=not ns.disable_cuda_graph,
         overlap_schedule=not ns.disable_overlap_schedule,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,

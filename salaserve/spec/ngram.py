@@ -26,13 +26,18 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match of the sequence's suffix."""
+        return self.lookup(tokens, k)[1]
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, draft): the length of the longest suffix n-gram seen earlier and up to k tokens that
+        followed it; (0, []) without a match."""
         L = len(tokens)
         # Index every n-gram ending before the last token; the suffix itself must not match itself.
         self._index_upto(tokens, L - 1)
         if k <= 0:
-            return []
+            return 0, []
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
             start = self.index.get(tuple(tokens[L - n:]))
             if start is not None and start < L:
-                return tokens[start:start + k]
-        return []
+                return n, tokens[start:start + k]
+        return 0, []

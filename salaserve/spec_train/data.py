@@ -2,12 +2,14 @@
 
 Prompts are random windows of the corpus's training split; the target continues each greedily
 through the engine (so the head learns what the target says, not what the corpus says). The
-reference model then reads prompt + continuation once and gives, from the last prompt position
-on (where a drafter's context starts: the engine captures hidden states from the prefill's last
-row), the three aux hidden states and the target's top-k next-token distribution.
+reference model then reads prompt + continuation once and gives, from the prompt's last `context`
+positions on (where a drafter's context starts: the engine's prefill captures the hidden states of
+the prompt's last speculative_eagle_window positions), the three aux hidden states and the
+target's top-k next-token distribution.
 
-A sample (positions c = P-1 .. T-1 of a T-token sequence with a P-token prompt):
-  aux [m, 3H] fp16, next [m] (token at c + 1, -1 at the end), pos0 (= P - 1),
+A sample (positions c = P-context .. T-1 (from 0 at the least) of a T-token sequence with a
+P-token prompt):
+  aux [m, 3H] fp16, next [m] (token at c + 1, -1 at the end), pos0 (= max(0, P - context)),
   top_ids [m, K] / top_p [m, K] fp16 (the target's distribution at c, in target ids).
 """
 
@@ -53,7 +55,7 @@ def continue_greedily(model_dir: str, prompts: list[list[int]], new_tokens: int,
 
 @torch.no_grad()
 def target_features(model_dir: str, seqs: list[tuple[list[int], list[int]]], aux_layers, top_k: int = 16,
-                    device: str = "cpu") -> list[dict]:
+                    device: str = "cpu", context: int = 1) -> list[dict]:
     """Per (prompt, continuation): the sample dict of the module docstring (reference model)."""
     from salaserve.model.reference import ReferenceModel
 
@@ -62,7 +64,7 @@ def target_features(model_dir: str, seqs: list[tuple[list[int], list[int]]], aux
     for prompt, cont in tqdm(seqs, desc="target hidden states", unit="seq"):
         ids = prompt + cont
         logits, aux = ref.forward(ids, ref.new_state(), aux_layers=tuple(aux_layers))
-        c0 = len(prompt) - 1
+        c0 = max(0, len(prompt) - context)
         probs = torch.softmax(logits[c0:], dim=-1)
         top = probs.topk(top_k, dim=-1)
         nxt = torch.tensor(ids[c0 + 1:] + [-1])

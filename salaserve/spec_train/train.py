@@ -37,6 +37,9 @@ def parse_args(argv):
     p.add_argument("--heldout", type=int, default=32, help="validation prompts (from the corpus's held-out split)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(24, 192), metavar=("MIN", "MAX"))
     p.add_argument("--gen-len", type=int, default=64, help="target tokens generated per prompt")
+    p.add_argument("--context", type=int, default=128,
+                   help="prompt positions a sample starts with (the drafter's context at serving: the prefill "
+                        "captures the prompt's last speculative_eagle_window positions, default 128)")
     p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size (most frequent targets)")
     p.add_argument("--top-k", type=int, default=16, help="target probabilities kept per position")
     p.add_argument("--ttt-steps", type=int, default=5, help="draft steps trained (train-time test depth)")
@@ -68,7 +71,8 @@ def collect(a, model_dir: str, cfg: ModelConfig, aux_layers) -> dict:
     for split, n, seed in (("train", a.samples, a.seed), ("heldout", a.heldout, a.seed + 1)):
         prompts = corpus_prompts(tok, n, a.prompt_len[0], a.prompt_len[1], seed, split=split)
         conts = continue_greedily(model_dir, prompts, a.gen_len, device=a.device)
-        data[split] = target_features(model_dir, list(zip(prompts, conts)), aux_layers, a.top_k, device=a.device)
+        data[split] = target_features(model_dir, list(zip(prompts, conts)), aux_layers, a.top_k, device=a.device,
+                                        context=a.context)
     data["vocab"] = draft_vocab(data["train"], a.draft_vocab, cfg.vocab_size)
     return data
 
@@ -118,6 +122,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     state_path, data_path = os.path.join(a.out, "state.pt"), os.path.join(a.out, "data.pt")
     hcfg = Eagle3Config.for_target(cfg, draft_vocab_size=a.draft_vocab)
+    hcfg.prompt_context = a.context  # (serving then hands the drafter no more of the prompt)
     t0 = time.perf_counter()
     if os.path.isfile(data_path):
         data = torch.load(data_path)
