@@ -177,6 +177,18 @@ def _thread_groups(size: int, parts: int = 1) -> list[list]:
     return [[ThreadGroup(runs[p], r, per) for r in range(per)] for p in range(parts)]
 
 
+def _run_ranks(size: int, rank, errors: list) -> None:
+    """rank(r) for every r in its own thread (the ranks of an in-process group); re-raises the
+    first error a rank recorded in `errors`."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def _sharded_logits(cfg, w, ids, steps, size=2, kv_dtype=torch.float32):
     """Every rank's logits (checked equal) with `size` ranks as threads; with replicated KV heads
     (kv_replicas > 1) the ranks sharing a head get their sub-group, as the runner gives them."""
@@ -194,13 +206,7 @@ def _sharded_logits(cfg, w, ids, steps, size=2, kv_dtype=torch.float32):
             for g in groups + [g for g in kv_groups if g is not None]:
                 g.shared["barrier"].abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _run_ranks(size, rank, errors)
     assert all(torch.equal(out[0], o) for o in out[1:])  # every rank has the same logits
     return out[0]
 

@@ -12,11 +12,9 @@ stage-1 all-reduce each rank would select with half of its group's score: ~0.09
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from test_tp import (LOGIT_ATOL, LONG, PROMPTS, _alive, _model, _prefill_and_decode, _sharded_logits,
+from test_tp import (LOGIT_ATOL, LONG, PROMPTS, _alive, _model, _prefill_and_decode, _run_ranks, _sharded_logits,
                      _thread_groups)
 
 import salaserve.parallel.shard as shard
@@ -115,13 +113,7 @@ def _stage1_sharded(q, c1, c2, vis1, vis2, size):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _run_ranks(size, rank, errors)
     for h in range(hkv):  # the replicas of a head agree
         assert all(torch.equal(out[h * reps], o) for o in out[h * reps:(h + 1) * reps])
     return torch.cat([out[h * reps] for h in range(hkv)])
