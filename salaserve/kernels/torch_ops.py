@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from salaserve.cache.compressed import CompressedKeyPool
+from salaserve.cache.compressed import CompressedKeyPool, num_entries
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
 from salaserve.config import ModelConfig
@@ -194,13 +194,12 @@ class TorchBackend:
         levels = ((comp.c1, sc.kernel_size, sc.kernel_stride, comp.c1_per_page),
                   (comp.c2, sc.c2_kernel_size, sc.c2_kernel_stride, comp.c2_per_page))
         for pool, kernel, stride, per_page in levels:
-            first = max(0, (old - kernel) // stride + 1) if old >= kernel else 0
-            last = (new - kernel) // stride + 1 if new >= kernel else 0
+            first, last = num_entries(old, kernel, stride), num_entries(new, kernel, stride)
             if last <= first:
                 continue
             keys, _ = kv.gather(layer, pages[: -(-new // kv.block_size)], new)
-            for j in range(first, last):
-                entry = keys[j * stride: j * stride + kernel].float().mean(0).to(pool.dtype)
+            entries = spec.window_means(keys, first, last, kernel, stride, pool.dtype)
+            for j, entry in zip(range(first, last), entries):
                 pool[layer, pages[j // per_page], j % per_page] = entry
 
     def sparse_attention_gated(self, q, kv: KVPool, comp: CompressedKeyPool, layer: int, batch: ForwardBatch,

@@ -45,8 +45,7 @@ def born_entries(keys: torch.Tensor, first_len: int, kernel: int, stride: int, d
     """Compressed entries completed between length first_len and len(keys), from these keys (the
     same mean as update_compressed): [m, kv_heads, d]."""
     a, b = num_entries(first_len, kernel, stride), num_entries(keys.shape[0], kernel, stride)
-    rows = [keys[j * stride: j * stride + kernel].float().mean(0).to(dtype) for j in range(a, b)]
-    return torch.stack(rows) if rows else keys.new_zeros(0, *keys.shape[1:]).to(dtype)
+    return spec.window_means(keys, a, b, kernel, stride, dtype)
 
 
 def root_caches(kv, comp, layer: int, batch, i: int):

@@ -123,6 +123,14 @@ def compress_keys(keys: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     return windows.mean(-1).to(keys.dtype)
 
 
+def window_means(keys: torch.Tensor, first: int, last: int, kernel: int, stride: int, dtype) -> torch.Tensor:
+    """Compressed entries first..last-1 (entry j: the fp32 mean of keys[stride*j : stride*j + kernel]),
+    as dtype: [last - first, Hkv, d]. The one formula the caches' incremental updates use, so an entry
+    computed at decode, at verify or at a tree's commit is the same bits."""
+    rows = [keys[j * stride: j * stride + kernel].float().mean(0).to(dtype) for j in range(first, last)]
+    return torch.stack(rows) if rows else keys.new_zeros(0, *keys.shape[1:]).to(dtype)
+
+
 def visible_count(positions: torch.Tensor, kernel: int, stride: int, total: int,
                   prompt_len: int = 0) -> torch.Tensor:
     """Compressed entries (window [stride*j, stride*j + kernel)) that stage 1 shows the query at
