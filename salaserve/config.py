@@ -474,7 +474,7 @@ class EngineArgs:
     # where the start-up calibration's picks are kept across restarts; None: no plans. Default:
     # $SALASERVE_PLAN_CACHE ("0": none), else ~/.cache/salaserve/plans
     plan_cache_dir: str | None = field(default_factory=default_plan_cache_dir)
-    parallel_compile: bool = True  # the calibration compiles its candidates in a thread pool first
+    parallel_compile: bool = True  # start-up compiles (calibration, warm-up autotune) in a thread pool
     quantize_lm_head: bool = False  # quantize-on-load (fp8 / w4a16 of a bf16 checkpoint) takes lm_head too
     speculative_algorithm: str | None = None  # None | "NGRAM" | "EAGLE3"
     speculative_num_draft_tokens: int = 4  # most draft tokens per verify step

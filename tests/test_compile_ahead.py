@@ -140,3 +140,65 @@ def test_gemv_calibration_precompiles_exactly_what_it_times():
                 assert f.keywords["config"].split_k
             launched.append([f.keywords["config"] for f in fns])
     assert rec.timed == launched and all(launched)
+
+
+def _autotuned(kernel):
+    """A real Triton Autotuner (two configs, keyed on n) over `kernel`, as fla's chunk kernels are."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(x_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    tuner = triton.autotune([triton.Config({"BLOCK": 16}, num_warps=2), triton.Config({"BLOCK": 32}, num_warps=4)],
+                            key=["n"])(_copy)
+    tuner.fn = kernel  # the launches go to the recorder instead of the JIT
+    return tuner
+
+
+def _search(tuner, *args, **kwargs):
+    """What Autotuner.run does on a key it has not seen, up to the timing: nargs, then prune_configs."""
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    return tuner.prune_configs({"grid": (4,), "warmup": False, **kwargs})
+
+
+def test_parallel_autotune_compiles_every_config_of_a_new_search_before_its_timing(monkeypatch):
+    monkeypatch.setattr(ca, "precompile_available", lambda: True)
+    monkeypatch.setattr(ca, "_async_compile_mode", lambda: _FakeMode)
+    _FakeMode.entered.clear()
+    k = _FakeKernel()
+    tuner = _autotuned(k)
+    with ca.parallel_autotune():
+        configs = _search(tuner, "x", 1000)
+    assert [c.kwargs["BLOCK"] for c in configs] == [16, 32]  # Triton's own configs, unchanged
+    assert _FakeMode.entered == [True]
+    assert [(kind, grid, args) for kind, grid, args, _ in k.calls] == [("warmup", (4,), ("x", 1000))] * 2
+    for (_, _, _, kw), config in zip(k.calls, configs):  # each config's meta-parameters, no 'warmup'
+        assert kw == config.all_kwargs() and "warmup" not in kw
+
+
+def test_autotune_searches_compile_one_by_one_outside_parallel_autotune_or_when_off(monkeypatch):
+    monkeypatch.setattr(ca, "precompile_available", lambda: True)
+    monkeypatch.setattr(ca, "_async_compile_mode", lambda: _FakeMode)
+    k = _FakeKernel()
+    tuner = _autotuned(k)
+    with ca.parallel_autotune(enabled=True):
+        pass
+    assert len(_search(tuner, "x", 8)) == 2  # after the context: the hook stays, but idle
+    with ca.parallel_autotune(enabled=False):
+        _search(tuner, "x", 8)
+    assert k.calls == []
+
+
+def test_parallel_autotune_leaves_a_failing_compile_to_the_timing_loop(monkeypatch):
+    monkeypatch.setattr(ca, "precompile_available", lambda: True)
+    monkeypatch.setattr(ca, "_async_compile_mode", lambda: _FakeMode)
+
+    class _Refusing(_FakeKernel):
+        def warmup(self, *args, grid, **kwargs):
+            raise RuntimeError("out of shared memory")
+
+    tuner = _autotuned(_Refusing())
+    with ca.parallel_autotune():
+        assert len(_search(tuner, "x", 8)) == 2  # the search goes on; its timing reports the error

@@ -27,6 +27,7 @@ from salaserve.engine.runner import ModelRunner, placeholder, prompt_aux_rows, p
 from salaserve.engine.sampler import Sampler, SamplingState, needs_history, read_logprobs
 from salaserve.engine.scheduler import Scheduler, ScheduledWork
 from salaserve.engine.warmup import warm_up_engine
+from salaserve.kernels.compile_ahead import parallel_autotune
 from salaserve.kernels.compile_watch import WATCH
 from salaserve.model.default import default_model_dir
 from salaserve.model.eagle3 import load_eagle3
@@ -103,7 +104,8 @@ class Engine:
         self._builds_seen = len(WATCH.events)
         if args.warmup and self.runner.device.type == "cuda":
             t = time.perf_counter()
-            warm_up_engine(self)
+            with parallel_autotune(args.parallel_compile):
+                warm_up_engine(self)
             self.runner.startup_phases["serving warm-up"] = time.perf_counter() - t
         log.info("ready: %s; built at start-up: %s", self.runner.describe_startup(), WATCH.counts() or "nothing")
         WATCH.mark_ready()  # from now on a kernel compile, autotune or graph capture is a cold path

@@ -15,6 +15,7 @@ from salaserve.config import EngineArgs, ModelConfig
 from salaserve.core.batch import ForwardBatch, PageTableMirror, SeqWork
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.kernels import get_backend, resolve_backend_name, tree_pages
+from salaserve.kernels.compile_ahead import parallel_autotune
 from salaserve.kernels.compile_watch import WATCH
 from salaserve.kernels.options import KernelOptions
 from salaserve.model.loader import load_state_dict
@@ -143,12 +144,13 @@ class ModelRunner:
             tokens_per_seq = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
             backend.prepare(cfg, self.device, self.model.p, max_rows=args.max_running_requests * tokens_per_seq)
             self.startup_phases["calibration"] = time.perf_counter() - t
-        if self.device.type == "cuda":
-            self.startup_phases["warm-up"] = self.warmup()
-        if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
-            t = time.perf_counter()
-            self._capture_graphs()
-            self.startup_phases["graph capture"] = time.perf_counter() - t
+        with parallel_autotune(args.parallel_compile):  # the warm-up's autotune searches compile in threads
+            if self.device.type == "cuda":
+                self.startup_phases["warm-up"] = self.warmup()
+            if self.device.type == "cuda" and self.backend_name == "triton" and args.enable_cuda_graph:
+                t = time.perf_counter()
+                self._capture_graphs()
+                self.startup_phases["graph capture"] = time.perf_counter() - t
         if self.followers is not None:  # rank 0: the slots it zeroes for new sequences, the others zero too
             self.caches.states.on_alloc = self._zeroed.append
         log.info("start-up %.1f s: %s", time.perf_counter() - t0, self.describe_startup())

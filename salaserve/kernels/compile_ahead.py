@@ -2,6 +2,8 @@
 
     precompile(fn() for each candidate)       compiles what each fn would launch, runs none of it
     launch_kernel(kernel, grid, *args, **kw)  kernel[grid](*args, **kw); inside precompile, its compile only
+    with parallel_autotune():                 an autotuned kernel's search (fla's chunk kernels) compiles
+                                              all its configs at once in threads before timing them
 
 Why: the calibration times every candidate (config x split-K, each a separate Triton
 specialisation), and with an empty kernel cache their compiles, one after another, were most of a
@@ -12,7 +14,12 @@ once with `launch_kernel` in compile-only mode (`kernel.warmup`), the compiles g
 and on leaving it every kernel sits in its JIT cache: the timing loop that follows compiles nothing.
 
 The calibrated kernels' launches go through `launch_kernel`. A compile that fails inside precompile
-fails again, with its error, at the candidate's real launch. Without AsyncCompileMode (a Triton
+fails again, with its error, at the candidate's real launch. The same holds for the warm-up's autotune searches (fla's Lightning kernels: dozens of configs per
+search, 48 for `chunk_fwd_kernel_h`, compiled one by one as Triton times them): inside
+`parallel_autotune`, a search's first step compiles every config in the thread pool, and the timing
+that follows only runs them.
+
+Without AsyncCompileMode (a Triton
 that lacks it), without a GPU, under the interpreter, or with KernelOptions.parallel_compile off
 (`--no-parallel-compile`), precompile does nothing and the compiles happen one by one at the first
 launches.
@@ -20,6 +27,7 @@ launches.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import os
@@ -83,3 +91,71 @@ def precompile(launches: Iterable[Callable[[], object]], parallel: bool = True) 
             finally:
                 _COMPILE_ONLY.reset(token)
     return count
+
+
+# the thread pool of the innermost parallel_autotune (None: searches compile one config at a time)
+_AUTOTUNE_POOL: contextvars.ContextVar[ThreadPoolExecutor | None] = contextvars.ContextVar(
+    "salaserve_autotune_pool", default=None)
+_autotune_hooked = False
+
+
+@contextlib.contextmanager
+def parallel_autotune(enabled: bool = True):
+    """While inside: each autotune search that starts (a key its autotuner has not seen) first
+    compiles all its configs in a thread pool, then times them as usual (compiling nothing more).
+    The searches' results are Triton's own; only where the compiles happen changes. A no-op where
+    precompile_available is false or `enabled` is off."""
+    if not (enabled and precompile_available() and _hook_autotuner()):
+        yield
+        return
+    with ThreadPoolExecutor(workers(), thread_name_prefix="triton-autotune-compile") as pool:
+        token = _AUTOTUNE_POOL.set(pool)
+        try:
+            yield
+        finally:
+            _AUTOTUNE_POOL.reset(token)
+
+
+def _hook_autotuner() -> bool:
+    """Wrap Autotuner.prune_configs (which Triton calls once per new key, before timing the configs
+    it returns) so that, inside parallel_autotune, it compiles them first. Idempotent; chains an
+    existing wrapper (the compile watch's). False where this Triton lacks what it needs."""
+    global _autotune_hooked
+    if _autotune_hooked:
+        return True
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return False
+    if not hasattr(Autotuner, "prune_configs"):
+        return False
+    prune = Autotuner.prune_configs
+
+    def prune_configs(tuner, kwargs, *args, **kw):
+        configs = prune(tuner, kwargs, *args, **kw)
+        pool = _AUTOTUNE_POOL.get()
+        if pool is not None and len(configs) > 1:
+            compile_configs(tuner, configs, kwargs, pool)
+        return configs
+
+    Autotuner.prune_configs = prune_configs
+    _autotune_hooked = True
+    return True
+
+
+def compile_configs(tuner, configs, kwargs: dict, pool: ThreadPoolExecutor) -> None:
+    """Compile `tuner`'s kernel for each config (the positional arguments of the launch being tuned,
+    which Autotuner.run keeps in tuner.nargs) in `pool`; returns when all are built. Inside another
+    AsyncCompileMode (precompile), or on any error, it leaves the compiles to the timing loop."""
+    mode = _async_compile_mode()
+    from triton.runtime._async_compile import active_mode
+    if mode is None or active_mode.get() is not None or not getattr(tuner, "nargs", None):
+        return
+    args = list(tuner.nargs.values())
+    launch = {k: v for k, v in kwargs.items() if k != "warmup"}
+    try:
+        with mode(pool, ignore_errors=True):
+            for config in configs:
+                tuner.fn.warmup(*args, **launch, **config.all_kwargs())
+    except Exception as e:  # noqa: BLE001 -- the timing loop compiles (and reports) what this could not
+        log.debug("parallel compile of %d autotune configs skipped: %s", len(configs), e)

@@ -14,8 +14,9 @@ measured fastest for its shape. What is left are trade-offs a user makes:
                     sm_89+) or "bf16" (the int4 weights dequantized for a bf16 GEMM)
   plan_cache_dir    where the calibration's picks are kept across restarts (kernels/plan_cache.py);
                     None: no plans, every start-up calibrates
-  parallel_compile  the calibration compiles its candidates in a thread pool before timing them
-                    (kernels/compile_ahead.py); False: one compile at a time, at first launch
+  parallel_compile  the calibration's candidates and the warm-up's autotune configs compile in a
+                    thread pool before they are timed (kernels/compile_ahead.py); False: one
+                    compile at a time, at first launch
 
 This module imports nothing but the standard library, so the torch backend and the engine can
 build options without importing Triton.

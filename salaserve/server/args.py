@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="where the start-up calibration's picks are kept across restarts (default: $SALASERVE_PLAN_CACHE, "
            "else ~/.cache/salaserve/plans); 'off': no plans, every start-up calibrates")
     a("--parallel-compile", default=EngineArgs.parallel_compile, action=argparse.BooleanOptionalAction,
-      help="the start-up calibration compiles its candidate kernels in a thread pool before timing them; "
+      help="start-up compiles in a thread pool: the calibration's candidate kernels and the warm-up's autotune "
+           "configs, before timing them; "
            "--no-parallel-compile: one compile at a time (for a Triton whose async compile misbehaves)")
     a("--step-trace", default=None, help="append one JSON line per engine step to this file (scheduler trace)")
     # hardening: access and per-request limits
