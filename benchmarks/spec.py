@@ -2,12 +2,15 @@
 buys end to end at batch 1 with an oracle drafter.
 
     python -m benchmarks.spec [--context 4096] [--ks 1,2,4,8] [--batches 1,2,4,8]
-                                   [--new-tokens 256] [--json OUT.json]
+                                   [--trees 4-4-4-3] [--new-tokens 256] [--json OUT.json]
 
 1. Verify cost: requests set up as prefilled to the context (random caches), then the device time
    of one plain decode step and of one verify step with k drafts (CUDA-graph replays, as the
    engine runs them), per batch size. verify/decode is the accept length at which speculation
    breaks even; where it exceeds what drafts deliver, speculation should be off (the crossover).
+   --trees adds draft trees at batch 1 (candidates per depth, e.g. 4-4-4-3: 15 candidates over
+   4 depths, each level's nodes spread over the previous level's first ones, as EAGLE's reranked
+   trees are), verified whole (eagerly: the verify graphs take chains).
 2. End to end at batch 1: greedy generation of --new-tokens after a --context prompt, plain and
    with an OracleDrafter that proposes what the speculative run produces (random weights make
    real drafts useless), for each k: the accept length vs speedup curve. Tokens/s counts the
@@ -27,16 +30,40 @@ from salaserve.core.sampling_params import SamplingParams
 from salaserve.engine.engine import Engine
 from salaserve.engine.scheduler import ScheduledWork
 from salaserve.spec.oracle import OracleDrafter
+from salaserve.spec.tree import DraftTree
 
 
-def time_step(runner, batch: int, context: int, k: int) -> dict:
+def level_tree(counts: list[int]) -> DraftTree:
+    """A draft tree with counts[d] candidates at depth d + 1; node j of a level hangs under node
+    j % counts[d - 1] of the level above (the first, likeliest ones get the most children)."""
+    parents, above = [], [-1]
+    for n in counts:
+        first = len(parents)
+        parents += [above[j % len(above)] for j in range(n)]
+        above = list(range(first, first + n))
+    return DraftTree(tuple(11 + i for i in range(len(parents))), tuple(parents))
+
+
+def time_step(runner, batch: int, context: int, k: int, tree: DraftTree | None = None) -> dict:
     """Device ms of a step of `batch` sequences at `context`, each feeding 1 + k tokens (k = 0:
-    plain decode), the way runner.forward runs it (graph when one fits)."""
+    plain decode; with `tree`, k = its candidates), the way runner.forward runs it (graph when one
+    fits)."""
+    if tree is not None:
+        k = len(tree)
     reqs = fake_decoding_requests(runner, batch, context, extra_tokens=k)
-    work = [ScheduledWork(r, 1 + k, [11 + j for j in range(k)]) for r in reqs]
+    draft = list(tree.tokens) if tree is not None else [11 + j for j in range(k)]
+    work = [ScheduledWork(r, 1 + k, draft, tree) for r in reqs]
     ms, graph = step_device_ms(runner, runner.build_batch(work))
     release(runner, reqs)
-    return {"batch": batch, "context": context, "k": k, "device_ms": ms, "graph": graph}
+    return {"batch": batch, "context": context, "k": k, "device_ms": ms, "graph": graph,
+            "tree": "-".join(str(c) for c in _depth_counts(tree)) if tree is not None else None}
+
+
+def _depth_counts(tree: DraftTree) -> list[int]:
+    depth = []
+    for p in tree.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return [depth.count(d) for d in range(1, max(depth) + 1)]
 
 
 def generate(engine: Engine, rid: str, prompt: list[int], new_tokens: int, drafter) -> tuple[list[int], float]:
@@ -67,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--ks", default="1,2,4,8", help="draft lengths for the verify-cost table")
     ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--trees", default="", help="draft trees to time at batch 1, candidates per depth "
+                    "(e.g. 4-4-4-3,2-2-2-2), comma-separated")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-oracle-runs", type=int, default=40, help="fixed-point runs for the oracle")
     ap.add_argument("--json", default=None)
@@ -98,6 +127,20 @@ def main(argv=None) -> int:
             row["ratio"] = row["device_ms"] / base["device_ms"]
             result["verify"].append(row)
             print(f"{bsz:>6} {k:>3} {row['device_ms']:>10.3f} {row['ratio']:>9.3f} {str(row['graph']):>6}")
+
+    trees = [level_tree([int(n) for n in shape.split("-")]) for shape in a.trees.split(",") if shape]
+    if trees:
+        base = time_step(runner, 1, a.context, 0)
+        for tree in trees:
+            try:
+                row = time_step(runner, 1, a.context, 0, tree=tree)
+            except Exception as e:  # noqa: BLE001 -- report it and go on to the rest of the run
+                print(f"tree {tree.parents}: {type(e).__name__}: {e}")
+                continue
+            row["ratio"] = row["device_ms"] / base["device_ms"]
+            result["verify"].append(row)
+            print(f"tree {row['tree']} ({row['k']} candidates), batch 1: {row['device_ms']:.3f} ms, "
+                  f"{row['ratio']:.3f}x decode ({base['device_ms']:.3f} ms), graph {row['graph']}")
 
     if a.new_tokens <= 0:
         return _write(result, a.json)

@@ -448,3 +448,15 @@ def test_gpu_triton_tree_verify_equals_torch(tiny_model_dir, prompt_len):
                       chunked_prefill_size=64, max_running_requests=4)
     runner = ModelRunner(args, tiny_model_dir)
     check_tree_verify(runner, TritonBackend(), prompt_len, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL)
+
+
+def test_benchmark_level_trees_have_the_asked_candidates_per_depth():
+    from benchmarks.spec import _depth_counts, level_tree
+    from salaserve.spec.tree import path_rows
+
+    tree = level_tree([4, 4, 4, 3])
+    assert len(tree) == 15 and _depth_counts(tree) == [4, 4, 4, 3]
+    assert tree.parents[:4] == (-1, -1, -1, -1)
+    assert tree.parents[4:8] == (0, 1, 2, 3) and tree.parents[12:] == (8, 9, 10)
+    assert path_rows(tree.parents, 15) == [0, 3, 7, 11, 15]  # row 15 = candidate 14: third of each level
+    assert level_tree([1, 1, 1]).is_chain
