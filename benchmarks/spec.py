@@ -2,7 +2,8 @@
 buys end to end at batch 1 with an oracle drafter.
 
     python -m benchmarks.spec [--context 4096] [--ks 1,2,4,8] [--batches 1,2,4,8]
-                                   [--trees 4-4-4-3] [--new-tokens 256] [--json OUT.json]
+                                   [--trees 4-4-4-3 --tree-contexts 4096,131072]
+                                   [--new-tokens 256] [--json OUT.json]
 
 1. Verify cost: requests set up as prefilled to the context (random caches), then the device time
    of one plain decode step and of one verify step with k drafts (CUDA-graph replays, as the
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--trees", default="", help="draft trees to time at batch 1, candidates per depth "
                     "(e.g. 4-4-4-3,2-2-2-2), comma-separated")
+    ap.add_argument("--tree-contexts", default="", help="contexts of the tree table (default: --context)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-oracle-runs", type=int, default=40, help="fixed-point runs for the oracle")
     ap.add_argument("--json", default=None)
@@ -104,10 +106,12 @@ def main(argv=None) -> int:
     k_max = max(ks)
 
     model_dir = model_dir_or_full(a.model)
+    tree_contexts = _ints(a.tree_contexts) if a.tree_contexts else [a.context]
+    longest = max([a.context] + tree_contexts)
     t0 = time.perf_counter()
     engine = Engine(model=model_dir, load_format="dummy", dtype="bfloat16", max_running_requests=max(batches),
-                    max_total_tokens=max(batches) * (a.context + 2 * k_max + 256) + a.context + a.new_tokens + 4096,
-                    context_length=a.context + a.new_tokens + 1024, speculative_algorithm="NGRAM",
+                    max_total_tokens=max(batches) * (a.context + 2 * k_max + 256) + longest + a.new_tokens + 4096,
+                    context_length=longest + a.new_tokens + 1024, speculative_algorithm="NGRAM",
                     speculative_num_draft_tokens=k_max, speculative_max_batch=max(batches))
     runner = engine.runner
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "startup_s": time.perf_counter() - t0,
@@ -129,17 +133,17 @@ def main(argv=None) -> int:
             print(f"{bsz:>6} {k:>3} {row['device_ms']:>10.3f} {row['ratio']:>9.3f} {str(row['graph']):>6}")
 
     trees = [level_tree([int(n) for n in shape.split("-")]) for shape in a.trees.split(",") if shape]
-    if trees:
-        base = time_step(runner, 1, a.context, 0)
+    for context in tree_contexts if trees else []:
+        base = time_step(runner, 1, context, 0)
         for tree in trees:
             try:
-                row = time_step(runner, 1, a.context, 0, tree=tree)
+                row = time_step(runner, 1, context, 0, tree=tree)
             except Exception as e:  # noqa: BLE001 -- report it and go on to the rest of the run
                 print(f"tree {tree.parents}: {type(e).__name__}: {e}")
                 continue
             row["ratio"] = row["device_ms"] / base["device_ms"]
             result["verify"].append(row)
-            print(f"tree {row['tree']} ({row['k']} candidates), batch 1: {row['device_ms']:.3f} ms, "
+            print(f"tree {row['tree']} ({row['k']} candidates), batch 1, context {context}: {row['device_ms']:.3f} ms, "
                   f"{row['ratio']:.3f}x decode ({base['device_ms']:.3f} ms), graph {row['graph']}")
 
     if a.new_tokens <= 0:
