@@ -462,3 +462,23 @@ def test_gpu_fused_topk_blocks(nb, levels):
         r = C.check_topk_blocks(nb, **common, **kw)
         assert r["equal"], (kw, r)
         assert (r["short"] > 0) == (kw.get("keys") == "random"), (kw, r)
+
+
+@pytest.mark.parametrize("preset, max_blocks", [("tiny", 40), ("full", 8192), ("full", 131072 // 64 + 1),
+                                                ("full", 1048576 // 64)])
+def test_prefill_topk_warm_up_covers_every_kernel_class_a_prompt_can_meet(preset, max_blocks):
+    """Every (nb, width, limit form) select_blocks_prefill can pass topk_blocks for sequences up to
+    max_blocks blocks runs a plan (compiled kernel) that warm_up_prefill_topk builds at start-up."""
+    from salaserve.config import preset_config
+    from salaserve.kernels.sparse.topk import prefill_topk_classes, topk_blocks_plan
+
+    sc = preset_config(preset).sparse
+    warmed = {topk_blocks_plan(nb, w, min(w, nb), per_row) for nb, w, per_row in prefill_topk_classes(sc, max_blocks)}
+    dense_blocks = -(-sc.dense_len // sc.block_size)
+    widths = range(sc.topk_eff, max(sc.topk_eff, dense_blocks) + 1)  # prefill_width's range
+    nbs = sorted({*range(dense_blocks, min(max_blocks, 5000) + 1), *range(dense_blocks, max_blocks + 1, 97), max_blocks})
+    for nb in nbs:  # the step's widest sequence: a sparse one, at least dense_len long
+        needed = {topk_blocks_plan(nb, sc.topk_eff, min(sc.topk_eff, nb), False)}  # every sequence sparse
+        needed |= {topk_blocks_plan(nb, w, min(w, nb), True) for w in widths}  # dense ones beside
+        missing = needed - warmed - {("torch",)}
+        assert not missing, (nb, missing)

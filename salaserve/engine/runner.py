@@ -142,7 +142,8 @@ class ModelRunner:
         if hasattr(backend, "prepare"):
             t = time.perf_counter()
             tokens_per_seq = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-            backend.prepare(cfg, self.device, self.model.p, max_rows=args.max_running_requests * tokens_per_seq)
+            backend.prepare(cfg, self.device, self.model.p, max_rows=args.max_running_requests * tokens_per_seq,
+                            max_context=self.context_length)
             self.startup_phases["calibration"] = time.perf_counter() - t
         with parallel_autotune(args.parallel_compile):  # the warm-up's autotune searches compile in threads
             if self.device.type == "cuda":

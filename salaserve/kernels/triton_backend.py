@@ -165,7 +165,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         return any(isinstance(layer["down"], QuantizedLinearWeights) and Q.w4_rounded_usable(layer["down"])
                    for layer in layers)
 
-    def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M) -> None:
+    def prepare(self, cfg, device, params=None, max_rows: int = gemv_ops.DOT_MAX_M,
+                max_context: int | None = None) -> None:
         """Start-up: time cuBLAS against the split-K GEMV for the model's shapes at decode batch
         sizes and verify row counts (M buckets 1..128; above 16 the tensor-core GEMV only), so
         `linear` takes the faster one (seconds, plus Triton compiles cached on disk; before graph
@@ -174,12 +175,19 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         against w8a16. max_rows: the most rows a
         decode or verify step can have (buckets above it are not timed). The picks are kept on disk
         (kernels/plan_cache.py, options.plan_cache_dir): a restart on the same GPU and code times only
-        shapes it has not seen, and compiles only the picked kernels."""
+        shapes it has not seen, and compiles only the picked kernels. max_context: the longest
+        sequence served; the prefill top-k's kernels for every length up to it are built now (a
+        prompt longer than any warm-up one otherwise compiles one while serving)."""
         from salaserve.kernels import plan_cache, quant_gemm  # noqa: F401 (quant_gemm: its pick tables join the plan)
+        from salaserve.kernels.sparse.topk import warm_up_prefill_topk
 
         plan_cache.load(device, self.options)  # picks of an earlier start-up: only shapes new to the plan get timed
         self._calibrate(cfg, device, params, max_rows)
         plan_cache.save(device, self.options)
+        if max_context and cfg.sparse_layers:
+            sc = cfg.sparse
+            warm_up_prefill_topk(sc, -(-max_context // sc.block_size), cfg.num_key_value_heads, device,
+                                 parallel=self.options.parallel_compile)
 
     def _calibrate(self, cfg, device, params, max_rows: int, stopwatch=None) -> None:
         """Each tuned kernel family over the weights it serves (kernels/tuning.py): the bf16 GEMV

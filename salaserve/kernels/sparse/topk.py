@@ -13,6 +13,7 @@ import triton.language as tl
 
 from salaserve.config import SparseConfig
 from salaserve.kernels._triton_utils import pdl_launch_kwargs, pdl_wait_first
+from salaserve.kernels.compile_ahead import launch_kernel, precompile
 
 TOPK_ONE_PASS_BLOCKS = 4096  # rows up to here: one program per (row, KV head); wider: segments
 TOPK_SEGMENT = 2048  # blocks per segment program of a wide row
@@ -243,7 +244,7 @@ def _topk_blocks_kernel(
     _write_blocks(out_ptr + g * stride_og + r.to(tl.int64) * stride_ot, j, sel, width, OUT_W)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_kg', 'stride_kt', 'stride_cr', 'stride_cg', 'nb', 'k'])
 def _topk_blocks_segment_kernel(
     keys_ptr, limit_ptr, cand_key_ptr, cand_blk_ptr,
     stride_kg, stride_kt, stride_cr, stride_cg,
@@ -262,7 +263,7 @@ def _topk_blocks_segment_kernel(
                         stride_cr, stride_cg, SEG, MAX_SEL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_cr', 'stride_cg', 'stride_og', 'stride_ot', 'k', 'width'])
 def _topk_blocks_merge_kernel(
     cand_key_ptr, cand_blk_ptr, qb_ptr, limit_ptr, out_ptr,
     stride_cr, stride_cg, stride_og, stride_ot,
@@ -358,35 +359,93 @@ def topk_blocks(keys: torch.Tensor, width: int, limit: torch.Tensor | int, qb: t
     keys = keys if keys.stride(2) == 1 else keys.contiguous()
     qb = qb.contiguous()
     limit_arg = limit.contiguous() if per_row else qb  # (an unread pointer with an int limit)
-    out_w = triton.next_power_of_2(width)
-    if nb <= TOPK_ONE_PASS_BLOCKS:
-        _topk_blocks_kernel[(R, hkv)](
-            keys, qb, limit_arg, out,
+    plan = topk_blocks_plan(nb, width, k, per_row)
+    if plan[0] == "one pass":
+        _, w, out_w, _, warps = plan
+        launch_kernel(
+            _topk_blocks_kernel, (R, hkv), keys, qb, limit_arg, out,
             keys.stride(0), keys.stride(1), out.stride(0), out.stride(1), nb, k, width,
-            W=triton.next_power_of_2(nb), OUT_W=out_w, LIMIT_PER_ROW=per_row,
-            num_warps=8 if nb > 2048 else 4, **pdl_launch_kwargs(keys.device),
+            W=w, OUT_W=out_w, LIMIT_PER_ROW=per_row, num_warps=warps, **pdl_launch_kwargs(keys.device),
         )
         return out
-    n_seg = triton.next_power_of_2(triton.cdiv(nb, TOPK_SEGMENT))
-    n_keep = triton.next_power_of_2(min(k, TOPK_SEGMENT))  # candidate slots per segment
-    if n_seg * n_keep > _TOPK_MAX_CANDIDATES:
+    if plan[0] == "torch":
         out.copy_(_topk_blocks(keys, width, limit, qb))
         return out
-    cand_key = torch.empty(R, hkv, n_seg * n_keep, dtype=torch.int32, device=keys.device)
+    _, n_keep, n_cand, out_w, _, warps = plan
+    cand_key = torch.empty(R, hkv, n_cand, dtype=torch.int32, device=keys.device)
     cand_blk = torch.empty_like(cand_key)
-    _topk_blocks_segment_kernel[(R, hkv, n_seg)](
-        keys, limit_arg, cand_key, cand_blk,
+    launch_kernel(
+        _topk_blocks_segment_kernel, (R, hkv, n_cand // n_keep), keys, limit_arg, cand_key, cand_blk,
         keys.stride(0), keys.stride(1), cand_key.stride(0), cand_key.stride(1), nb, k,
         SEG=TOPK_SEGMENT, MAX_SEL=n_keep, LIMIT_PER_ROW=per_row,
         num_warps=8 if TOPK_SEGMENT > 1024 else 4, **pdl_launch_kwargs(keys.device),
     )
-    _topk_blocks_merge_kernel[(R, hkv)](
-        cand_key, cand_blk, qb, limit_arg, out,
+    launch_kernel(
+        _topk_blocks_merge_kernel, (R, hkv), cand_key, cand_blk, qb, limit_arg, out,
         cand_key.stride(0), cand_key.stride(1), out.stride(0), out.stride(1), k, width,
-        N_CAND=n_seg * n_keep, OUT_W=out_w, LIMIT_PER_ROW=per_row,
-        num_warps=8 if n_seg * n_keep > 2048 else 4, **pdl_launch_kwargs(keys.device),
+        N_CAND=n_cand, OUT_W=out_w, LIMIT_PER_ROW=per_row, num_warps=warps, **pdl_launch_kwargs(keys.device),
     )
     return out
+
+
+def topk_blocks_plan(nb: int, width: int, k: int, per_row: bool) -> tuple:
+    """What topk_blocks runs for rows of nb blocks, output width `width` and k ranked, named by the
+    kernels' compile-time arguments (one compiled kernel per distinct plan):
+    ("one pass", W, OUT_W, per_row, num_warps), ("segments", n_keep, N_CAND, OUT_W, per_row,
+    merge num_warps), or ("torch",) where the merge would hold too many candidates."""
+    out_w = triton.next_power_of_2(width)
+    if nb <= TOPK_ONE_PASS_BLOCKS:
+        return ("one pass", triton.next_power_of_2(nb), out_w, per_row, 8 if nb > 2048 else 4)
+    n_seg = triton.next_power_of_2(triton.cdiv(nb, TOPK_SEGMENT))
+    n_keep = triton.next_power_of_2(min(k, TOPK_SEGMENT))  # candidate slots per segment
+    if n_seg * n_keep > _TOPK_MAX_CANDIDATES:
+        return ("torch",)
+    return ("segments", n_keep, n_seg * n_keep, out_w, per_row, 8 if n_seg * n_keep > 2048 else 4)
+
+
+def prefill_topk_classes(sc: SparseConfig, max_blocks: int) -> list[tuple[int, int, bool]]:
+    """One (nb, width, per-row limit) per kernel class `topk_blocks` meets in select_blocks_prefill
+    for sequences of up to max_blocks blocks. The classes are its constexprs: W = next_pow2(nb)
+    (nb: the step's widest sequence, a sparse one, so from ceil(dense_len / block_size) blocks up)
+    or, past TOPK_ONE_PASS_BLOCKS, the segment count; OUT_W = next_pow2(width), width from topk_eff
+    (every sequence sparse: one int limit) to a dense sequence's block count (mixed: per-row limits)."""
+    dense_blocks = -(-sc.dense_len // sc.block_size)
+    nbs, nb = [], triton.next_power_of_2(max(1, dense_blocks))
+    while nb <= min(max_blocks, TOPK_ONE_PASS_BLOCKS) * 2:  # the class max_blocks itself falls in
+        nbs.append(min(nb, max_blocks, TOPK_ONE_PASS_BLOCKS))
+        nb *= 2
+    n_seg = triton.next_power_of_2(triton.cdiv(TOPK_ONE_PASS_BLOCKS + 1, TOPK_SEGMENT))
+    while (n_seg // 2) * TOPK_SEGMENT < max_blocks:  # wide rows: one nb per segment count
+        nbs.append(min(max_blocks, (n_seg // 2) * TOPK_SEGMENT + 1))
+        n_seg *= 2
+    widths, w = [sc.topk_eff], triton.next_power_of_2(sc.topk_eff) * 2
+    while w // 2 < max(dense_blocks, sc.topk_eff):  # mixed steps: width up to the dense block count
+        widths.append(min(w, dense_blocks))
+        w *= 2
+    out = []
+    for nb in dict.fromkeys(nbs):
+        out.append((nb, sc.topk_eff, False))
+        out += [(nb, width, True) for width in dict.fromkeys(widths)]
+    return out
+
+
+def warm_up_prefill_topk(sc: SparseConfig, max_blocks: int, kv_heads: int, device, parallel: bool = True) -> int:
+    """Build every `prefill_topk_classes` kernel of topk_blocks ahead (compiled in threads where
+    compile_ahead.precompile can, else by one real launch each, on one row), so that no prompt length
+    up to max_blocks blocks meets a compile while serving. Returns the number of classes."""
+    classes = prefill_topk_classes(sc, max_blocks)
+
+    def launch(nb, width, per_row):
+        keys = torch.arange(nb, dtype=torch.int32, device=device).expand(kv_heads, 1, nb).contiguous()
+        qb = torch.full((1,), nb - 1, dtype=torch.int64, device=device)
+        limit = torch.full((1,), width, dtype=torch.int64, device=device) if per_row else width
+        topk_blocks(keys, width, limit, qb)
+
+    launches = [lambda c=c: launch(*c) for c in classes]
+    if not precompile(launches, parallel):
+        for fn in launches:
+            fn()
+    return len(classes)
 
 
 def topk_pages_torch(keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sc: SparseConfig,
