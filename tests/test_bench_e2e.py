@@ -49,3 +49,11 @@ def test_table_shows_what_was_built_after_ready():
     summary = {"configs": {"bf16": {"startup_s": 99.0, "cold_builds_after_ready": 0, "tiers": {"S1": tier}}}}
     row = table(summary).splitlines()[-1]
     assert row == "| bf16 | S1 | 10.0 | 8.0 | 0.80 | 1 / 2 | 5.0 / 9 | 0.5 | 99 | 0 |"
+
+
+def test_cold_builds_are_read_where_the_server_reports_them(tiny_server):
+    from salaserve.bench.e2e import cold_builds_after_ready
+
+    assert cold_builds_after_ready(tiny_server.server_info()) == 0  # CPU: no Triton, nothing built
+    assert cold_builds_after_ready({"internal_states": [{"cold_builds_after_ready": 3}]}) == 3
+    assert cold_builds_after_ready(None) is None

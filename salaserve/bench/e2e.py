@@ -82,14 +82,20 @@ def ttft_excess(records: list[dict], s_per_prompt_token: float) -> list[float]:
     return out
 
 
+def cold_builds_after_ready(server_info: dict | None) -> int | None:
+    """Kernels compiled or autotuned and graphs captured after the server reported ready, from its
+    /get_server_info (the engine's counters: internal_states[0]); None where it was not read."""
+    states = (server_info or {}).get("internal_states") or [{}]
+    return states[0].get("cold_builds_after_ready")
+
+
 def summarize_config(name: str, result: dict, cfg: ModelConfig, ceil: Ceilings, weight_bytes: float) -> dict:
     tiers = result["tiers"]
     s1 = [r for r in tiers.get("S1", {}).get("per_request", []) if r["success"]]
     # the measured single-request prefill rate (S1: nothing else queued or decoding beside it)
     rate = (sum(r["ttft_s"] for r in s1) / sum(r["prompt_len"] for r in s1)) if s1 else None
-    after = result.get("server_info_after") or {}
     out = {"server_args": result.get("server_args"), "startup_s": result.get("startup_s"),
-           "cold_builds_after_ready": after.get("cold_builds_after_ready"), "tiers": {}}
+           "cold_builds_after_ready": cold_builds_after_ready(result.get("server_info_after")), "tiers": {}}
     for tier, t in tiers.items():
         recs = t["per_request"]
         shapes = [Shape(r["prompt_len"], r["output_len"]) for r in recs]
