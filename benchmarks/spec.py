@@ -61,10 +61,8 @@ def time_step(runner, batch: int, context: int, k: int, tree: DraftTree | None =
 
 
 def _depth_counts(tree: DraftTree) -> list[int]:
-    depth = []
-    for p in tree.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return [depth.count(d) for d in range(1, max(depth) + 1)]
+    depths = tree.depths()
+    return [depths.count(d) for d in range(1, tree.max_depth + 1)]
 
 
 def generate(engine: Engine, rid: str, prompt: list[int], new_tokens: int, drafter) -> tuple[list[int], float]:

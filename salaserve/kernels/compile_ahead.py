@@ -14,15 +14,15 @@ once with `launch_kernel` in compile-only mode (`kernel.warmup`), the compiles g
 and on leaving it every kernel sits in its JIT cache: the timing loop that follows compiles nothing.
 
 The calibrated kernels' launches go through `launch_kernel`. A compile that fails inside precompile
-fails again, with its error, at the candidate's real launch. The same holds for the warm-up's autotune searches (fla's Lightning kernels: dozens of configs per
-search, 48 for `chunk_fwd_kernel_h`, compiled one by one as Triton times them): inside
-`parallel_autotune`, a search's first step compiles every config in the thread pool, and the timing
-that follows only runs them.
+fails again, with its error, at the candidate's real launch.
 
-Without AsyncCompileMode (a Triton
-that lacks it), without a GPU, under the interpreter, or with KernelOptions.parallel_compile off
-(`--no-parallel-compile`), precompile does nothing and the compiles happen one by one at the first
-launches.
+The warm-up's autotune searches (fla's Lightning kernels: up to 48 configs a search) would compile
+one config at a time as Triton times them. Inside `parallel_autotune`, a search's first step
+compiles every config in the thread pool, and the timing that follows only runs them.
+
+Without AsyncCompileMode (a Triton that lacks it), without a GPU, under the interpreter, or with
+KernelOptions.parallel_compile off (`--no-parallel-compile`), precompile and parallel_autotune do
+nothing and the compiles happen one by one at the first launches.
 """
 
 from __future__ import annotations
@@ -148,8 +148,10 @@ def compile_configs(tuner, configs, kwargs: dict, pool: ThreadPoolExecutor) -> N
     which Autotuner.run keeps in tuner.nargs) in `pool`; returns when all are built. Inside another
     AsyncCompileMode (precompile), or on any error, it leaves the compiles to the timing loop."""
     mode = _async_compile_mode()
+    if mode is None or not getattr(tuner, "nargs", None):
+        return
     from triton.runtime._async_compile import active_mode
-    if mode is None or active_mode.get() is not None or not getattr(tuner, "nargs", None):
+    if active_mode.get() is not None:
         return
     args = list(tuner.nargs.values())
     launch = {k: v for k, v in kwargs.items() if k != "warmup"}
