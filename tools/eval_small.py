@@ -291,6 +291,44 @@ def completion_task(model_dir: str, cases: list[FunctionCase], ctx: int, max_new
     }
 
 
+CHAT_REQUESTS = (
+    ("fibonacci", "Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number."),
+    ("is_palindrome", "Write a Python function `is_palindrome(s)`: return True if the string reads the same backwards."),
+    ("flatten", "Implement `flatten` in Python: flatten a list of lists into a single list."),
+    ("count_words", "Can you write `count_words(text)`? Count how often each word occurs in the text."),
+    ("read_json", "Write a Python function `read_json(path)`: load and return the JSON document stored at path."),
+    ("gcd", "Write a Python function `gcd(a, b)` that returns the greatest common divisor of a and b."),
+)
+
+
+def chat_answer_ok(name: str, answer: str) -> bool:
+    """The answer holds a ```python block that parses and defines `name`."""
+    if "```python\n" not in answer:
+        return False
+    code = answer.split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in ast.walk(tree))
+
+
+def chat_task(model_dir: str, device: str, backend: str = "auto", max_new_tokens: int = 192) -> dict:
+    """Greedy answers to `CHAT_REQUESTS` through the chat template; the share that is a parsing
+    function of the requested name."""
+    from salaserve.core.sampling_params import SamplingParams
+    from salaserve.engine.llm import LLM
+
+    llm = LLM(model_dir, device=device, backend=_pick_backend(backend, device), max_running_requests=len(CHAT_REQUESTS))
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  tokenize=True) for _, q in CHAT_REQUESTS]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+    answers = [{"request": q, "answer": o.text, "ok": chat_answer_ok(name, o.text)}
+               for (name, q), o in zip(CHAT_REQUESTS, outs)]
+    return {"n": len(answers), "answers_ok": sum(a["ok"] for a in answers) / len(answers), "answers": answers}
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Guard sample
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +426,9 @@ def evaluate(model_dir: str, device=None, train_counts: torch.Tensor | None = No
               f"first 3 lines {comp['first3_exact']:.2f}, body exact {comp['body_exact']:.2f}, "
               f"parses {comp['body_parses']:.2f}", flush=True)
         result["completion"] = comp
+        chat = chat_task(model_dir, device.type, backend)
+        print(f"chat: {chat['answers_ok']:.2f} of {chat['n']} answers define the requested function", flush=True)
+        result["chat"] = chat
     return result
 
 

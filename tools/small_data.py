@@ -29,7 +29,11 @@ def load_tokenizer(model_dir: str):
 
 def encode_documents(tok, files: list[str]) -> list[list[int]]:
     """Each file as <s> + text + </s> (ids 1 and 2), without the tokenizer's own BOS."""
+    return encode_texts(tok, [read_corpus_file(p) for p in files])
+
+
+def encode_texts(tok, texts: list[str]) -> list[list[int]]:
+    """Each text as <s> + text + </s> (ids 1 and 2), without the tokenizer's own BOS."""
     from salaserve.model.tokenizer import BOS_ID, EOS_TEXT_ID
 
-    texts = [read_corpus_file(p) for p in files]
     return [[BOS_ID] + e.ids + [EOS_TEXT_ID] for e in tok.encode_batch(texts, add_special_tokens=False)]

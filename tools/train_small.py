@@ -1,16 +1,21 @@
-"""Train the built-in small MiniCPM-SALA-architecture model on the Python standard library.
+"""Train the built-in small MiniCPM-SALA-architecture model on Python sources.
 
-    python -m tools.train_small --out OUT/default_model --minutes 8 --seed 0
+    python -m tools.code_corpus --out .corpus/code.jsonl.xz
+    python -m tools.train_small --out OUT/default_model --minutes 5 --seed 0 \
+        --extra-corpus .corpus/code.jsonl.xz --stdlib-repeat 2 --chat-examples 20000
 
 trains (bf16 autocast on CUDA), keeps the weights with the best validation loss, writes an HF
 checkpoint (config.json, generation_config.json, tokenizer files, model.safetensors in bf16,
 README.md) and runs the held-out evaluation (`tools.eval_small`) into metrics.json.
 Copy the directory to salaserve/assets/default_model/ to ship it.
 
-Data: the training split of `salaserve.model.corpus`, minus every 20th of its files (offset 10)
-which is kept as a validation set for checkpoint selection and early annealing; the held-out split
-is only read by the final evaluation. Each file is one document, `<s>` + text + `</s>`; training
-windows of seq_len + 1 tokens start at uniformly random offsets of the concatenated stream.
+Data: the training split of `salaserve.model.corpus` (the stdlib), minus every 20th of its files
+(offset 10) which is kept as a validation set for checkpoint selection and early annealing; the
+held-out split is only read by the final evaluation. Optionally more code (`--extra-corpus`, the
+permissively licensed packages `tools.code_corpus` collects, with stdlib copies left out) and chat
+exchanges made from documented functions (`--chat-examples`, `tools.chat_data`). Each file is one
+document, `<s>` + text + `</s>`; training windows of seq_len + 1 tokens start at uniformly random
+offsets of the concatenated stream.
 
 Optimiser: AdamW with the muP learning-rate rule MiniCPM uses: matrices get lr / width_mult
 (width_mult = hidden_size / dim_model_base), the embedding and norm weights the base lr; init
@@ -19,8 +24,8 @@ then linear decay to zero over the last `--decay-frac` of the steps (warmup-stab
 
 Step budget: `--steps N` fixes it (reproducible from the seed). With `--minutes M` instead, the
 first `--probe-steps` steps are timed and the budget is set from them; and the decay starts
-early when the validation loss has not improved for `--patience` evaluations (the data is only
-~2.2M tokens, so a long constant phase would overfit). metrics.json records the realised
+early when the validation loss has not improved for `--patience` evaluations (the stdlib alone is
+~2M tokens, so a long constant phase would overfit). metrics.json records the realised
 schedule as a command (`reproduce`) that replays the run without any timing decision: the same
 data order, init, dropout masks and lr at every step (exact on CPU; on CUDA, atomics in some
 backward kernels make the last bits differ; and only for runs of at least 5 x warmup steps,
@@ -42,11 +47,12 @@ import torch
 import torch.nn.functional as F
 
 from salaserve.config import ModelConfig, preset_config
-from salaserve.model.corpus import stdlib_dir
-from tools.small_data import encode_documents, load_tokenizer, train_val_files
+from salaserve.model.corpus import read_corpus_file, stdlib_dir
+from tools import chat_data, code_corpus
+from tools.small_data import encode_documents, encode_texts, load_tokenizer, train_val_files
 from tools.train_model import TrainModel
 
-MAX_CHECKPOINT_BYTES = 25 * 10**6
+MAX_CHECKPOINT_BYTES = 64 * 10**6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +85,20 @@ class TokenStream:
         idx = torch.arange(n, device=self.tokens.device)[:, None] * seq_len + torch.arange(
             seq_len + 1, device=self.tokens.device)
         return self.tokens[idx]
+
+
+def training_texts(stdlib_files: list[str], stdlib_repeat: int, extra_corpus: str | None,
+                   chat_examples: int) -> tuple[list[str], dict]:
+    """The training documents: the stdlib training files (`stdlib_repeat` times, as the held-out
+    evaluation is stdlib code), the extra corpus' files (`tools.code_corpus`) and up to
+    `chat_examples` chat exchanges made from all of them (`tools.chat_data`). Returns the texts
+    and their counts."""
+    stdlib = [read_corpus_file(p) for p in stdlib_files]
+    extra = [d["text"] for d in code_corpus.read(extra_corpus)] if extra_corpus else []
+    chats = chat_data.chat_texts(stdlib + extra, chat_examples) if chat_examples else []
+    composition = {"stdlib_files": len(stdlib), "stdlib_repeat": stdlib_repeat, "extra_files": len(extra),
+                   "chat_examples": len(chats)}
+    return stdlib * stdlib_repeat + extra + chats, composition
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,12 +183,13 @@ def train(args, cfg: ModelConfig, tok, device: torch.device) -> tuple[TrainModel
 
     t0 = time.perf_counter()
     train_files, val_files = train_val_files(args.max_train_files)
-    train_data = TokenStream(encode_documents(tok, train_files), device)
+    train_texts, composition = training_texts(train_files, args.stdlib_repeat, args.extra_corpus, args.chat_examples)
+    train_data = TokenStream(encode_texts(tok, train_texts), device)
     val_data = TokenStream(encode_documents(tok, val_files), device)
     val_windows = val_data.eval_windows(min(args.seq_len, len(val_data) - 1))
     if args.max_val_tokens is not None:  # quick runs: a prefix of the validation windows
         val_windows = val_windows[:max(1, args.max_val_tokens // args.seq_len)]
-    log(f"data: {len(train_files)} train files, {len(train_data):,} tokens; {len(val_files)} validation "
+    log(f"data: {composition}; {len(train_data):,} tokens; {len(val_files)} validation "
         f"files, {len(val_data):,} tokens ({time.perf_counter() - t0:.1f} s)")
 
     model = TrainModel(cfg, dropout=args.dropout).to(device)
@@ -277,7 +298,7 @@ def train(args, cfg: ModelConfig, tok, device: torch.device) -> tuple[TrainModel
         tokens_per_second=step * tokens_per_step / train_seconds, best_val_loss=best["val"],
         best_step=best["step"], final_train_loss=train_losses[-1] if train_losses else None,
         first_train_loss=train_losses[0] if train_losses else None,
-        train_files=len(train_files), train_tokens=len(train_data), val_files=len(val_files),
+        train_files=len(train_files), train_composition=composition, train_tokens=len(train_data), val_files=len(val_files),
         val_tokens=len(val_data), precision="bf16 autocast" if bf16 else "fp32",
     )
     record["train_token_counts"] = torch.bincount(train_data.tokens, minlength=cfg.vocab_size).cpu()
@@ -309,6 +330,15 @@ def save_checkpoint(model: TrainModel, out_dir: str) -> int:
     return os.path.getsize(path)
 
 
+def training_sources(composition: dict) -> str:
+    parts = ["the standard library's training split"]
+    if composition.get("extra_files"):
+        parts.append(f"{composition['extra_files']:,} files of permissively licensed packages (`tools.code_corpus`)")
+    if composition.get("chat_examples"):
+        parts.append(f"{composition['chat_examples']:,} chat exchanges made from documented functions (`tools.chat_data`)")
+    return ", ".join(parts)
+
+
 def model_card(cfg: ModelConfig, metrics: dict) -> str:
     t = metrics["training"]
     ev = metrics.get("eval", {})
@@ -319,8 +349,9 @@ def model_card(cfg: ModelConfig, metrics: dict) -> str:
         "",
         "A small model with the MiniCPM-SALA architecture (InfLLM-v2 sparse attention layers 0 and "
         f"{cfg.num_hidden_layers - 1}, Lightning simple-GLA layers in between, muP scalings), trained by "
-        "`tools.train_small` on the Python standard library's sources. It writes Python-ish "
-        "code; it is a quality yardstick and a working default, not an assistant.",
+        "`tools.train_small` on Python sources: " + training_sources(t.get("train_composition", {})) + ". "
+        "It writes Python and answers requests for functions in chat; it is a quality yardstick and a "
+        "working default, not a general assistant.",
         "",
         f"- parameters: {metrics['parameters']['total']:,} ({metrics['parameters']['embedding']:,} in "
         f"embed_tokens + lm_head, {metrics['parameters']['non_embedding']:,} other)",
@@ -335,6 +366,10 @@ def model_card(cfg: ModelConfig, metrics: dict) -> str:
         lines.append(f"- held-out ({ppl['files']} files, {ppl['tokens']:,} tokens): {ppl['nats_per_token']:.4f} "
                      f"nats/token (ppl {ppl['ppl']:.2f}); add-one unigram {ppl['unigram_nats_per_token']:.4f} "
                      f"(ppl {ppl['unigram_ppl']:.1f})")
+    chat = ev.get("chat", {})
+    if chat:
+        lines.append(f"- chat ({chat['n']} requests for a function, greedy): {chat['answers_ok']:.2f} answer with a "
+                     "parsing function of the requested name")
     if comp:
         lines.append(f"- completion of {comp['n']} held-out functions (greedy, through salaserve.engine.llm.LLM): "
                      f"next line exact {comp['next_line_exact']:.2f}, first 3 lines exact "
@@ -372,6 +407,9 @@ def parse_args(argv=None):
     p.add_argument("--probe-steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--max-train-files", type=int, default=None, help="use only the first N files (tests)")
+    p.add_argument("--stdlib-repeat", type=int, default=1, help="times the stdlib training files are included")
+    p.add_argument("--extra-corpus", default=None, help="more training files: a tools.code_corpus output")
+    p.add_argument("--chat-examples", type=int, default=0, help="chat exchanges made from the training code")
     p.add_argument("--max-val-tokens", type=int, default=None, help="validate on about N tokens only (CPU runs)")
     p.add_argument("--device", default="auto")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
@@ -418,7 +456,8 @@ def main(argv=None) -> dict:
              "warmup": record["warmup"], "eval-every": record["eval_every"], "batch-size": args.batch_size,
              "seq-len": args.seq_len, "lr": args.lr, "weight-decay": args.weight_decay, "dropout": args.dropout,
              "grad-clip": args.grad_clip, "max-train-files": args.max_train_files,
-             "max-val-tokens": args.max_val_tokens}
+             "max-val-tokens": args.max_val_tokens, "stdlib-repeat": args.stdlib_repeat,
+             "extra-corpus": args.extra_corpus, "chat-examples": args.chat_examples}
     reproduce = "python -m tools.train_small --out OUT " + " ".join(
         f"--{k} {v}" for k, v in flags.items() if v is not None) + (" --fp32" if args.fp32 else "")
     metrics = {
