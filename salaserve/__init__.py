@@ -1,6 +1,6 @@
 """salaserve: a fast, dependable inference engine and server for MiniCPM-SALA."""
 
-from salaserve._version import __version__
+__version__ = "0.1.0"  # keep equal to pyproject.toml's version
 
 
 def __getattr__(name):

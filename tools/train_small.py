@@ -1,6 +1,6 @@
 """Train the built-in small MiniCPM-SALA-architecture model on Python sources.
 
-    python -m tools.code_corpus --out .corpus/code.jsonl.xz
+    python -m tools.small_data --out .corpus/code.jsonl.xz
     python -m tools.train_small --out OUT/default_model --minutes 5 --seed 0 \
         --extra-corpus .corpus/code.jsonl.xz --stdlib-repeat 2 --chat-examples 20000
 
@@ -12,8 +12,8 @@ Copy the directory to salaserve/assets/default_model/ to ship it.
 Data: the training split of `salaserve.model.corpus` (the stdlib), minus every 20th of its files
 (offset 10) which is kept as a validation set for checkpoint selection and early annealing; the
 held-out split is only read by the final evaluation. Optionally more code (`--extra-corpus`, the
-permissively licensed packages `tools.code_corpus` collects, with stdlib copies left out) and chat
-exchanges made from documented functions (`--chat-examples`, `tools.chat_data`). Each file is one
+permissively licensed packages `tools.small_data` collects, with stdlib copies left out) and chat
+exchanges made from documented functions (`--chat-examples`). Each file is one
 document, `<s>` + text + `</s>`; training windows of seq_len + 1 tokens start at uniformly random
 offsets of the concatenated stream.
 
@@ -48,8 +48,7 @@ import torch.nn.functional as F
 
 from salaserve.config import ModelConfig, preset_config
 from salaserve.model.corpus import read_corpus_file, stdlib_dir
-from tools import chat_data, code_corpus
-from tools.small_data import encode_documents, encode_texts, load_tokenizer, train_val_files
+from tools.small_data import chat_texts, encode_documents, encode_texts, load_tokenizer, read_corpus, train_val_files
 from tools.train_model import TrainModel
 
 MAX_CHECKPOINT_BYTES = 64 * 10**6
@@ -90,12 +89,12 @@ class TokenStream:
 def training_texts(stdlib_files: list[str], stdlib_repeat: int, extra_corpus: str | None,
                    chat_examples: int) -> tuple[list[str], dict]:
     """The training documents: the stdlib training files (`stdlib_repeat` times, as the held-out
-    evaluation is stdlib code), the extra corpus' files (`tools.code_corpus`) and up to
-    `chat_examples` chat exchanges made from all of them (`tools.chat_data`). Returns the texts
+    evaluation is stdlib code), the extra corpus' files and up to `chat_examples` chat
+    exchanges made from all of them (both from `tools.small_data`). Returns the texts
     and their counts."""
     stdlib = [read_corpus_file(p) for p in stdlib_files]
-    extra = [d["text"] for d in code_corpus.read(extra_corpus)] if extra_corpus else []
-    chats = chat_data.chat_texts(stdlib + extra, chat_examples) if chat_examples else []
+    extra = [d["text"] for d in read_corpus(extra_corpus)] if extra_corpus else []
+    chats = chat_texts(stdlib + extra, chat_examples) if chat_examples else []
     composition = {"stdlib_files": len(stdlib), "stdlib_repeat": stdlib_repeat, "extra_files": len(extra),
                    "chat_examples": len(chats)}
     return stdlib * stdlib_repeat + extra + chats, composition
@@ -333,9 +332,9 @@ def save_checkpoint(model: TrainModel, out_dir: str) -> int:
 def training_sources(composition: dict) -> str:
     parts = ["the standard library's training split"]
     if composition.get("extra_files"):
-        parts.append(f"{composition['extra_files']:,} files of permissively licensed packages (`tools.code_corpus`)")
+        parts.append(f"{composition['extra_files']:,} files of permissively licensed packages (`tools.small_data`)")
     if composition.get("chat_examples"):
-        parts.append(f"{composition['chat_examples']:,} chat exchanges made from documented functions (`tools.chat_data`)")
+        parts.append(f"{composition['chat_examples']:,} chat exchanges made from documented functions (`tools.small_data`)")
     return ", ".join(parts)
 
 
@@ -408,7 +407,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--max-train-files", type=int, default=None, help="use only the first N files (tests)")
     p.add_argument("--stdlib-repeat", type=int, default=1, help="times the stdlib training files are included")
-    p.add_argument("--extra-corpus", default=None, help="more training files: a tools.code_corpus output")
+    p.add_argument("--extra-corpus", default=None, help="more training files: a tools.small_data corpus")
     p.add_argument("--chat-examples", type=int, default=0, help="chat exchanges made from the training code")
     p.add_argument("--max-val-tokens", type=int, default=None, help="validate on about N tokens only (CPU runs)")
     p.add_argument("--device", default="auto")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train the built-in default model on the GPU machine, with `.corpus/` carried (made here by
-# `python -m tools.code_corpus --out .corpus/code.jsonl.xz`), then optionally its EAGLE-3 head:
+# `python -m tools.small_data --out .corpus/code.jsonl.xz`), then optionally its EAGLE-3 head:
 #   scripts/gpu/train_default.sh [TRAIN_SMALL_ARGS...]
 #   DRAFT_ARGS="--samples 4096 --steps 1500" scripts/gpu/train_default.sh --minutes 4.5 ...
 # Writes $OUT/default_model (copy it to salaserve/assets/default_model/), $OUT/train.log and, with
