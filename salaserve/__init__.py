@@ -1,6 +1,6 @@
 """salaserve: a fast, dependable inference engine and server for MiniCPM-SALA."""
 
-__version__ = "0.1.0"  # keep equal to pyproject.toml's version
+from salaserve._version import __version__
 
 
 def __getattr__(name):

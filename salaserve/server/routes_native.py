@@ -10,7 +10,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from salaserve import __version__
+from salaserve._version import __version__
 from salaserve.core.sampling_params import SamplingParams
 from salaserve.server.auth import is_admin, request_owner
 from salaserve.server.engine_client import EngineUnavailable
