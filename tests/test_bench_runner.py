@@ -512,3 +512,44 @@ def test_micro_engine_decode_timing_returns_every_resource(tiny_model_dir):
         assert engine.resource_counters() == initial and not engine.has_unfinished()
     # 9 steps each; with overlap the last step's tokens were still in flight at the abort: dropped
     assert engine.stats["generated_tokens"] == 3 * (5 + 4 - 1) + 3 * (5 + 4)
+
+
+def test_working_tree_id_names_the_commit_even_with_stale_git_metadata(tmp_path):
+    """The GPU machine runs a copy of the working tree whose .git is older than its files:
+    the tree id still equals the tree of the commit those files were committed in."""
+    import shutil
+    import subprocess
+
+    from salaserve.bench.report import working_tree_id
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args, cwd=repo):
+        return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (repo / ".gitignore").write_text("ignored/\n")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    stale = tmp_path / "stale"
+    shutil.copytree(repo, stale)  # the copy's .git stops at "one"
+    assert working_tree_id(str(repo)) == git("rev-parse", "HEAD^{tree}")
+
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "b.py").write_text("y = 1\n")  # a new file: untracked in the stale copy
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "cache.bin").write_text("junk")
+    git("add", "a.py", "b.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    for name in ("a.py", "b.py", ".gitignore"):
+        shutil.copy(repo / name, stale / name)
+    (stale / "ignored").mkdir()
+    (stale / "ignored" / "other.bin").write_text("other junk")
+    want = git("rev-parse", "HEAD^{tree}")
+    assert working_tree_id(str(repo)) == want
+    assert working_tree_id(str(stale)) == want != git("rev-parse", "HEAD^{tree}", cwd=stale)
+    # the checkouts' own indexes are untouched: b.py is still untracked in the stale copy
+    assert "?? b.py" in git("status", "--porcelain", cwd=stale).splitlines()
+    assert git("diff", "--cached", "--name-only", cwd=stale) == ""

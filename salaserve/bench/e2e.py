@@ -150,7 +150,7 @@ def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv
     return summary
 
 
-RUN_KEYS = ("git_commit", "git_dirty", "gpu", "date", "ceilings")  # a configuration's own provenance
+RUN_KEYS = ("git_commit", "git_dirty", "git_tree", "gpu", "date", "ceilings")  # a configuration's own provenance
 
 
 def previous_configs(out_json: Path, workload: str, seed: int) -> dict:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from salaserve.bench.server_proc import PACKAGE_ROOT
@@ -26,7 +28,26 @@ def git_commit(repo: str = PACKAGE_ROOT) -> dict:
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None,
+            "git_tree": working_tree_id(repo) if commit else None}
+
+
+def working_tree_id(repo: str = PACKAGE_ROOT) -> str | None:
+    """The git tree id of the files as they are (tracked and untracked, ignored ones left out),
+    written through a scratch index so the checkout's own index is untouched. It names the code
+    even where HEAD does not: a copy of a working tree with stale git metadata (the GPU machine's)
+    still gives the id of the commit whose files it holds; find that commit with
+    `git log --format='%H %T' | grep TREE`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        try:
+            for args in (["add", "-A"], ["write-tree"]):
+                p = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, timeout=60, env=env)
+                if p.returncode != 0:
+                    return None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return p.stdout.strip() or None
 
 
 def gpu_name() -> str:

@@ -4,6 +4,8 @@
 #   scripts/gpu/e2e.sh [--config NAME=FLAGS ...] [--tiers S1,S8,Smax]     (default configs: bf16, w4a16, fp8)
 # Writes $OUT/latest.json (copy it to benchmarks/e2e/latest.json) and, per configuration, the server log's
 # tail and the step trace when the flags ask for one (--step-trace /tmp/e2e/NAME.steps).
+# The machine's git metadata can be older than the files it runs: each configuration's `git_tree` names
+# the code; `git log --format='%H %T' | grep TREE` finds its commit.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 python3 -c "import fastapi, uvicorn, fla" || exit 1
