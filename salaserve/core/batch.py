@@ -63,6 +63,15 @@ class PageTableMirror:
         return self.rows[slots, :width]
 
 
+def tree_row_depths(parents) -> list[int]:
+    """Depth of every verify row of a draft tree: the root (row 0) is 0, candidate i (row i + 1) one
+    more than its parent candidate `parents[i]` (-1: the root)."""
+    out = [0]
+    for p in parents:
+        out.append(out[p + 1] + 1)
+    return out
+
+
 @dataclass
 class SeqWork:
     """One sequence's share of a step (host side, built by the scheduler)."""
@@ -91,10 +100,7 @@ class SeqWork:
 
     def tree_depths(self) -> list[int]:
         """Depth of every row of a tree verify (root 0)."""
-        out = [0]
-        for p in self.tree_parents:
-            out.append(out[p + 1] + 1)
-        return out
+        return tree_row_depths(self.tree_parents)
 
     @property
     def seq_len(self) -> int:

@@ -20,13 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from salaserve.cache.compressed import num_entries
-
-
-def _depths(parents) -> list[int]:
-    out = [0]
-    for p in parents:
-        out.append(out[p + 1] + 1)
-    return out
+from salaserve.core.batch import tree_row_depths
 
 
 def row_spans(cache_len: int, parents, sc) -> list[tuple[int, int]]:
@@ -35,7 +29,7 @@ def row_spans(cache_len: int, parents, sc) -> list[tuple[int, int]]:
     c, bs = cache_len, sc.block_size
     out = [(0, -1)]
     levels = ((sc.kernel_size, sc.kernel_stride), (sc.c2_kernel_size, sc.c2_kernel_stride))
-    for d in _depths(parents)[1:]:
+    for d in tree_row_depths(parents)[1:]:
         lo = c // bs
         for kernel, stride in levels:
             first = num_entries(c + 1, kernel, stride)  # the first entry the path may complete
@@ -87,7 +81,7 @@ def build_plan(batch, scratch: list[int], sc) -> TreePlan:
             start += n
             continue
         c = batch.cache_lens_host[i]
-        depths = _depths(parents)
+        depths = tree_row_depths(parents)
         for r, (lo, hi) in enumerate(row_spans(c, parents, sc)):
             if r == 0:
                 continue

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from salaserve.core.batch import tree_row_depths
+
 
 def path_rows(parents, row: int) -> list[int]:
     """Verify rows from the root (row 0) down to `row` (row = candidate + 1) of the tree with these
@@ -62,10 +64,7 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Depth of each candidate: 1 for the root's children (its position is cache_len + depth)."""
-        out: list[int] = []
-        for p in self.parents:
-            out.append(1 if p < 0 else out[p] + 1)
-        return out
+        return tree_row_depths(self.parents)[1:]
 
     @property
     def max_depth(self) -> int:
