@@ -402,17 +402,16 @@ def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
     elif name == "small":
         v = 8192 if vocab_size is None else vocab_size
         # The built-in trained model (tools/train_small.py): 8 layers, sparse first and
-        # last (1:3), ~30.7M parameters so that bf16 weights stay near 60 MB; hidden 512 is four
-        # int4 groups of 128, so w4a16 splits over TP 2 and 4. The sparse_config is scaled so
-        # InfLLM-v2 runs from 256 tokens and is truly sparse past 12 blocks (384 tokens); block 32
-        # is a multiple of the C2 stride 4 x 8, as the page-aligned compressed-key pool requires.
+        # last (1:3), ~11.4M parameters so that bf16 weights stay under 25 MB. The sparse_config is
+        # scaled so InfLLM-v2 runs from 256 tokens and is truly sparse past 12 blocks (384 tokens);
+        # block 32 is a multiple of the C2 stride 4 x 8, as the page-aligned compressed-key pool requires.
         raw = dict(
-            vocab_size=v, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+            vocab_size=v, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             mixer_types=_mixers(8, (0, 7)),
             sparse_config=dict(kernel_size=16, kernel_stride=8, block_size=32, topk=8,
                                init_blocks=1, window_size=128, dense_len=256, use_nope=False),
-            lightning_nh=8, lightning_nkv=8, lightning_head_dim=64,
+            lightning_nh=4, lightning_nkv=4, lightning_head_dim=64,
             max_position_embeddings=4096, dim_model_base=64, scale_depth=1.4,
             eos_token_id=[2, v - 8],
         )
