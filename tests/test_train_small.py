@@ -424,7 +424,8 @@ def test_corpus_round_trip_and_training_texts(tmp_path, monkeypatch):
 
     stdlib_files = stdlib_corpus_files("train")[:3]
     texts, comp = train_small.training_texts(stdlib_files, 2, path, 4)
-    assert comp == {"stdlib_files": 3, "stdlib_repeat": 2, "extra_files": len(docs), "chat_examples": len(texts) - 6 - len(docs)}
+    assert comp == {"stdlib_files": 3, "stdlib_repeat": 2, "extra_files": len(docs),
+                    "chat_examples": len(texts) - 6 - len(docs)}
     assert 0 < comp["chat_examples"] <= 4
     assert texts[:3] == texts[3:6] == [read_corpus_file(p) for p in stdlib_files]
     assert all(t.startswith("<|im_start|>user\n") for t in texts[6 + len(docs):])

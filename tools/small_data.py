@@ -125,7 +125,8 @@ def package_files(root: str) -> list[str]:
     found = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in EXCLUDED_DIRS and not x.startswith("."))
-        found += [os.path.join(d, f) for f in files if f.endswith(".py") and os.path.getsize(os.path.join(d, f)) <= MAX_FILE_BYTES]
+        paths = (os.path.join(d, f) for f in files if f.endswith(".py"))
+        found += [p for p in paths if os.path.getsize(p) <= MAX_FILE_BYTES]
     return sorted(found, key=lambda p: os.path.relpath(p, root))
 
 
@@ -134,6 +135,7 @@ def collect(max_package_bytes: int, packages=None) -> tuple[list[dict], dict]:
     names = list(packages or PACKAGES)
     dirs = package_dirs(names)
     stdlib = stdlib_lines()
+    distributions = metadata.packages_distributions()
     docs, manifest = [], {"packages": {}, "max_package_bytes": max_package_bytes,
                           "python": sys.version.split()[0]}
     for name in names:
@@ -158,7 +160,7 @@ def collect(max_package_bytes: int, packages=None) -> tuple[list[dict], dict]:
             nbytes += size
         kept.sort(key=lambda d: d["path"])
         docs += kept
-        dist = metadata.packages_distributions().get(name, [name])[0]
+        dist = distributions.get(name, [name])[0]
         try:
             version = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -247,7 +249,8 @@ def chat_texts(texts, max_examples: int) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m tools.small_data", description="Collect the package-source corpus (more training code for the default model).")
+    p = argparse.ArgumentParser(prog="python -m tools.small_data",
+                                description="Collect the package-source corpus (more training code for the default model).")
     p.add_argument("--out", required=True, help="output file (.jsonl.xz)")
     p.add_argument("--max-package-bytes", type=int, default=24 * 10**6, help="cap per package (default 24 MB)")
     p.add_argument("--packages", default=None, help="comma-separated subset of the known packages")

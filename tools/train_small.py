@@ -299,8 +299,8 @@ def train(args, cfg: ModelConfig, tok, device: torch.device) -> tuple[TrainModel
         tokens_per_second=step * tokens_per_step / train_seconds, best_val_loss=best["val"],
         best_step=best["step"], final_train_loss=train_losses[-1] if train_losses else None,
         first_train_loss=train_losses[0] if train_losses else None,
-        train_files=len(train_files), train_composition=composition, train_tokens=len(train_data), val_files=len(val_files),
-        val_tokens=len(val_data), precision="bf16 autocast" if bf16 else "fp32",
+        train_files=len(train_files), train_composition=composition, train_tokens=len(train_data),
+        val_files=len(val_files), val_tokens=len(val_data), precision="bf16 autocast" if bf16 else "fp32",
     )
     record["train_token_counts"] = torch.bincount(train_data.tokens, minlength=cfg.vocab_size).cpu()
     return model, record
@@ -336,7 +336,8 @@ def training_sources(composition: dict) -> str:
     if composition.get("extra_files"):
         parts.append(f"{composition['extra_files']:,} files of permissively licensed packages (`tools.small_data`)")
     if composition.get("chat_examples"):
-        parts.append(f"{composition['chat_examples']:,} chat exchanges made from documented functions (`tools.small_data`)")
+        parts.append(f"{composition['chat_examples']:,} chat exchanges made from documented functions "
+                     "(`tools.small_data`)")
     return ", ".join(parts)
 
 
