@@ -535,3 +535,25 @@ def test_twins_share_one_prefill(tiny_model_dir, max_running):
         assert shared[rid][0] == toks, rid
         assert [[(t, lp is None or round(lp, 4)) for lp, t, _ in x] for x in shared[rid][1]] == \
             [[(t, lp is None or round(lp, 4)) for lp, t, _ in x] for x in lps], rid
+
+
+@pytest.mark.parametrize("policy,want", [("fcfs", ["a", "b", "c", "d"]), ("lof", ["d", "b", "c", "a"])])
+def test_admission_order_by_schedule_policy(tiny_model_dir, policy, want):
+    """Requests queued together start in arrival order (fcfs) or longest max_new_tokens first
+    (lof, no limit counting as the longest); priority goes before either."""
+    eng = make_engine(tiny_model_dir, max_running_requests=1, schedule_policy=policy, context_length=40)
+    for rid, n in {"a": 3, "b": 9, "c": 6, "d": None}.items():  # None: up to the context
+        eng.add_request(rid, [5, 6, 7, 8], SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+    eng.add_request("urgent", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True),
+                    priority=1)
+    started = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.rid not in started:
+                started.append(out.rid)
+    assert started == ["urgent", *want]
+
+
+def test_unknown_schedule_policy_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="schedule_policy must be one of fcfs, lof"):
+        make_engine(tiny_model_dir, schedule_policy="sjf")

@@ -17,7 +17,7 @@ from server_utils import REPO_ROOT, run_server, tiny_server_args
 
 from salaserve.server.args import parse_args
 from salaserve.server.launch import ALLOW_LONGER_CONTEXT_ENV, context_length_error, env_flag
-from salaserve.server.sglang_flags import FLAG, IGNORED_SGLANG_FLAGS, VALUES
+from salaserve.server.sglang_flags import FLAG, IGNORED_SGLANG_FLAGS, SGLANG_ONLY_POLICIES, VALUES
 
 
 def serve(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -80,6 +80,32 @@ def test_all_ignored_flags_at_once_change_nothing():
     plain_engine, plain_server, _ = parse_args([])
     assert engine == plain_engine and server == plain_server
     assert len(notices) == len(IGNORED_SGLANG_FLAGS)
+
+
+@pytest.mark.parametrize("value,order,noticed", [("fcfs", "fcfs", False), ("lof", "lof", False), ("lpm", "fcfs", True),
+                                                ("dfs-weight", "fcfs", True)])
+def test_schedule_policy(value, order, noticed):
+    """fcfs and lof are admission orders here; SGLang's other policies run as fcfs, with a notice."""
+    engine, _, notices = parse_args(["--schedule-policy", value])
+    assert engine.schedule_policy == order
+    assert [n for n in notices if "--schedule-policy" in n] == (
+        [f"note: --schedule-policy {value} is accepted for SGLang compatibility and runs as fcfs "
+         "(priority, then arrival)"] if noticed else [])
+    assert parse_args([])[0].schedule_policy == "fcfs"
+
+
+def test_schedule_policy_values_are_sglangs():
+    source = sglang_server_args_source()
+    if source is None:
+        pytest.skip("sglang is not installed (pip install sglang==0.5.9 --no-deps)")
+    for policy in ("fcfs", "lof", *SGLANG_ONLY_POLICIES):
+        assert f'"{policy}"' in source, policy
+
+
+def test_unknown_schedule_policy_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--schedule-policy", "sjf"])
+    assert e.value.code == 2 and "--schedule-policy" in capsys.readouterr().err
 
 
 def sglang_server_args_source() -> str | None:

@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 _counter = itertools.count()
 
@@ -88,6 +88,22 @@ class Request:
 
     def sort_key(self):
         return (-self.priority, self.share_rank, self.arrival, self.order)
+
+
+def _fcfs(req: Request):
+    return req.sort_key()
+
+
+def _longest_output_first(req: Request):
+    """Within a priority and share rank, the request that may generate the most tokens first (no
+    limit counts as the most), then arrival. With many requests queued at once, the long decodes
+    start early and run beside the later prefills instead of trailing after the last one."""
+    limit = req.params.max_new_tokens
+    return (-req.priority, req.share_rank, -(limit if limit is not None else float("inf")), req.arrival, req.order)
+
+
+# --schedule-policy: the order waiting requests are admitted in (SGLang's names)
+ADMISSION_ORDERS: dict[str, Callable[[Request], tuple]] = {"fcfs": _fcfs, "lof": _longest_output_first}
 
 
 @dataclass

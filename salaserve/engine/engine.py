@@ -70,7 +70,7 @@ class Engine:
         self.cfg = self.runner.cfg
         caches = self.runner.caches
         self.scheduler = Scheduler(caches.kv, caches.compressed, caches.states, args.max_running_requests,
-                                   args.chunked_prefill_size)
+                                   args.chunked_prefill_size, args.schedule_policy)
         self.sampler = Sampler(seed=args.seed)
         self.context_length = args.context_length or self.cfg.max_position_embeddings
         self.eos_ids = frozenset(self.cfg.eos_token_ids)

@@ -18,7 +18,7 @@ from typing import Callable
 from salaserve.cache.compressed import CompressedKeyPool
 from salaserve.cache.pages import KVPool
 from salaserve.cache.state import StatePool
-from salaserve.core.request import Request, Status
+from salaserve.core.request import ADMISSION_ORDERS, Request, Status
 from salaserve.spec.tree import DraftTree
 
 
@@ -37,7 +37,7 @@ class ScheduledWork:
 
 class Scheduler:
     def __init__(self, kv: KVPool, compressed: CompressedKeyPool, states: StatePool,
-                 max_running_requests: int, chunked_prefill_size: int):
+                 max_running_requests: int, chunked_prefill_size: int, schedule_policy: str = "fcfs"):
         self.kv = kv
         self.compressed = compressed
         self.states = states
@@ -46,7 +46,10 @@ class Scheduler:
         self.budget = chunked_prefill_size
         self.prompt_logprob_chunk = PROMPT_LOGPROB_CHUNK
         self.share_prefill = True  # requests with the prompt of one being prefilled wait for its copy
-        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        if schedule_policy not in ADMISSION_ORDERS:
+            raise ValueError(f"schedule_policy must be one of {', '.join(ADMISSION_ORDERS)}, got {schedule_policy!r}")
+        self.admission_key = ADMISSION_ORDERS[schedule_policy]
+        self.waiting: list[Request] = []  # sorted by admission_key
         self.running: list[Request] = []  # admission order; the last is the newest
         self.num_preemptions = 0
         # speculative decoding: returns draft tokens (a list: a chain; or a DraftTree) for a
@@ -60,8 +63,8 @@ class Scheduler:
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
-        keys = [r.sort_key() for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+        keys = [self.admission_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self.admission_key(req)), req)
 
     def adopt(self, req: Request, pages: int, may_reclaim: bool = True) -> bool:
         """Start a waiting request now with `pages` fresh pages and a state slot, its prefill to be
@@ -173,7 +176,7 @@ class Scheduler:
                 work.append(ScheduledWork(req, n))
                 budget -= n
 
-        # 3. admit waiting requests in priority / arrival order (twins of a prompt being prefilled
+        # 3. admit waiting requests in admission order (priority first; twins of a prompt being prefilled
         # wait for its copy instead, see _awaits_twin)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running and self.states.num_free:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from salaserve.argparsing import ArgumentParser
 from salaserve.config import EngineArgs, default_plan_cache_dir
-from salaserve.server.sglang_flags import add_ignored_flags, ignored_flag_notices
+from salaserve.core.request import ADMISSION_ORDERS
+from salaserve.server.sglang_flags import SGLANG_ONLY_POLICIES, add_ignored_flags, admission_order, ignored_flag_notices
 
 
 def quantization_name(value: str) -> str:
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     a("--mem-fraction-static", type=float, default=0.88, help="share of GPU memory for weights and caches")
     a("--chunked-prefill-size", type=int, default=8192, help="prompt tokens prefilled per step")
+    a("--schedule-policy", default="fcfs", choices=list(ADMISSION_ORDERS) + list(SGLANG_ONLY_POLICIES),
+      help="order waiting requests are admitted in, within a priority: fcfs (arrival) or lof (longest "
+           "max_new_tokens first); SGLang's other policies are accepted and run as fcfs")
     a("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health and /ping")
     a("--trust-remote-code", action="store_true",
@@ -196,7 +200,8 @@ def parse_args(argv: list[str]) -> tuple[EngineArgs, ServerArgs, list[str]]:
     engine = EngineArgs(
         model=ns.model_path, backend=ns.backend, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
         seed=ns.random_seed, max_running_requests=ns.max_running_requests,
-        chunked_prefill_size=ns.chunked_prefill_size, mem_fraction_static=ns.mem_fraction_static,
+        chunked_prefill_size=ns.chunked_prefill_size, schedule_policy=admission_order(ns.schedule_policy, notices),
+        mem_fraction_static=ns.mem_fraction_static,
         max_total_tokens=ns.max_total_tokens, context_length=ns.context_length,
         kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, quantize_lm_head=ns.quantize_lm_head,
         log_level=ns.log_level,

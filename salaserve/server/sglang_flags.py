@@ -42,7 +42,6 @@ IGNORED_SGLANG_FLAGS: dict[str, IgnoredFlag] = {
                                                       "(--disable-cuda-graph turns graphs off)"),
     "--page-size": IgnoredFlag(VALUE, "a KV page holds one sparse-attention block of the model"),
     "--max-prefill-tokens": IgnoredFlag(VALUE, "the prefill token budget per step is --chunked-prefill-size"),
-    "--schedule-policy": IgnoredFlag(VALUE, "requests are admitted by priority, then arrival"),
     "--enable-mixed-chunk": IgnoredFlag(FLAG, "decodes and prefill chunks always share a step"),
     "--num-continuous-decode-steps": IgnoredFlag(VALUE, "the scheduler runs before every step"),
     "--disable-custom-all-reduce": IgnoredFlag(FLAG, "tensor parallelism all-reduces through torch.distributed "
@@ -73,3 +72,17 @@ def ignored_flag_notices(ns: argparse.Namespace) -> list[str]:
         if getattr(ns, flag[2:].replace("-", "_")) not in (None, False):
             notices.append(f"note: {flag} is accepted for SGLang compatibility and ignored: {spec.why}")
     return notices
+
+
+# --schedule-policy values SGLang has and salaserve does not (prefix-aware or random orders): they
+# change no output, only which queued request starts first, and run as fcfs
+SGLANG_ONLY_POLICIES = ("lpm", "random", "dfs-weight", "priority", "routing-key")
+
+
+def admission_order(policy: str, notices: list[str]) -> str:
+    """The scheduler's admission order for a --schedule-policy value; a notice where it differs."""
+    if policy in SGLANG_ONLY_POLICIES:
+        notices.append(f"note: --schedule-policy {policy} is accepted for SGLang compatibility and runs as fcfs "
+                       "(priority, then arrival)")
+        return "fcfs"
+    return policy
