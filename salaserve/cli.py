@@ -72,10 +72,7 @@ def _cmd_generate(argv: list[str]) -> int:
         prompt = a.prompt
         if a.chat:
             kwargs = {"enable_thinking": False} if a.no_thinking else {}
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], tokenize=True,
-                                                       add_generation_prompt=True, **kwargs)
-            if not isinstance(prompt, list):  # transformers 5 returns a BatchEncoding
-                prompt = list(prompt["input_ids"])
+            prompt = llm.chat_ids([{"role": "user", "content": a.prompt}], **kwargs)
         out = llm.generate(prompt, SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                                   regex=a.regex, json_schema=a.json_schema))[0]
     except (ValueError, OSError) as e:

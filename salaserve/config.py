@@ -459,7 +459,7 @@ class EngineArgs:
     seed: int = 0  # dummy weights and the global sampling generator
     max_running_requests: int = 32
     chunked_prefill_size: int = 8192  # prefill token budget per step
-    schedule_policy: str = "fcfs"  # admission order of waiting requests (engine/scheduler.ADMISSION_ORDERS)
+    schedule_policy: str = "fcfs"  # admission order of waiting requests (core/request.ADMISSION_ORDERS)
     mem_fraction_static: float = 0.88  # share of GPU memory for weights + caches
     max_total_tokens: int | None = None  # override the KV page budget (tokens)
     context_length: int | None = None  # default: max_position_embeddings

@@ -31,6 +31,10 @@
    function reads is a parameter, a name it binds, or a builtin) is recorded per function, for
    a future execution-based score on that subset.
 
+   Chat (`chat_task`, same engine): greedy answers to six requests for a named function,
+   through the model's chat template; `answers_ok` is the share holding a ```python block that
+   parses and defines that name.
+
 3. `make_guard`: a fixed sample (first 512 tokens of the first 3 held-out files that long), its
    token ids, the loss the reference model gives it and the reference's greedy continuation of
    each sample's first 300 tokens, stored in metrics.json so that a test can recheck a shipped
@@ -249,17 +253,23 @@ def _pick_backend(backend: str, device: str) -> str:
     return backend
 
 
-def completion_task(model_dir: str, cases: list[FunctionCase], ctx: int, max_new_tokens: int,
-                    device: str, backend: str = "auto", dtype: str = "auto") -> dict:
-    from salaserve.core.sampling_params import SamplingParams
+def evaluation_llm(model_dir: str, n: int, ctx: int, max_new_tokens: int, device: str, backend: str = "auto",
+                   dtype: str = "auto"):
+    """One engine for the completion and chat tasks: up to 32 of `n` requests at once, each with
+    room for `ctx` + `max_new_tokens` tokens."""
     from salaserve.engine.llm import LLM
+
+    max_running = max(1, min(32, n))
+    cfg = ModelConfig.from_pretrained(model_dir)
+    return LLM(model_dir, device=device, backend=_pick_backend(backend, device), dtype=dtype,
+               max_running_requests=max_running,
+               max_total_tokens=max_running * (ctx + max_new_tokens + 2 * cfg.sparse.block_size))
+
+
+def completion_task(llm, cases: list[FunctionCase], ctx: int, max_new_tokens: int) -> dict:
+    from salaserve.core.sampling_params import SamplingParams
     from salaserve.model.tokenizer import BOS_ID
 
-    max_running = max(1, min(32, len(cases)))
-    cfg = ModelConfig.from_pretrained(model_dir)
-    llm = LLM(model_dir, device=device, backend=_pick_backend(backend, device), dtype=dtype,
-              max_running_requests=max_running,
-              max_total_tokens=max_running * (ctx + max_new_tokens + 2 * cfg.sparse.block_size))
     budget = ctx - max_new_tokens
     prompts, truncated_prompt = [], []
     for c in cases:
@@ -313,16 +323,12 @@ def chat_answer_ok(name: str, answer: str) -> bool:
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in ast.walk(tree))
 
 
-def chat_task(model_dir: str, device: str, backend: str = "auto", max_new_tokens: int = 192) -> dict:
+def chat_task(llm, max_new_tokens: int = 192) -> dict:
     """Greedy answers to `CHAT_REQUESTS` through the chat template; the share that is a parsing
     function of the requested name."""
     from salaserve.core.sampling_params import SamplingParams
-    from salaserve.engine.llm import LLM
 
-    llm = LLM(model_dir, device=device, backend=_pick_backend(backend, device), max_running_requests=len(CHAT_REQUESTS))
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=True) for _, q in CHAT_REQUESTS]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts = [llm.chat_ids([{"role": "user", "content": q}]) for _, q in CHAT_REQUESTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
     answers = [{"request": q, "answer": o.text, "ok": chat_answer_ok(name, o.text)}
                for (name, q), o in zip(CHAT_REQUESTS, outs)]
@@ -421,12 +427,13 @@ def evaluate(model_dir: str, device=None, train_counts: torch.Tensor | None = No
     result = {"heldout_files": [_rel(p) for p in files], "perplexity": ppl}
     if n_functions > 0:
         cases = select_functions(files, n_functions)
-        comp = completion_task(model_dir, cases, ctx, max_new_tokens, device.type, backend)
+        llm = evaluation_llm(model_dir, len(cases), ctx, max_new_tokens, device.type, backend)
+        comp = completion_task(llm, cases, ctx, max_new_tokens)
         print(f"completion ({comp['n']} functions, {comp['seconds']:.1f} s): next line {comp['next_line_exact']:.2f}, "
               f"first 3 lines {comp['first3_exact']:.2f}, body exact {comp['body_exact']:.2f}, "
               f"parses {comp['body_parses']:.2f}", flush=True)
         result["completion"] = comp
-        chat = chat_task(model_dir, device.type, backend)
+        chat = chat_task(llm)
         print(f"chat: {chat['answers_ok']:.2f} of {chat['n']} answers define the requested function", flush=True)
         result["chat"] = chat
     return result

@@ -43,6 +43,12 @@ class LLM:
             return self.tokenizer(prompt).input_ids  # BOS + text, as SGLang tokenizes `text`
         return list(prompt)
 
+    def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template, with the generation prompt."""
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 **template_kwargs)
+        return ids if isinstance(ids, list) else list(ids["input_ids"])  # transformers 5: a BatchEncoding
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: int | list[int] = 0) -> list[GenerationOutput]:
         """One output per prompt (str or token-id list), in order. Bad input raises ValueError
