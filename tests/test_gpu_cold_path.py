@@ -59,3 +59,24 @@ def test_serving_mix_builds_nothing_after_start_up(full_dir):
     events = WATCH.after_ready()[before:] if before else WATCH.after_ready()
     report = "\n".join(f"{e.kind} {e.name} {e.seconds:.2f}s {e.detail[:400]}" for e in events)
     assert not events, f"{len(events)} builds after start-up:\n{report}"
+
+
+def test_gemv_row_counts_of_one_bucket_share_one_build():
+    """A mixed step hands the GEMV any row count; counts of one M bucket (here 17..32) must run on one
+    build, whether or not they are multiples of 16 (a new class compiled after start-up in S8 once)."""
+    from salaserve.kernels.compile_watch import CompileWatch
+    from salaserve.kernels.gemv import default_config, gemv
+
+    watch = CompileWatch()
+    assert watch.install()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    N, K = 512, 2048
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cfg = default_config(32, N, K)
+    gemv(torch.randn(32, K, device="cuda", dtype=torch.bfloat16, generator=gen), w, config=cfg)
+    before = len(watch.events)
+    for m in (17, 31, 20, 32):
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = gemv(x, w, config=cfg)
+        torch.testing.assert_close(out.float(), (x.float() @ w.float().T).bfloat16().float(), rtol=2e-2, atol=2e-2)
+    assert [e.detail for e in watch.events[before:] if e.name == "_gemv_kernel"] == []

@@ -108,7 +108,8 @@ class TorchBackend:
 
     def lightning_attention(self, q, k, v, q_norm, k_norm, batch: ForwardBatch, states: StatePool, layer: int,
                             log_decay, scale, eps, theta):
-        """q/k RMSNorm + RoPE, then simple GLA from each sequence's state slot. o [N, H, d] fp32."""
+        """q/k RMSNorm + RoPE, then simple GLA from each sequence's state slot. o [N, H, d] fp32 (a
+        backend may return it in a narrower float dtype that lightning_output's first rounding absorbs)."""
         q, k = self.lightning_qk_norm_rope(q, k, q_norm, k_norm, batch.positions, eps, theta)
         return self.gla(q, k, v, batch, states, layer, log_decay, scale)
 

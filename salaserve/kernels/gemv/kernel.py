@@ -138,7 +138,9 @@ def _write(y, offs_m, offs_n, mask, out_ptr, res_ptr, stride_om, stride_rm, scal
              y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# M (the rows) is not specialised: mixed steps pass any row count, and a new class (M % 16 == 0 or
+# not) would compile after start-up; BLOCK_M, M's bucket, is what the code depends on
+@triton.jit(do_not_specialize=['M'])
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ws_ptr, cnt_ptr, w_scale_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, scale, eps,
