@@ -245,94 +245,50 @@ def lightning_decode_step(q, k, v, q_norm_w, k_norm_w, positions, state, slots, 
 
 
 @triton.jit
-def _norm_rope_rows(x_rows, head_mask, w_ptr, cos, sin, eps, HALF: tl.constexpr, X_DT: tl.constexpr,
-                    NORM_DT: tl.constexpr):
-    """_norm_rope_row for several heads at once: x_rows [BH, 1] pointers to each head's row, cos/sin
-    [1, HALF]. Returns the two halves [BH, HALF] as fp32 (values exactly representable in NORM_DT)."""
-    offs = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(x_rows + offs, mask=head_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_rows + HALF + offs, mask=head_mask, other=0.0).to(tl.float32)
-    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-    rstd = rsqrt_rn(var + eps)[:, None]
-    w1 = tl.load(w_ptr + offs).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
-    y1 = round_to(round_to(x1 * rstd, X_DT) * w1, NORM_DT)
-    y2 = round_to(round_to(x2 * rstd, X_DT) * w2, NORM_DT)
-    r1 = round_to(y1 * cos - y2 * sin, NORM_DT)
-    r2 = round_to(y2 * cos + y1 * sin, NORM_DT)
-    return r1, r2
-
-
-@triton.jit
-def _store_halves(rows, head_mask, r1, r2, HALF: tl.constexpr):
-    offs = tl.arange(0, HALF)[None, :]
-    tl.store(rows + offs, r1.to(rows.dtype.element_ty), mask=head_mask)
-    tl.store(rows + HALF + offs, r2.to(rows.dtype.element_ty), mask=head_mask)
-
-
-@triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, qo_ptr, ko_ptr, vo_ptr,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_qon, stride_qoh, stride_kon, stride_koh, stride_von, stride_voh,
-    H, eps,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, X_DT: tl.constexpr, QN_DT: tl.constexpr, KN_DT: tl.constexpr,
-    COPY_V: tl.constexpr = False,  # also write v (strided rows) contiguous in vo's dtype: fla reads it so
+    q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, qo_ptr, ko_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_qon, stride_qoh, stride_kon, stride_koh,
+    eps,
+    HALF: tl.constexpr, X_DT: tl.constexpr, QN_DT: tl.constexpr, KN_DT: tl.constexpr,
 ):
-    # one program per (token, BLOCK_H heads): the token's cos/sin once for its heads, and rows of
-    # several heads per load (one program per head and token ran at ~half the copy bandwidth)
     n = tl.program_id(0).to(tl.int64)  # n * stride can pass 2^31 in long prefills
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = (heads < H)[:, None]
-    hh = heads[:, None]
+    h = tl.program_id(1)
     cos, sin = _rope_cos_sin(pos_ptr, n, inv_freq_ptr, HALF)
-    cos, sin = cos[None, :], sin[None, :]
-    q1, q2 = _norm_rope_rows(q_ptr + n * stride_qn + hh * stride_qh, head_mask, qw_ptr, cos, sin, eps, HALF, X_DT,
-                             QN_DT)
-    _store_halves(qo_ptr + n * stride_qon + hh * stride_qoh, head_mask, q1, q2, HALF)
-    k1, k2 = _norm_rope_rows(k_ptr + n * stride_kn + hh * stride_kh, head_mask, kw_ptr, cos, sin, eps, HALF, X_DT,
-                             KN_DT)
-    _store_halves(ko_ptr + n * stride_kon + hh * stride_koh, head_mask, k1, k2, HALF)
-    if COPY_V:
-        cols = tl.arange(0, 2 * HALF)[None, :]
-        v = tl.load(v_ptr + n * stride_vn + hh * stride_vh + cols, mask=head_mask)
-        tl.store(vo_ptr + n * stride_von + hh * stride_voh + cols, v.to(vo_ptr.dtype.element_ty), mask=head_mask)
+    offs = tl.arange(0, HALF)
+    q1, q2 = _norm_rope_row(q_ptr + n * stride_qn + h * stride_qh, qw_ptr, cos, sin, eps, HALF, X_DT, QN_DT)
+    qo = qo_ptr + n * stride_qon + h * stride_qoh
+    tl.store(qo + offs, q1.to(qo_ptr.dtype.element_ty))
+    tl.store(qo + HALF + offs, q2.to(qo_ptr.dtype.element_ty))
+    k1, k2 = _norm_rope_row(k_ptr + n * stride_kn + h * stride_kh, kw_ptr, cos, sin, eps, HALF, X_DT, KN_DT)
+    ko = ko_ptr + n * stride_kon + h * stride_koh
+    tl.store(ko + offs, k1.to(ko_ptr.dtype.element_ty))
+    tl.store(ko + HALF + offs, k2.to(ko_ptr.dtype.element_ty))
 
 
-QK_ROPE_BLOCK_H = 16  # heads per program of the prefill q/k kernel (the model's 32 Lightning heads: 2 programs per token)
-
-
-def qk_norm_rope(q, k, q_norm_w, k_norm_w, positions, eps, theta, *, v=None, out_dtype=None, num_warps: int = 4):
+def qk_norm_rope(q, k, q_norm_w, k_norm_w, positions, eps, theta, *, out_dtype=None, num_warps: int = 1):
     """TorchBackend.lightning_qk_norm_rope in one kernel: q, k [N, H, d] (strided rows/heads allowed,
     last-dim stride 1), positions [N] int -> (q', k') [N, H, d] contiguous. Values equal the torch
     twin's (dtype promote(x.dtype, norm weight dtype)); out_dtype=torch.float32 stores those same
-    values in fp32, saving the .float() pass before the GLA. With v (same layout as q): returns
-    (q', k', v') with v' = v contiguous in out_dtype (default v.dtype), the GLA's third input
-    written by the same kernel instead of a strided copy."""
+    values in fp32, saving the .float() pass before the GLA."""
     N, H, d = q.shape
     if d % 2 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
     _check_rows("q", q, N, H, d)
     _check_rows("k", k, N, H, d)
-    if v is not None:
-        _check_rows("v", v, N, H, d)
     qn_dt, kn_dt = promote(q.dtype, q_norm_w.dtype), promote(k.dtype, k_norm_w.dtype)
     qo = torch.empty(N, H, d, dtype=out_dtype or qn_dt, device=q.device)
     ko = torch.empty(N, H, d, dtype=out_dtype or kn_dt, device=q.device)
-    vo = None if v is None else torch.empty(N, H, d, dtype=out_dtype or v.dtype, device=q.device)
-    if N > 0:
-        inv_freq = rope_inv_freq(d, theta, q.device)
-        block_h = min(QK_ROPE_BLOCK_H, triton.next_power_of_2(H))
-        vv = qo if v is None else v  # unused without COPY_V
-        vout = qo if vo is None else vo
-        _qk_norm_rope_kernel[(N, triton.cdiv(H, block_h))](
-            q, k, vv, q_norm_w, k_norm_w, positions, inv_freq, qo, ko, vout,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), vout.stride(0), vout.stride(1),
-            H, float(eps), HALF=d // 2, BLOCK_H=block_h, X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(qn_dt),
-            KN_DT=tl_dtype(kn_dt), COPY_V=v is not None, num_warps=num_warps, **NO_FMA,
-        )
-    return (qo, ko) if v is None else (qo, ko, vo)
+    if N == 0:
+        return qo, ko
+    inv_freq = rope_inv_freq(d, theta, q.device)
+    _qk_norm_rope_kernel[(N, H)](
+        q, k, q_norm_w, k_norm_w, positions, inv_freq, qo, ko,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        float(eps), HALF=d // 2, X_DT=tl_dtype(q.dtype), QN_DT=tl_dtype(qn_dt), KN_DT=tl_dtype(kn_dt),
+        num_warps=num_warps, **NO_FMA,
+    )
+    return qo, ko
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,11 +468,6 @@ class TritonLightningOps:
         """Decode batch (one token per sequence): o [B, H, d] fp32; states updated in place."""
         return lightning_decode_step(q, k, v, q_norm, k_norm, batch.positions, states.state,
                                      batch.state_slots, layer, log_decay, scale, eps, theta)
-
-    def lightning_prefill(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
-        """Prefill (and mixed) batches: q/k norm + RoPE with v's contiguous copy in one kernel, then fla."""
-        q, k, v = qk_norm_rope(q, k, q_norm, k_norm, batch.positions, eps, theta, v=v, out_dtype=self.gla_input_dtype)
-        return self.gla(q, k, v, batch, states, layer, log_decay, scale)
 
     def gla(self, q, k, v, batch, states, layer, log_decay, scale):
         return gla_prefill(q, k, v, batch, states, layer, log_decay, scale, input_dtype=self.gla_input_dtype)

@@ -387,7 +387,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
             return self._lightning_verify(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
         if batch.is_decode:
             return self.lightning_decode(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
-        return self.lightning_prefill(q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta)
+        q, k = self.lightning_qk_norm_rope(q, k, q_norm, k_norm, batch.positions, eps, theta)
+        return self.gla(q, k, v, batch, states, layer, log_decay, scale)
 
     def _lightning_verify(self, q, k, v, q_norm, k_norm, batch, states, layer, log_decay, scale, eps, theta):
         """Verify and plain-decode sequences through the recurrent kernel (verify ones keep their
