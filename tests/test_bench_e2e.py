@@ -57,3 +57,26 @@ def test_cold_builds_are_read_where_the_server_reports_them(tiny_server):
     assert cold_builds_after_ready(tiny_server.server_info()) == 0  # CPU: no Triton, nothing built
     assert cold_builds_after_ready({"internal_states": [{"cold_builds_after_ready": 3}]}) == 3
     assert cold_builds_after_ready(None) is None
+
+
+def test_config_may_name_its_own_tiers(monkeypatch, tmp_path, capsys):
+    """`--config NAME@TIERS=FLAGS`: a variant that only some tiers tell apart runs only those, in the
+    same call as the full configurations."""
+    import salaserve.bench.e2e as e2e
+    from salaserve.bench.cli import e2e_main
+
+    seen = {}
+
+    def fake_run(configs, out_json, work_dir, argv, **kw):
+        seen.update(configs=configs, **kw)
+        return {"configs": {}}
+
+    monkeypatch.setattr(e2e, "run_e2e", fake_run)
+    out = str(tmp_path / "l.json")
+    assert e2e_main(["--out", out, "--config", "bf16=", "--config", "bf16-lof@Smax=--schedule-policy lof"]) in (0, None)
+    assert seen["configs"] == {"bf16": "", "bf16-lof": "--schedule-policy lof"}
+    assert seen["config_tiers"] == {"bf16-lof": ("Smax",)}
+    assert seen["tiers"] == ("S1", "S8", "Smax")
+    with pytest.raises(SystemExit):
+        e2e_main(["--out", out, "--config", "x@S9=--quantization fp8"])
+    assert "tiers must be among" in capsys.readouterr().err

@@ -143,9 +143,10 @@ def e2e_main(argv: list[str]) -> int:
         prog="salaserve bench e2e",
         description="soar-quick end to end on the full-size model (dummy weights) for several server "
                     "configurations in one run, each tier beside its floor (needs a GPU)")
-    ap.add_argument("--config", action="append", metavar="NAME=FLAGS",
-                    help="a configuration: its name and extra `salaserve serve` flags, e.g. "
-                         "'w4a16=--quantization w4a16' (repeatable; default: bf16, w4a16 and fp8)")
+    ap.add_argument("--config", action="append", metavar="NAME[@TIERS]=FLAGS",
+                    help="a configuration: its name, optionally its own tiers, and extra `salaserve serve` flags, "
+                         "e.g. 'w4a16=--quantization w4a16' or 'bf16-lof@Smax=--schedule-policy lof' (repeatable; "
+                         "default: bf16, w4a16 and fp8)")
     ap.add_argument("--out", default="benchmarks/e2e/latest.json", help="the summary JSON")
     ap.add_argument("--work-dir", help="keep each configuration's bench run here (default: a temporary dir)")
     ap.add_argument("--tiers", type=_tiers, default=TIERS, help="comma-separated, default S1,S8,Smax")
@@ -156,16 +157,22 @@ def e2e_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     from salaserve.bench.e2e import DEFAULT_CONFIGS, run_e2e, table
 
-    configs = dict(DEFAULT_CONFIGS)
+    configs, config_tiers = dict(DEFAULT_CONFIGS), {}
     if a.config:
         configs = {}
         for item in a.config:
-            name, sep, flags = item.partition("=")
+            head, sep, flags = item.partition("=")
+            name, at, tiers = head.partition("@")
             if not sep or not name:
-                ap.error(f"--config takes NAME=FLAGS, got {item!r}")
+                ap.error(f"--config takes NAME[@TIERS]=FLAGS, got {item!r}")
+            if at:
+                try:
+                    config_tiers[name] = _tiers(tiers)
+                except argparse.ArgumentTypeError as e:
+                    ap.error(f"--config {item!r}: {e}")
             configs[name] = flags
     summary = run_e2e(configs, Path(a.out), Path(a.work_dir) if a.work_dir else None, ["e2e", *argv],
-                      seed=a.seed, workload=a.workload, tiers=a.tiers, append=a.append)
+                      seed=a.seed, workload=a.workload, tiers=a.tiers, append=a.append, config_tiers=config_tiers)
     print(table(summary))
     print(f"written: {a.out}")
     ok = all(t["lengths_exact"] for c in summary["configs"].values() for t in c["tiers"].values())

@@ -116,11 +116,13 @@ def summarize_config(name: str, result: dict, cfg: ModelConfig, ceil: Ceilings, 
 
 def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv: list[str],
             seed: int = 0, workload: str = "soar-quick", tiers: tuple[str, ...] = ("S1", "S8", "Smax"),
-            progress: bool = False, append: bool = False) -> dict:
+            progress: bool = False, append: bool = False,
+            config_tiers: dict[str, tuple[str, ...]] | None = None) -> dict:
     """Every configuration's tiers on one full-size dummy model; writes and returns the summary.
-    append: keep the configurations of an existing out_json (same workload and seed) that this run
-    does not measure, so configurations too slow for one GPU session's call add up in one file;
-    each configuration records its own commit, GPU, date and ceilings."""
+    config_tiers: a configuration's own tiers instead of `tiers` (e.g. a scheduling variant that
+    only Smax tells apart). append: keep the configurations of an existing out_json (same workload
+    and seed) that this run does not measure, so configurations too slow for one GPU session's call
+    add up in one file; each configuration records its own commit, GPU, date and ceilings."""
     from salaserve.bench.floors import measure_ceilings
     from salaserve.config import preset_config
     from salaserve.model.checkpoint import write_checkpoint
@@ -136,7 +138,8 @@ def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv
     summary = {**run_info, "configs": previous_configs(out_json, workload, seed) if append else {}}
     try:
         for name, args in configs.items():
-            run = RunConfig(out=work / name, tiers=tiers, workload=workload, seed=seed, model=str(model),
+            run = RunConfig(out=work / name, tiers=(config_tiers or {}).get(name, tiers), workload=workload, seed=seed,
+                            model=str(model),
                             server_args=f"--load-format dummy {args}".strip(), progress=progress)
             result = run_bench(run, argv)
             (work / name / "result.json").write_text(json.dumps(result, indent=1))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The end-to-end metric on the GPU machine: `salaserve bench e2e` (soar-quick S1/S8/Smax on the full-size
 # dummy model, each tier beside its floor) for the configurations given, one server after another.
-#   scripts/gpu/e2e.sh [--config NAME=FLAGS ...] [--tiers S1,S8,Smax]     (default configs: bf16, w4a16, fp8)
+#   scripts/gpu/e2e.sh [--config NAME[@TIERS]=FLAGS ...] [--tiers S1,S8,Smax]   (default configs: bf16, w4a16, fp8;
+#                                                   @Smax: that configuration runs only Smax)
 # Writes $OUT/latest.json (copy it to benchmarks/e2e/latest.json) and, per configuration, the server log's
 # tail and the step trace when the flags ask for one (--step-trace /tmp/e2e/NAME.steps).
 # The machine's git metadata can be older than the files it runs: each configuration's `git_tree` names
