@@ -368,6 +368,53 @@ def test_quality_tool_runs_on_cpu(tiny_model_dir, gptq_dir, tmp_path):
         assert 0 < r["rel_err"] < 1 and 0 <= r["kl"] and 0 < r["top1"] <= 1 and r["positions"] == 128
 
 
+def test_quality_tool_measures_the_fp8_prefill_copy_on_cpu(tiny_model_dir, tmp_path):
+    """w4a16-fp8-prefill on the CPU: the int4 weights' fp8 copies are made there and prompts longer than
+    W8A8_ABOVE_ROWS run their w8a8 reference; the extra fp8 roundings show against plain w4a16."""
+    from salaserve.quant.formats.fp8 import W8A8_ABOVE_ROWS
+    from salaserve.quant.quality import main
+
+    out = tmp_path / "q.json"
+    n = W8A8_ABOVE_ROWS + 16
+    assert main(["--model", tiny_model_dir, "--prompts", "2", "--prompt-len", str(n), "--device", "cpu",
+                 "--formats", "w4a16-rtn,w4a16-fp8-prefill", "--json", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())["formats"]
+    rtn, fp8_copy = res["w4a16-rtn"], res["w4a16-fp8-prefill"]
+    assert fp8_copy["positions"] == 2 * n and 0 < fp8_copy["top1"] <= 1
+    assert fp8_copy["rel_err"] != rtn["rel_err"]
+
+
+@pytest.mark.parametrize("K", [32, 40])
+def test_fp8_reference_quantizes_activations_at_prefill_sizes(K):
+    """The fp8 format's reference linear for weights served as w8a8 (GPUs with fp8 tensor cores) computes
+    what such a GPU does: w8a16 up to W8A8_ABOVE_ROWS rows, w8a8 (activations per token in e4m3, the
+    product rounded to bf16) above, where cuBLAS fp8 takes the shape (K and N multiples of 16)."""
+    from salaserve.quant import formats
+    from salaserve.quant.formats.fp8 import W8A8_ABOVE_ROWS, quantize_fp8, quantize_rows_e4m3
+
+    g = torch.Generator().manual_seed(K)
+    w = quantize_fp8(torch.randn(48, K, generator=g))
+    W = w.dequantize(torch.float32)
+    fmt = formats.get("fp8")
+    x = torch.randn(300, K, generator=g)
+    # weights not marked w8a8 (a GPU without fp8 tensor cores, CPU runs by default): weight-only math
+    torch.testing.assert_close(fmt.reference_linear(x, w), x @ W.t(), rtol=1e-6, atol=1e-5)
+    w.w8a8 = True
+    for M in (1, W8A8_ABOVE_ROWS, W8A8_ABOVE_ROWS + 1, 300):
+        x = torch.randn(M, K, generator=g)
+        got = fmt.reference_linear(x, w)
+        w8a16 = x @ W.t()
+        if M > W8A8_ABOVE_ROWS and K % 16 == 0:
+            x8, sx = quantize_rows_e4m3(x)
+            assert x8.dtype == torch.float8_e4m3fn and sx.shape == (M, 1)
+            assert torch.equal(got, ((x8.float() * sx) @ W.t()).bfloat16().float())
+            assert not torch.allclose(got, w8a16, rtol=1e-3, atol=1e-3)  # the activation rounding shows
+            # each activation rounded to e4m3 (3 mantissa bits): relative error <= 2^-4, RMS <= 2^-4/sqrt(3)
+            assert (got - w8a16).norm() / w8a16.norm() < 0.0625 / 3 ** 0.5
+        else:
+            torch.testing.assert_close(got, w8a16, rtol=1e-6, atol=1e-5)
+
+
 # ---------------------------------------------------------------- fusion
 
 

@@ -41,7 +41,6 @@ from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.kernels.tuning import m_bucket
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.formats.fp8 import FP8
-from salaserve.quant.formats.w4a16 import W4A16
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +140,9 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
 
     @staticmethod
     def _attach_fp8_prefill_copies(params) -> None:
-        from salaserve.quant.formats import fp8_prefill_copy
+        from salaserve.quant.formats.fp8 import attach_fp8_prefill_copies
 
-        added = 0
-        for w in _linear_weights(params):
-            if isinstance(w, QuantizedLinearWeights) and w.format == W4A16.name and w.prefill is None:
-                w.prefill = fp8_prefill_copy(w)
-                added += w.prefill.weight.nbytes + w.prefill.scale.nbytes
+        added = attach_fp8_prefill_copies(_linear_weights(params))
         if added:
             torch.cuda.empty_cache()  # the dequantization's temporaries would count as used memory in the plan
             log.info("int4 weights: fp8 copies for prefill-sized inputs (w8a8), %.2f GiB", added / 2**30)

@@ -38,9 +38,9 @@ from salaserve.config import EngineArgs
 from salaserve.core.batch import ForwardBatch, SeqWork
 
 # kv-fp8: bf16 weights, fp8 K/V cache. w4a16-rtn: int4 weights, prefill dequantizing them for a bf16 GEMM;
-# w4a16-fp8-prefill: the same int4 weights, prefill through their fp8 copy (w8a8; GPUs with fp8 tensor cores)
+# w4a16-fp8-prefill: the same int4 weights, prefill through their fp8 copy (w8a8, as on GPUs with fp8 tensor cores)
 FORMATS = ("fp8", "w4a16-rtn", "w4a16-gptq", "kv-fp8", "w4a16-fp8-prefill")
-DEFAULT_FORMATS = FORMATS[:4]  # (w4a16-fp8-prefill on request: it needs the GPU)
+DEFAULT_FORMATS = FORMATS[:4]  # (w4a16-fp8-prefill on request)
 _ON_LOAD = {"bf16": None, "fp8": "fp8", "w4a16-rtn": "w4a16", "w4a16-fp8-prefill": "w4a16"}
 
 
@@ -97,13 +97,31 @@ def _runner(model_dir: str, quantization, args: argparse.Namespace, load_format:
     return ModelRunner(eargs, model_dir)
 
 
-def _check_fp8_prefill(runner) -> None:
-    """w4a16-fp8-prefill needs the int4 weights' fp8 copies, made on GPUs with fp8 tensor cores only."""
+def _fp8_prefill_copies(runner) -> None:
+    """w4a16-fp8-prefill: the int4 weights' fp8 copies. The GPU backend makes them at load on GPUs
+    with fp8 tensor cores; elsewhere they are made here and the reference linear runs their w8a8 math
+    (per-token e4m3 activations), what such a GPU computes."""
+    from salaserve.quant.formats.fp8 import attach_fp8_prefill_copies
+
+    linears = _quantized_linears(runner)
+    if torch.device(runner.device).type == "cpu":
+        attach_fp8_prefill_copies(linears)
+    if not any(w.prefill is not None for w in linears):
+        raise ValueError("w4a16-fp8-prefill needs a CUDA GPU with fp8 tensor cores (sm_89+), or the CPU")
+
+
+def _quantized_linears(runner) -> list:
     from salaserve.quant.formats import QuantizedLinearWeights
 
-    if not any(isinstance(w, QuantizedLinearWeights) and w.prefill is not None
-               for layer in runner.model.p["layers"] for w in layer.values()):
-        raise ValueError("w4a16-fp8-prefill needs a CUDA GPU with fp8 tensor cores (sm_89+)")
+    return [w for layer in runner.model.p["layers"] for w in layer.values() if isinstance(w, QuantizedLinearWeights)]
+
+
+def _fp8_as_served(runner) -> None:
+    """fp8 weights on the CPU: the reference computes what a GPU with fp8 tensor cores serves
+    (w8a8 at prefill sizes), not weight-only math."""
+    if torch.device(runner.device).type == "cpu":
+        for w in _quantized_linears(runner):
+            w.w8a8 = w.format == "fp8"
 
 
 def _free(runner) -> None:
@@ -156,9 +174,10 @@ def evaluate(args: argparse.Namespace) -> dict:
                 runner = _runner(args.model, None, args, args.load_format, capacity, kv_cache_dtype="fp8_e4m3")
             elif fmt == "w4a16-fp8-prefill":
                 runner = _runner(args.model, "w4a16", args, args.load_format, capacity, w4a16_prefill="fp8")
-                _check_fp8_prefill(runner)
+                _fp8_prefill_copies(runner)
             else:
                 runner = _runner(args.model, _ON_LOAD[fmt], args, args.load_format, capacity)
+                _fp8_as_served(runner)
             stats = Stats()
             for ids, lr in zip(prompts, ref):
                 stats.add(lr, prompt_logits(runner, ids).cpu(), ids)

@@ -17,15 +17,14 @@ from salaserve.kernels.quant_gemm.w4_dot import w4a16_dense_mm, w4a16_gemm, w4a1
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
 from salaserve.quant import formats
 from salaserve.quant.formats import QuantizedLinearWeights
-from salaserve.quant.formats.fp8 import FP8
+from salaserve.quant.formats.fp8 import FP8, takes_w8a8
 from salaserve.quant.formats.w4a16 import W4A16
-from salaserve.quant.matmul import fp8_matmul_ref
 
 
 def fp8_scaled_mm_takes(M: int, w: QuantizedLinearWeights) -> bool:
-    """Whether quant_linear sends M rows through w8a8 on cuBLAS (prefill sizes; cuBLAS fp8
-    needs K and N multiples of 16) rather than a decode kernel."""
-    return w.format == FP8.name and M > GEMV_MAX_M and w.in_features % 16 == 0 and w.out_features % 16 == 0
+    """Whether quant_linear sends M rows through w8a8 on cuBLAS (the format's prefill sizes) rather
+    than a decode kernel."""
+    return w.format == FP8.name and takes_w8a8(M, w)
 
 
 def fp8_linear(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:
@@ -40,7 +39,7 @@ def fp8_linear(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:
         return w8a16_gemv(x, w.weight, w.scale)
     if x.is_cuda:
         return fp8_scaled_mm(x, w.weight, w.scale)
-    return fp8_matmul_ref(x, w.weight, w.scale)  # interpreter: no cuBLAS fp8
+    return formats.get(FP8.name).reference_linear(x, w)  # interpreter: no cuBLAS fp8
 
 
 def w4a16_linear(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:

@@ -12,6 +12,7 @@ import triton.language as tl
 from salaserve.kernels._triton_utils import fp8_codes, fp8_row_scale, silu_mul_rounded, tl_dtype
 from salaserve.kernels.compile_ahead import launch_kernel
 from salaserve.quant.formats import FP8_MAX
+from salaserve.quant.formats.fp8 import quantize_rows_e4m3
 from salaserve.kernels.options import INTERPRET
 
 @triton.jit
@@ -107,12 +108,7 @@ def rowquant_warps(K: int, silu: bool) -> int:
     return 16 if silu and triton.next_power_of_2(K) >= ROWQUANT_ONE_PASS_MAX else 8
 
 
-def fp8_quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of quantize_rows_fp8."""
-    xf = x.float()
-    sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)  # [M, 1], as CUDA's / 448
-    # times the rounded reciprocal, as the kernel (a division per element costs it ~10 instructions)
-    return (xf * (1.0 / sx)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
+fp8_quantize_rows_ref = quantize_rows_e4m3  # the torch twin of quantize_rows_fp8 (the format's definition)
 
 
 def fp8_scaled_mm(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, *, silu: bool = False) -> torch.Tensor:

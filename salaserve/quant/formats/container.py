@@ -47,6 +47,10 @@ class QuantizedLinearWeights:
     # inputs meet through w8a8 on fp8 tensor cores (fp8.fp8_prefill_copy; KernelOptions.w4a16_prefill);
     # None elsewhere
     prefill: Optional["QuantizedLinearWeights"] = None
+    # fp8: prefill-sized inputs quantized per token too (w8a8), as GPUs with fp8 tensor cores serve them;
+    # the reference linear follows it (fp8.takes_w8a8). Set on prefill copies, and where a run models
+    # such a GPU (the quality tool on the CPU); False: weight-only math at every size
+    w8a8: bool = False
 
     def __post_init__(self):
         get(self.format)  # a registered format, or ValueError
