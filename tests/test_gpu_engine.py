@@ -394,13 +394,13 @@ def test_w4a16_decode_batches_through_calibrated_kernels_equal_eager_without(ful
     from salaserve.config import EngineArgs
     from salaserve.engine.runner import ModelRunner
     from salaserve.kernels.quant_gemm import w4_decode
-    from salaserve.kernels.triton_backend import _linear_weights
+    from salaserve.quant.fuse import linear_weights
     from salaserve.kernels.tuning import isolated_tables
     from salaserve.quant.formats import QuantizedLinearWeights
 
     runner = ModelRunner(EngineArgs(model=full_dir, backend="triton", load_format="dummy", dtype="bfloat16",
                                     quantization="w4a16", max_running_requests=16, max_total_tokens=100_000), full_dir)
-    w4 = [w for w in _linear_weights(runner.model.p) if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16"]
+    w4 = [w for w in linear_weights(runner.model.p) if isinstance(w, QuantizedLinearWeights) and w.format == "w4a16"]
     assert w4 and all(w.wgmma is not None for w in w4)
     picks = {k[1:]: v[0] for k, v in w4_decode.PICKS.items()}  # (bucket, N, K, group size) -> kernel
     print("w4 calibration picks:", sorted(set((k[0], k[1], k[2], v) for k, v in picks.items())))

@@ -620,14 +620,14 @@ def test_w4_gemv_compiles_with_and_without_pdl():
 def test_backend_finds_every_linear_weight_for_calibration():
     """TritonBackend.prepare calibrates the int4 kernels on every linear, the parts of split
     (mixed-format) projections included."""
-    from salaserve.kernels.triton_backend import _linear_weights
+    from salaserve.quant.fuse import linear_weights
     from salaserve.quant.fuse import SplitLinear
 
     w = {n: rtn.quantize_w4a16_rtn(torch.randn(16, 128), 128) for n in ("a", "b", "o", "gu", "d")}
     head = torch.randn(8, 128)
     params = {"lm_head": head, "layers": [{"qkvg": SplitLinear([w["a"], w["b"]]), "o_proj": w["o"],
                                            "gate_up": w["gu"], "down": w["d"]}]}
-    found = _linear_weights(params)
+    found = linear_weights(params)
     assert len(found) == 6 and found[0] is head
     assert all(any(f is x for f in found) for x in w.values())
 

@@ -41,6 +41,7 @@ from salaserve.kernels.torch_ops import TorchBackend
 from salaserve.kernels.tuning import m_bucket
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.formats.fp8 import FP8
+from salaserve.quant.fuse import linear_weights
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +63,13 @@ def _long_tree_step(batch) -> bool:
     return any(n > CHUNK_MAX_TOKENS for n, v in zip(batch.q_lens_host, batch.verify_host) if v)
 
 
-def _linear_weights(params) -> list:
-    """Every linear weight of a fused parameter dict (SalaModel.p), the parts of split ones included."""
-    ws = [params["lm_head"]]
-    for layer in params["layers"]:
-        ws += [layer[n] for n in ("qkvg", "o_proj", "gate_up", "down")]
-    return [p for w in ws for p in getattr(w, "parts", [w])]
-
-
 def _plain_shapes(cfg, params) -> list[tuple[int, int]]:
     """(N, K) of the linears the bf16 GEMV / cuBLAS calibration serves: the model's plain (tensor)
     weights, e.g. only lm_head in a quantized model (quantized linears never take the bf16 GEMV);
     every linear shape of cfg without params."""
     if params is None:
         return [(n, k) for _, n, k, _ in gemv_ops.model_linear_shapes(cfg)]
-    return list(dict.fromkeys((int(w.shape[0]), int(w.shape[1])) for w in _linear_weights(params)
+    return list(dict.fromkeys((int(w.shape[0]), int(w.shape[1])) for w in linear_weights(params)
                               if isinstance(w, torch.Tensor)))
 
 
@@ -127,7 +120,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         if not self.options.w4_wgmma:
             return
         added = 0
-        for w in _linear_weights(params):
+        for w in linear_weights(params):
             if not isinstance(w, QuantizedLinearWeights):
                 continue
             if w.wgmma is None and any(Q.w4_wgmma_usable(w, c) for c in Q.W4_WGMMA_CONFIGS):
@@ -142,7 +135,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
     def _attach_fp8_prefill_copies(params) -> None:
         from salaserve.quant.formats.fp8 import attach_fp8_prefill_copies
 
-        added = attach_fp8_prefill_copies(_linear_weights(params))
+        added = attach_fp8_prefill_copies(linear_weights(params))
         if added:
             torch.cuda.empty_cache()  # the dequantization's temporaries would count as used memory in the plan
             log.info("int4 weights: fp8 copies for prefill-sized inputs (w8a8), %.2f GiB", added / 2**30)
@@ -195,7 +188,7 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         top = max(m_bucket(max_rows), 16)
         gemv_ops.calibrate(_plain_shapes(cfg, params), device,
                            m_values=tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= top), **run)
-        quantized = [w for w in _linear_weights(params or {"lm_head": None, "layers": []})
+        quantized = [w for w in linear_weights(params or {"lm_head": None, "layers": []})
                      if isinstance(w, QuantizedLinearWeights)]
         if not quantized:
             return

@@ -62,3 +62,12 @@ def fuse_linear(parts: Sequence[Weight]):
             runs.append([p])
     fused = [_concat(r) for r in runs]
     return fused[0] if len(fused) == 1 else SplitLinear(tuple(fused))
+
+
+def linear_weights(params) -> list:
+    """Every linear weight of a fused parameter dict (SalaModel.p: lm_head, then each layer's qkvg,
+    o_proj, gate_up and down), the parts of SplitLinear ones included."""
+    ws = [params["lm_head"]]
+    for layer in params["layers"]:
+        ws += [layer[n] for n in ("qkvg", "o_proj", "gate_up", "down")]
+    return [p for w in ws for p in getattr(w, "parts", [w])]

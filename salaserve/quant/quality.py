@@ -112,8 +112,9 @@ def _fp8_prefill_copies(runner) -> None:
 
 def _quantized_linears(runner) -> list:
     from salaserve.quant.formats import QuantizedLinearWeights
+    from salaserve.quant.fuse import linear_weights
 
-    return [w for layer in runner.model.p["layers"] for w in layer.values() if isinstance(w, QuantizedLinearWeights)]
+    return [w for w in linear_weights(runner.model.p) if isinstance(w, QuantizedLinearWeights)]
 
 
 def _fp8_as_served(runner) -> None:
