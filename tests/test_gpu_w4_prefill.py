@@ -1,6 +1,7 @@
-"""int4 weights at prefill sizes through their fp8 copy (w8a8 on cuBLAS) on the GPU: the linear and
-the backend's junctions against a torch reference of the same math (per-token e4m3 activations,
-the copy's dequantized weights, fp32 products), on fresh random inputs at full-size shapes."""
+"""int4 weights past 16 rows through their fp8 copy on the GPU (w8a16 up to 64 rows, w8a8 on cuBLAS
+above): the linear and the backend's junctions against a torch reference of the same math
+(per-token e4m3 activations at prefill sizes, the copy's dequantized weights, fp32 products), on
+fresh random inputs at full-size shapes."""
 
 import pytest
 import torch
@@ -43,6 +44,18 @@ def test_quant_linear_takes_the_fp8_copy_at_prefill_sizes(m):
     # and not the bf16 dequantization: the fp8 rounding of the weights shows
     bf16_path = x.float() @ w.dequantize(torch.float32).t()
     assert _rel(y, bf16_path) > 1e-3
+
+
+@pytest.mark.parametrize("m", [17, 24, 64])
+def test_quant_linear_takes_the_fp8_copy_past_the_int4_decode_rows(m):
+    """Past the int4 decode kernels' 16 rows: the copy's w8a16 GEMV (activations exact)."""
+    from salaserve.kernels.quant_gemm import quant_linear
+
+    w = _w4(4096, 4096, m)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    y = quant_linear(x, w)
+    assert y.dtype == torch.bfloat16 and _rel(y, x.float() @ w.prefill.dequantize(torch.float32).t()) < REL
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).t()) > 1e-3  # not the int4 values
 
 
 def test_backend_junctions_take_the_fp8_copy():

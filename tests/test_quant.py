@@ -228,8 +228,10 @@ def test_quant_linear_cpu_falls_back_to_reference():
 def test_fp8_prefill_copy_of_int4_weights():
     """The fp8 twin of int4 weights: the dequantized int4 values within e4m3's rounding, the
     original channel order kept (act-order weights reordered by a perm), and what quant_linear
-    takes above the GEMV sizes only (as w8a8: activations per token in e4m3)."""
+    takes above the int4 decode kernels' rows only: weight-only up to the GEMV sizes, above them
+    as w8a8 (activations per token in e4m3)."""
     from salaserve.kernels.quant_gemm import GEMV_MAX_M, quant_linear
+    from salaserve.kernels.quant_gemm.dispatch import FP8_COPY_ABOVE_ROWS
 
     g = gen(11)
     W = torch.randn(48, 256, generator=g)
@@ -239,9 +241,12 @@ def test_fp8_prefill_copy_of_int4_weights():
         got = w.prefill.dequantize()
         assert w.prefill.format == "fp8" and got.shape == ref.shape
         assert ((got - ref).abs() <= ref.abs() / 16 + w.prefill.scale[:, None] * 2**-9).all()
-        small = torch.randn(GEMV_MAX_M, 256, generator=g)
+        decode = torch.randn(FP8_COPY_ABOVE_ROWS, 256, generator=g)
+        torch.testing.assert_close(quant_linear(decode, w), decode @ ref.t(), rtol=1e-5, atol=1e-5)
+        for rows in (FP8_COPY_ABOVE_ROWS + 1, GEMV_MAX_M):  # the copy, weight-only
+            mid = torch.randn(rows, 256, generator=g)
+            torch.testing.assert_close(quant_linear(mid, w), mid @ got.t(), rtol=1e-5, atol=1e-5)
         large = torch.randn(GEMV_MAX_M + 1, 256, generator=g)
-        torch.testing.assert_close(quant_linear(small, w), small @ ref.t(), rtol=1e-5, atol=1e-5)
         x8, sx = formats.fp8.quantize_rows_e4m3(large)  # the copy serves prefill sizes as w8a8
         assert torch.equal(quant_linear(large, w), ((x8.float() * sx) @ got.t()).bfloat16().float())
     with pytest.raises(ValueError, match="w4a16"):

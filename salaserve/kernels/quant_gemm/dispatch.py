@@ -15,10 +15,17 @@ from salaserve.kernels.quant_gemm.rowquant import fp8_scaled_mm
 from salaserve.kernels.quant_gemm.w4_decode import w4_decode_choice, w4a16_decode
 from salaserve.kernels.quant_gemm.w4_dot import w4a16_dense_mm, w4a16_gemm, w4a16_gemv
 from salaserve.kernels.quant_gemm.w4_fma import W4_FMA_GROUP_MULTIPLE, W4_FMA_MAX_M, w4a16_gemv_fma
+from salaserve.kernels.quant_gemm.w4_wgmma import W4_WGMMA_MAX_M
 from salaserve.quant import formats
 from salaserve.quant.formats import QuantizedLinearWeights
 from salaserve.quant.formats.fp8 import FP8, takes_w8a8
 from salaserve.quant.formats.w4a16 import W4A16
+
+
+# int4 weights with an fp8 copy (QuantizedLinearWeights.prefill) take it above the wgmma decode
+# kernel's rows: w8a16 on tensor cores up to GEMV_MAX_M, w8a8 on cuBLAS above. Past 16 rows the
+# int4 tl.dot GEMV made a whole decode step 1.75x slower than at 16 rows (H200).
+FP8_COPY_ABOVE_ROWS = W4_WGMMA_MAX_M
 
 
 def fp8_scaled_mm_takes(M: int, w: QuantizedLinearWeights) -> bool:
@@ -65,7 +72,7 @@ LINEAR_KERNELS = {FP8.name: fp8_linear, W4A16.name: w4a16_linear}
 def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "auto") -> torch.Tensor:
     """y = x @ W^T for x [..., K]. backend "auto": the format's kernels (LINEAR_KERNELS) on CUDA, its
     reference matmul elsewhere; "triton" forces the kernels (CPU works under TRITON_INTERPRET=1);
-    "torch" the reference. Weights with an fp8 prefill copy take it above GEMV_MAX_M rows."""
+    "torch" the reference. int4 weights with an fp8 copy take it above FP8_COPY_ABOVE_ROWS rows."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"unknown backend {backend!r}")
     K, N = w.in_features, w.out_features
@@ -73,7 +80,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedLinearWeights, backend: str = "aut
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     use_kernels = backend == "triton" or (backend == "auto" and x.is_cuda)
-    if w.prefill is not None and M > GEMV_MAX_M:  # int4 weights' fp8 copy: w8a8 at prefill sizes
+    if w.prefill is not None and M > FP8_COPY_ABOVE_ROWS:
         return quant_linear(x, w.prefill, backend)
     kernels = LINEAR_KERNELS.get(w.format) if use_kernels else None
     if M == 0:
