@@ -457,7 +457,7 @@ class EngineArgs:
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32" | "float16"
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
     seed: int = 0  # dummy weights and the global sampling generator
-    max_running_requests: int = 32
+    max_running_requests: int = 64  # Smax measured -3.3% (bf16, H100) and -5.3% (w4a16, H200) against 32
     chunked_prefill_size: int = 8192  # prefill token budget per step
     schedule_policy: str = "fcfs"  # admission order of waiting requests (core/request.ADMISSION_ORDERS)
     mem_fraction_static: float = 0.88  # share of GPU memory for weights + caches

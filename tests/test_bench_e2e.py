@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from salaserve.bench.e2e import Shape, decode_floor_s, previous_configs, ttft_excess
+from salaserve.bench.e2e import Shape, decode_floor_s, previous_configs, server_args, ttft_excess
 from salaserve.bench.floors import Ceilings
 from salaserve.config import preset_config
 
@@ -80,3 +80,15 @@ def test_config_may_name_its_own_tiers(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         e2e_main(["--out", out, "--config", "x@S9=--quantization fp8"])
     assert "tiers must be among" in capsys.readouterr().err
+
+
+def test_servers_run_with_the_platform_flags_unless_a_configuration_overrides_them():
+    from salaserve.server.args import parse_args
+
+    engine, server, _ = parse_args(["--model-path", "/m", *server_args("--quantization w4a16").split()])
+    assert engine.max_running_requests == 32 and server.enable_metrics and engine.load_format == "dummy"
+    assert engine.quantization == "w4a16"
+    engine, _, _ = parse_args(["--model-path", "/m", *server_args("--max-running-requests 64").split()])
+    assert engine.max_running_requests == 64
+    engine, _, _ = parse_args(["--model-path", "/m"])
+    assert engine.max_running_requests == 64  # the server's own default, which the platform overrides

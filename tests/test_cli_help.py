@@ -58,7 +58,7 @@ def test_eval_help_names_make_synthetic(capsys):
 
 
 @pytest.mark.parametrize("argv, shown", [
-    (["serve"], ["--port PORT            port to listen on (default: 30000)", "(default: 32)", "(default: 8192)",
+    (["serve"], ["--port PORT            port to listen on (default: 30000)", "(default: 64)", "(default: 8192)",
                  "(default: 127.0.0.1)", "(default: 0.88)"]),
     (["generate"], ["(default: 64)", "0: greedy (default: 0.0)"]),
     (["make-checkpoint"], ["(default: tiny)"]),

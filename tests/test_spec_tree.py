@@ -444,8 +444,9 @@ def test_gpu_triton_tree_verify_equals_torch(tiny_model_dir, prompt_len):
 
     from salaserve.kernels.triton_backend import TritonBackend
 
+    # a small KV pool: the check snapshots every cache (the default pool fills the GPU)
     args = EngineArgs(model=tiny_model_dir, device="cuda", dtype="float32", backend="torch",
-                      chunked_prefill_size=64, max_running_requests=4)
+                      chunked_prefill_size=64, max_running_requests=4, max_total_tokens=4096)
     runner = ModelRunner(args, tiny_model_dir)
     check_tree_verify(runner, TritonBackend(), prompt_len, LOGIT_ATOL, CACHE_ATOL, STATE_RTOL)
 

@@ -9,6 +9,11 @@ matmul rate, plus the decode steps the tier's concurrency allows at the bytes ea
 (weights once, states, attended K/V) over the copy bandwidth. Prefill and decode are added, as a
 server that does not overlap them would spend; it is the bar, not a proof of optimality.
 
+Every server gets the SOAR platform's forced flags (PLATFORM_ARGS, which the platform appends to a
+submission's own) ahead of the configuration's: the tiers run as the platform runs them, and a
+configuration may still study another value (e.g. `--max-running-requests 64`), which the platform
+would not run.
+
 `ttft_excess_s` is how much longer a request waited for its first token than the prefills queued
 ahead of it explain: (its prompt + the prompts sent before it still without a first token when it
 was sent) at the S1 tier's measured prefill seconds per prompt token. A cold path (a compile after
@@ -114,6 +119,17 @@ def summarize_config(name: str, result: dict, cfg: ModelConfig, ceil: Ceilings, 
     return out
 
 
+# appended by the SOAR platform's launch line to every submission's server arguments
+# (shared/reference/serving_protocol.md); they override the server's defaults (64 running requests)
+PLATFORM_ARGS = "--tp-size 1 --max-running-requests 32 --enable-metrics"
+
+
+def server_args(config_args: str) -> str:
+    """The server's flags for one configuration: dummy weights, the platform's flags, then the
+    configuration's own (the last value of a flag wins)."""
+    return f"--load-format dummy {PLATFORM_ARGS} {config_args}".strip()
+
+
 def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv: list[str],
             seed: int = 0, workload: str = "soar-quick", tiers: tuple[str, ...] = ("S1", "S8", "Smax"),
             progress: bool = False, append: bool = False,
@@ -140,7 +156,7 @@ def run_e2e(configs: dict[str, str], out_json: Path, work_dir: Path | None, argv
         for name, args in configs.items():
             run = RunConfig(out=work / name, tiers=(config_tiers or {}).get(name, tiers), workload=workload, seed=seed,
                             model=str(model),
-                            server_args=f"--load-format dummy {args}".strip(), progress=progress)
+                            server_args=server_args(args), progress=progress)
             result = run_bench(run, argv)
             (work / name / "result.json").write_text(json.dumps(result, indent=1))
             wb = WEIGHT_BYTES.get(name.split("-")[0], 2.0)

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="engine replicas, one process each (replica i on cuda:i, or all on the CPU), behind this one HTTP "
            "server; each request goes to the least loaded replica, or to the one that recently got the same "
            "long prompt prefix unless that one is much busier")
-    a("--max-running-requests", type=int, default=32, help="requests decoded at once; more wait in a queue")
+    a("--max-running-requests", type=int, default=64, help="requests decoded at once; more wait in a queue")
     a("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     a("--mem-fraction-static", type=float, default=0.88, help="share of GPU memory for weights and caches")
     a("--chunked-prefill-size", type=int, default=8192, help="prompt tokens prefilled per step")

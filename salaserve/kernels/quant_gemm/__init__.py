@@ -8,10 +8,12 @@
         on a repacked copy of the weights) (kernel, config and split-K per shape and M bucket).
       - M <= W4_FMA_MAX_M otherwise: `w4a16_gemv_fma`, each nibble read into an fp32 mantissa as
         16 + q/16 or 1 + q/16 (a shift per two nibbles, a lop3 and an fma per nibble).
+      - M > 16 with an fp8 copy (`QuantizedLinearWeights.prefill`, made at start-up on GPUs with fp8
+        tensor cores; dispatch.FP8_COPY_ABOVE_ROWS): the copy as fp8 weights below (w8a16 up to
+        GEMV_MAX_M, w8a8 on cuBLAS above). Without it:
       - M <= GEMV_MAX_M: `w4a16_gemv`, split-K, tl.dot with BLOCK_M 16..64 on a [BK, BN] tile
         unpacked in registers (or fp32 FMAs at M = 1: the older decode kernel).
-      - prefill: with an fp8 copy (`QuantizedLinearWeights.prefill`, made at start-up on GPUs with fp8
-        tensor cores) w8a8 on cuBLAS as fp8 weights below; else
+      - prefill:
         `w4a16_dense_mm`, W dequantized into a shared bf16 scratch, then cuBLAS
         (`w4a16_gemm`, the dequantize-in-tile GEMM, stays for act-order without reordering).
   fp8 (e4m3 weights, fp32 per-channel scale):
