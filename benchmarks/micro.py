@@ -146,19 +146,25 @@ def time_engine_decode(engine: Engine, batch: int, context: int, overlap: bool, 
     return ms
 
 
-def time_prefill(runner: ModelRunner, tokens: int, chunk: int | None = None) -> float:
-    """Seconds for one `tokens`-long prompt, in chunks of `chunk` tokens (default: the engine's
-    chunked_prefill_size)."""
+def fresh_prompt(runner: ModelRunner, tokens: int) -> Request:
+    """A running request with a prompt of `tokens` random ids, its pages and a zeroed state slot,
+    nothing computed yet (release() frees them)."""
     caches = runner.caches
-    block = caches.kv.block_size
-    chunk = chunk or runner.args.chunked_prefill_size
-    pages = caches.kv.allocator.alloc(-(-tokens // block))
-    slot = caches.states.alloc()
-    caches.states.state[slot].zero_()
     g = torch.Generator().manual_seed(tokens)
     ids = torch.randint(3, runner.cfg.vocab_size - 8, (tokens,), generator=g).tolist()
     r = Request(rid="p", prompt_ids=ids, params=SamplingParams(max_new_tokens=1))
-    r.pages, r.state_slot, r.status = pages, slot, Status.RUNNING
+    r.pages = caches.kv.allocator.alloc(-(-tokens // caches.kv.block_size))
+    r.state_slot = caches.states.alloc()
+    caches.states.state[r.state_slot].zero_()
+    r.status = Status.RUNNING
+    return r
+
+
+def time_prefill(runner: ModelRunner, tokens: int, chunk: int | None = None) -> float:
+    """Seconds for one `tokens`-long prompt, in chunks of `chunk` tokens (default: the engine's
+    chunked_prefill_size)."""
+    chunk = chunk or runner.args.chunked_prefill_size
+    r = fresh_prompt(runner, tokens)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -168,8 +174,7 @@ def time_prefill(runner: ModelRunner, tokens: int, chunk: int | None = None) -> 
         r.num_computed += n
     sync()
     dt = time.perf_counter() - t0
-    caches.kv.allocator.free(pages)
-    caches.states.free(slot)
+    release(runner, [r])
     return dt
 
 

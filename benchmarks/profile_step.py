@@ -7,6 +7,7 @@
     python -m benchmarks.profile_step --prefill 131072 [--model DIR] [--top 25] [--json OUT.json]
     python -m benchmarks.profile_step --graph --ab MODULE:ATTR=V1,V2 [--rounds 5] [...]
     python -m benchmarks.profile_step --graph --ab-kv-cache [--kv-cache-dtype fp8_e4m3] [--rounds 5] [...]
+    python -m benchmarks.profile_step --mixed 128 --batch 31 --context 16384 [--quantization w4a16] [...]
 
 Sequences are set up as in the micro-benchmark (prefilled to the context, random caches). By
 default one step runs eagerly under torch.profiler: the kernels are the ones the CUDA graph
@@ -20,6 +21,10 @@ profiles the CPU ops instead (for tests of the tool). With --ab it compares a mo
 instead, in one process: graphs captured per value, replays timed in interleaved rounds (machine
 starts differ by ~0.05 ms per step, more than most changes). --ab-kv-cache does
 the same for the KV cache's format: a second pool of the other format, same pages and contents.
+With --mixed T it times one eager step of --batch decoding sequences plus a T-token prompt chunk (the
+steps that carry prefill in S8 and Smax): its wall time, the host time until the forward returns,
+and under the profiler the kernels' busy and idle time. A step whose host time is close to its wall
+time is bound by its launches, not its kernels.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
+import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.micro import fake_decoding_requests, model_dir_or_full, release, time_prefill
+from benchmarks.micro import fake_decoding_requests, fresh_prompt, model_dir_or_full, release, time_prefill
 from salaserve.config import EngineArgs
 from salaserve.engine.runner import ModelRunner
 from salaserve.engine.scheduler import ScheduledWork
@@ -84,14 +91,62 @@ def profile_prefill(runner: ModelRunner, tokens: int) -> tuple[list[dict], float
         events = _trace_events(prof)
         timeline = kernel_timeline(events)
         timeline.pop("sequence")
-        blocking: dict[str, list] = defaultdict(lambda: [0, 0.0])
-        for e in events:
-            name = e.get("name", "")
-            if e.get("cat") == "cuda_runtime" and any(k in name for k in _BLOCKING_CALLS):
-                blocking[name][0] += 1
-                blocking[name][1] += e.get("dur", 0.0)
-        timeline["runtime_calls"] = dict(blocking)
+        timeline["runtime_calls"] = _blocking_calls(events)
     return _kernel_rows(prof, cuda), seconds, timeline
+
+
+def profile_mixed(runner: ModelRunner, batch: int, context: int, tokens: int, iters: int = 5) -> dict:
+    """One eager step of `batch` sequences decoding at `context` plus a fresh prompt's first
+    `tokens` tokens, run `iters` times after 2 warm-up runs (nothing advances: every run computes
+    the same step). Medians of its wall ms (batch build, forward, wait for the logits), of the host
+    ms until the forward returns (everything launched) and of the batch build alone; then one run
+    under the profiler: kernel count, busy and idle ms, and the runtime calls that can block."""
+    reqs = fake_decoding_requests(runner, batch, context)
+    prompt = fresh_prompt(runner, tokens)
+    work = [ScheduledWork(r, 1) for r in reqs] + [ScheduledWork(prompt, tokens)]
+    cuda = runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    wall, host, build = [], [], []
+    try:
+        for i in range(2 + iters):
+            sync()
+            t0 = time.perf_counter()
+            runner.build_batch(work)
+            t1 = time.perf_counter()
+            runner.forward(work)
+            t2 = time.perf_counter()
+            sync()
+            t3 = time.perf_counter()
+            if i >= 2:
+                build.append((t1 - t0) * 1e3)
+                host.append((t2 - t1) * 1e3)
+                wall.append((t3 - t1) * 1e3)
+        activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            runner.forward(work)
+            sync()
+    finally:
+        release(runner, [*reqs, prompt])
+    out = {"batch": batch, "context": context, "prefill_tokens": tokens, "wall_ms": statistics.median(wall),
+           "host_ms": statistics.median(host), "build_ms": statistics.median(build)}
+    if cuda:
+        events = _trace_events(prof)
+        tl = kernel_timeline(events)
+        out.update(kernels=tl["kernels"], busy_ms=tl["busy_us"] / 1e3, idle_ms=tl["idle_us"] / 1e3,
+                   gaps=tl["gaps"][:10], runtime_calls=_blocking_calls(events))
+    out["rows"] = _kernel_rows(prof, cuda)
+    return out
+
+
+def _blocking_calls(events: list[dict]) -> dict:
+    """{CUDA runtime call: [calls, host us]} of the calls in _BLOCKING_CALLS."""
+    blocking: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "cuda_runtime" and any(k in name for k in _BLOCKING_CALLS):
+            blocking[name][0] += 1
+            blocking[name][1] += e.get("dur", 0.0)
+    return dict(blocking)
 
 
 def _trace_events(prof) -> list[dict]:
@@ -331,6 +386,8 @@ def main(argv=None) -> int:
                          "cache's fingerprint stays, so the PDL run's picks are reused")
     ap.add_argument("--graph", action="store_true", help="profile a replay of the captured decode graph")
     ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
+    ap.add_argument("--mixed", type=int, default=0, metavar="T",
+                    help="time one eager step of --batch decoding sequences at --context plus a T-token prompt chunk")
     ap.add_argument("--ab", default=None, metavar="MODULE:ATTR=V1,V2",
                     help="with --graph: time the replay with a module switch at each value, interleaved in this "
                          "process (e.g. salaserve.kernels._triton_utils:_PDL=1,0); switches read when the "
@@ -347,6 +404,8 @@ def main(argv=None) -> int:
         ap.error("--graph profiles plain decode graphs; drop --verify-k")
     if a.prefill and (a.graph or a.verify_k):
         ap.error("--prefill profiles a prompt; drop --graph / --verify-k")
+    if a.mixed and (a.graph or a.verify_k or a.prefill or len(contexts) > 1):
+        ap.error("--mixed times one eager step at one --context; drop --graph / --verify-k / --prefill")
     if a.quantize_lm_head and not a.quantization:
         ap.error("--quantize-lm-head needs --quantization")
     ab = None
@@ -385,6 +444,26 @@ def main(argv=None) -> int:
             with open(a.json, "w") as f:
                 json.dump({"prefill": a.prefill, "seconds": seconds, "total_us": total, "kernels": rows,
                            "timeline": tl}, f, indent=2)
+        return 0
+    if a.mixed:
+        runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=a.batch + 1,
+                                        max_total_tokens=a.batch * (contexts[0] + 256) + a.mixed + 4096,
+                                        context_length=max(contexts[0], a.mixed) + 1024, enable_cuda_graph=False,
+                                        chunked_prefill_size=max(a.mixed, 64), kv_cache_dtype=a.kv_cache_dtype,
+                                        quantization=a.quantization, quantize_lm_head=a.quantize_lm_head),
+                             model_dir)
+        r = profile_mixed(runner, a.batch, contexts[0], a.mixed)
+        print(f"mixed step, {a.batch} decode rows at {contexts[0]} + a {a.mixed}-token prompt chunk: wall "
+              f"{r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms until the forward returns, batch build "
+              f"{r['build_ms']:.2f} ms")
+        if "kernels" in r:
+            print(f"under the profiler: {r['kernels']} kernels, busy {r['busy_ms']:.2f} ms, idle {r['idle_ms']:.2f} ms; "
+                  "runtime calls that can block (calls, host us): "
+                  + ", ".join(f"{n} {c} {us:.0f}" for n, (c, us) in sorted(r["runtime_calls"].items())))
+        _print_rows(r["rows"], a.top)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=2)
         return 0
     tokens = a.batch * (max(contexts) + a.verify_k + 256) + 4096
     runner = ModelRunner(EngineArgs(model=model_dir, load_format="dummy", max_running_requests=max(a.batch, 1),

@@ -327,6 +327,33 @@ def test_profile_step_prefill_mode_runs_on_cpu(tmp_path):
         main(["--model", str(model), "--prefill", "300", "--graph"])
 
 
+def test_profile_step_mixed_mode_times_a_prefill_carrying_step_on_cpu(tmp_path):
+    """--mixed times one eager step of decode rows plus a prompt chunk (CPU ops here), gives every
+    page and slot back, and refuses to mix with --graph."""
+    import json
+
+    from benchmarks import profile_step
+    from salaserve.config import EngineArgs
+    from salaserve.engine.runner import ModelRunner
+    from salaserve.model.checkpoint import write_checkpoint
+
+    model = tmp_path / "tiny"
+    write_checkpoint(str(model), "tiny", weights=False)
+    out = tmp_path / "mixed.json"
+    assert profile_step.main(["--model", str(model), "--mixed", "40", "--batch", "3", "--context", "150",
+                              "--top", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["batch"] == 3 and data["prefill_tokens"] == 40
+    assert 0 < data["build_ms"] and 0 < data["host_ms"] <= data["wall_ms"] and data["rows"]
+    with pytest.raises(SystemExit):
+        profile_step.main(["--model", str(model), "--mixed", "40", "--graph"])
+    runner = ModelRunner(EngineArgs(model=str(model), load_format="dummy", max_running_requests=4,
+                                    max_total_tokens=2048), str(model))
+    pages, slots = runner.caches.kv.allocator.num_free, runner.caches.states.num_free
+    profile_step.profile_mixed(runner, 2, 100, 30, iters=1)
+    assert (runner.caches.kv.allocator.num_free, runner.caches.states.num_free) == (pages, slots)
+
+
 def test_profile_step_quantized_lm_head_and_no_pdl_on_cpu(tmp_path):
     """--quantization w4a16 --quantize-lm-head --no-pdl profiles a step (CPU ops here) with lm_head
     quantized; --quantize-lm-head alone is refused with a usage error."""

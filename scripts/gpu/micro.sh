@@ -8,16 +8,18 @@
 #   scripts/gpu/micro.sh graph NAME [ARGS...]    python -m benchmarks.profile_step --graph ARGS: one
 #                                                 line with the replay (with --ab / --ab-kv-cache, each
 #                                                 variant's median)
+#   scripts/gpu/micro.sh mixed NAME [ARGS...]    profile_step ARGS (e.g. --mixed 128 --batch 31 --context 16384):
+#                                                 one eager prefill-carrying step's wall, host and kernel time
 #   scripts/gpu/micro.sh prefill NAME [ARGS...]  profile_step --prefill 32768 ARGS: the prefill line and
 #                                                 the rows of the kernels matching $KERNELS (default: the
 #                                                 sparse attention kernels, the fp8 pages' dequantize, the
 #                                                 KV stores)
-# Writes $OUT/NAME.json and $OUT/NAME.log. TIMEOUT: seconds per process (default 600; 200 for graph and
+# Writes $OUT/NAME.json and $OUT/NAME.log. TIMEOUT: seconds per process (default 600; 200 for graph, mixed and
 # prefill).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 if [ $# -lt 2 ]; then
-  sed -n '2,16p' "$0"
+  sed -n '2,18p' "$0"
   exit 2
 fi
 mode=$1 name=$2
@@ -37,6 +39,12 @@ case "$mode" in
     rc=${PIPESTATUS[0]}
     echo "$name ($*): $(grep -E 'graph replay|median' "$log" | cut -c1-110 | tr '\n' ' ')"
     ;;
+  mixed)
+    timeout "${TIMEOUT:-200}" python3 -m benchmarks.profile_step --top 14 --json "$OUT/$name.json" "$@" \
+      2>&1 | grep -v -i warn > "$log"
+    rc=${PIPESTATUS[0]}
+    echo "$name: $(grep -E '^(mixed step|under the profiler)' "$log" | tr '\n' ' ')"
+    ;;
   prefill)
     timeout "${TIMEOUT:-200}" python3 -m benchmarks.profile_step --prefill 32768 --top 24 \
       --json "$OUT/$name.json" "$@" 2>&1 | grep -v -i warn > "$log"
@@ -45,7 +53,7 @@ case "$mode" in
     grep -E "${KERNELS:-_sparse_prefill_attn_kernel|_sparse_window_attn_kernel|_dequantize_pages|_store_kv}" "$log"
     ;;
   *)
-    echo "unknown mode $mode (micro, decode, graph, prefill)" >&2
+    echo "unknown mode $mode (micro, decode, graph, mixed, prefill)" >&2
     exit 2
     ;;
 esac
