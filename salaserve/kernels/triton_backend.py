@@ -138,7 +138,8 @@ class TritonBackend(TritonFusedOps, TritonLightningOps, TorchBackend):
         added = attach_fp8_prefill_copies(linear_weights(params))
         if added:
             torch.cuda.empty_cache()  # the dequantization's temporaries would count as used memory in the plan
-            log.info("int4 weights: fp8 copies for prefill-sized inputs (w8a8), %.2f GiB", added / 2**30)
+            log.info("int4 weights: fp8 copies for inputs past 16 rows (w8a16, w8a8 at prefill sizes), %.2f GiB",
+                     added / 2**30)
 
     @staticmethod
     def keeps_silu_before_down(layers) -> bool:

@@ -43,9 +43,9 @@ class QuantizedLinearWeights:
     # w4a16 on the GPU: the wgmma decode kernel's repacked copy (quant_gemm.w4_wgmma.W4WgmmaWeights),
     # attached at start-up by TritonBackend.prepare_weights; None elsewhere
     wgmma: Optional[object] = None
-    # w4a16 on the GPU: an fp8 copy (format "fp8", from the dequantized int4 weights) that prefill-sized
-    # inputs meet through w8a8 on fp8 tensor cores (fp8.fp8_prefill_copy; KernelOptions.w4a16_prefill);
-    # None elsewhere
+    # w4a16 on the GPU: an fp8 copy (format "fp8", from the dequantized int4 weights) that inputs past
+    # the int4 decode kernels' rows meet instead (w8a16 up to 64 rows, w8a8 on fp8 tensor cores above;
+    # quant_gemm.dispatch.FP8_COPY_ABOVE_ROWS, fp8.fp8_prefill_copy, KernelOptions.w4a16_prefill); None elsewhere
     prefill: Optional["QuantizedLinearWeights"] = None
     # fp8: prefill-sized inputs quantized per token too (w8a8), as GPUs with fp8 tensor cores serve them;
     # the reference linear follows it (fp8.takes_w8a8). Set on prefill copies, and where a run models

@@ -65,14 +65,14 @@ def w8a8_reference(x: torch.Tensor, w: QuantizedLinearWeights) -> torch.Tensor:
 
 
 def fp8_prefill_copy(w: QuantizedLinearWeights) -> QuantizedLinearWeights:
-    """The fp8 twin of int4 weights for prefill-sized inputs: the dequantized int4 weights (original
+    """The fp8 twin of int4 weights for inputs past 16 rows: the dequantized int4 weights (original
     channel order) rounded to e4m3 with one scale per output channel. A second rounding on top of
     int4's (3 mantissa bits per weight), measured by salaserve.quant.quality."""
     if w.format != W4A16.name:
         raise ValueError(f"fp8_prefill_copy is for w4a16 weights, got {w.format!r}")
     w8, scale = quantize_fp8_per_channel(w.dequantize(torch.float32))
     copy = QuantizedLinearWeights.from_fp8(w8, scale)
-    copy.w8a8 = True  # it serves prefill sizes only, always as w8a8
+    copy.w8a8 = True  # on the GPU prefill sizes meet it as w8a8 (takes_w8a8); fewer rows weight-only
     return copy
 
 
